@@ -1,0 +1,81 @@
+# grpo_ext's front door. `make test` on a fresh machine: creates .venv, installs torch and the build tools, builds
+# the extension (CUDA kernels too when nvcc and a CUDA torch are there), and runs pytest.
+#
+# On a GPU machine with torch preinstalled and no network: `make test PYTHON_ENV=system` builds against that torch.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+# venv: create $(VENV) and install into it; system: use python3 and the torch it has (GPU machines, no network)
+PYTHON_ENV ?= venv
+# A CUDA 13.0 build, so that CI compiles and links the .cu files; a CPU-only torch (torch==2.13.0) works too.
+TORCH_SPEC ?= torch==2.14.1
+CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda-13.0 /usr/local/cuda))
+TORCH_CUDA_ARCH_LIST ?= 9.0
+GRPO_EXT_CUDA ?= AUTO
+
+ifeq ($(strip $(PYTHON_ENV)),system)
+PY := python3
+else
+PY := $(VENV)/bin/python
+endif
+
+# The toolkit's own bin first: the nvcc on PATH may be a wrapper script (build-findings.md).
+export PATH := $(if $(CUDA_HOME),$(CUDA_HOME)/bin:,)$(PATH)
+export TORCH_CUDA_ARCH_LIST GRPO_EXT_CUDA
+ifneq ($(CUDA_HOME),)
+export CUDACXX := $(CUDA_HOME)/bin/nvcc
+endif
+
+.PHONY: help env build test lint wheel wheel-smoke bench clean
+
+help:
+	@echo "make test         create the environment, build grpo_ext, run the tests"
+	@echo "make bench        run the microbenchmarks (CPU here, CUDA where a GPU is)"
+	@echo "make wheel        build a wheel into dist/"
+	@echo "make wheel-smoke  install that wheel into a fresh venv and smoke-test it"
+	@echo "make lint         ruff"
+
+$(VENV)/.installed:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.26" ninja \
+	    "pytest>=8" "hypothesis>=6" numpy ruff
+	touch $@
+
+ifeq ($(strip $(PYTHON_ENV)),system)
+env:
+	@$(PY) -c "import torch, pybind11, scikit_build_core, pytest, hypothesis; print('using', torch.__version__)"
+else
+env: $(VENV)/.installed
+endif
+
+build: env
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.verbose=false
+	cd /tmp && $(PY) -c "import grpo_ext, json; print(json.dumps(grpo_ext.build_info()))"
+
+test: build
+	$(PY) -m pytest -q
+
+lint: env
+	$(PY) -m ruff check python tests benchmarks
+
+wheel: env
+	rm -rf dist && $(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	ls -l dist
+
+# A fresh environment with the same torch, the wheel, and a smoke test run outside the source tree.
+wheel-smoke: wheel
+	rm -rf $(VENV)-smoke && python3 -m venv $(VENV)-smoke
+	$(VENV)-smoke/bin/pip install -q "$$($(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')"
+	$(VENV)-smoke/bin/pip install -q --no-deps dist/*.whl
+	cd /tmp && $(CURDIR)/$(VENV)-smoke/bin/python $(CURDIR)/tests/smoke_wheel.py
+
+bench: build
+	$(PY) benchmarks/bench_advantages.py
+	$(PY) benchmarks/bench_loss.py
+
+clean:
+	rm -rf build dist $(VENV)-smoke python/grpo_ext/*.so

@@ -1,0 +1,86 @@
+// Framework-free building blocks shared by the CPU and CUDA kernels: the host/device qualifier, a strided 2-D view
+// that reads any supported dtype as float/double, and the option codes the bindings parse from strings.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define GRPO_HD __host__ __device__ __forceinline__
+#else
+#define GRPO_HD inline
+#endif
+
+namespace grpo_ext {
+
+// Element types a kernel can read; the bindings map torch dtypes onto these tags.
+enum class DType : int32_t { kFloat32 = 0, kFloat64, kBFloat16, kFloat16, kBool, kUInt8, kInt8, kInt32, kInt64 };
+
+GRPO_HD float bf16_bits_to_float(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// IEEE half -> float, exact for every half value (subnormals, inf, NaN included).
+GRPO_HD float f16_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  uint32_t u;
+  if (exponent == 0x1fu) {
+    u = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    u = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    u = sign;
+  } else {  // subnormal: normalize
+    exponent = 113u;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    u = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Read-only [rows, cols] view with element strides; a stride of 0 broadcasts ([B] advantages over T, say).
+struct StridedMatrix {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+
+  GRPO_HD bool present() const { return data != nullptr; }
+
+  template <typename T>
+  GRPO_HD T load(int64_t row, int64_t col) const {
+    const int64_t off = row * row_stride + col * col_stride;
+    switch (dtype) {
+      case DType::kFloat32: return static_cast<T>(static_cast<const float*>(data)[off]);
+      case DType::kFloat64: return static_cast<T>(static_cast<const double*>(data)[off]);
+      case DType::kBFloat16: return static_cast<T>(bf16_bits_to_float(static_cast<const uint16_t*>(data)[off]));
+      case DType::kFloat16: return static_cast<T>(f16_bits_to_float(static_cast<const uint16_t*>(data)[off]));
+      case DType::kBool:
+      case DType::kUInt8: return static_cast<T>(static_cast<const uint8_t*>(data)[off]);
+      case DType::kInt8: return static_cast<T>(static_cast<const int8_t*>(data)[off]);
+      case DType::kInt32: return static_cast<T>(static_cast<const int32_t*>(data)[off]);
+      case DType::kInt64: return static_cast<T>(static_cast<const int64_t*>(data)[off]);
+    }
+    return T(0);
+  }
+};
+
+// Option codes, parsed once on the host from the user's strings.
+enum class LossType : int32_t { kGRPO = 0, kBNPO, kDrGRPO, kDAPO, kLUSPO, kCISPO, kSAPO };
+enum class KLEstimator : int32_t { kK1 = 1, kK2 = 2, kK3 = 3 };
+enum class ScaleRewards : int32_t { kGroup = 0, kBatch, kNone };
+enum class Baseline : int32_t { kMean = 0, kLeaveOneOut };
+enum class Aggregation : int32_t { kSumThenNormalize = 0, kNormalizeThenSum };
+
+}  // namespace grpo_ext

@@ -1,0 +1,171 @@
+// CPU kernels of group_advantages and process_advantages: groups in parallel, each group in a fixed order.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "../binding_utils.h"
+
+namespace grpo_ext {
+namespace {
+
+// NaN-aware mean and std of values[0..n) (NaN = unscored).
+template <typename T>
+void nan_moments(const T* values, int64_t n, int64_t ddof, T* mean, T* std_out, T* count_out) {
+  T sum = T(0), count = T(0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (values[i] == values[i]) {
+      sum += values[i];
+      count += T(1);
+    }
+  }
+  const T mu = safe_mean(sum, count);
+  T sum_sq = T(0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (values[i] == values[i]) sum_sq += (values[i] - mu) * (values[i] - mu);
+  }
+  *mean = mu;
+  *std_out = std_from_sum_sq(sum_sq, count, ddof);
+  *count_out = count;
+}
+
+template <typename T>
+void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
+  const AdvantageParams& p = plan.params;
+  const int64_t g_size = p.group_size, k = p.num_rewards;
+  const bool gdpo = p.aggregation == Aggregation::kNormalizeThenSum;
+  std::vector<T> combined(static_cast<size_t>(plan.batch));
+  T* adv = plan.advantages.data_ptr<T>();
+  T* g_mean = plan.group_mean.data_ptr<T>();
+  T* g_std = plan.group_std.data_ptr<T>();
+  bool* g_zero = plan.zero_std.data_ptr<bool>();
+
+  // Phase 1: the combined reward R of every row and each group's own statistics of R.
+  at::parallel_for(0, plan.num_groups, 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> column(static_cast<size_t>(g_size));
+    for (int64_t g = begin; g < end; ++g) {
+      T* r_group = combined.data() + g * g_size;
+      if (gdpo) {  // z-score each reward function inside the group, then nansum with the weights
+        for (int64_t i = 0; i < g_size; ++i) r_group[i] = T(0);
+        for (int64_t j = 0; j < k; ++j) {
+          for (int64_t i = 0; i < g_size; ++i) column[i] = plan.rewards.load<T>(g * g_size + i, j);
+          T mu, sigma, count;
+          nan_moments(column.data(), g_size, p.std_ddof, &mu, &sigma, &count);
+          const T w = plan.weights.present() ? plan.weights.load<T>(0, j) : T(1);
+          for (int64_t i = 0; i < g_size; ++i) {
+            if (column[i] == column[i]) r_group[i] += w * (column[i] - mu) / (sigma + T(p.eps));
+          }
+        }
+      } else {
+        for (int64_t i = 0; i < g_size; ++i) r_group[i] = combine_rewards<T>(plan.rewards, plan.weights, g * g_size + i, k);
+      }
+      T mu, sigma, count;
+      nan_moments(r_group, g_size, p.std_ddof, &mu, &sigma, &count);
+      g_mean[g] = mu;
+      g_std[g] = sigma;
+      g_zero[g] = count >= T(2) && sigma <= T(kZeroStdTolerance);
+    }
+  });
+
+  // Phase 2: batch statistics when the scale (or GDPO's final z-score) is batch-wide; a fixed sequential order.
+  T batch_mean = T(0), batch_std = T(0), batch_count = T(0);
+  if (gdpo || p.scale == ScaleRewards::kBatch) {
+    nan_moments(combined.data(), plan.batch, p.std_ddof, &batch_mean, &batch_std, &batch_count);
+  }
+
+  // Phase 3: advantages.
+  at::parallel_for(0, plan.num_groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const T* r_group = combined.data() + g * g_size;
+      if (gdpo) {
+        for (int64_t i = 0; i < g_size; ++i) {
+          adv[g * g_size + i] = (r_group[i] - batch_mean) / (batch_std + T(p.eps));
+        }
+        continue;
+      }
+      T sum = T(0), count = T(0);
+      for (int64_t i = 0; i < g_size; ++i) {
+        if (r_group[i] == r_group[i]) {
+          sum += r_group[i];
+          count += T(1);
+        }
+      }
+      const T sigma = p.scale == ScaleRewards::kBatch ? batch_std : g_std[g];
+      for (int64_t i = 0; i < g_size; ++i) {
+        bool valid;
+        const T b = baseline_for(r_group[i], sum, count, p, &valid);
+        adv[g * g_size + i] = advantage_from(r_group[i], b, valid, sigma, p);
+      }
+    }
+  });
+}
+
+GroupAdvantagesResult group_advantages_cpu(GRPO_GROUP_ADVANTAGES_PARAMS) {
+  GroupAdvantagesPlan plan = plan_group_advantages(GRPO_GROUP_ADVANTAGES_ARGS);
+  if (plan.advantages.scalar_type() == at::kDouble) {
+    group_advantages_cpu_impl<double>(plan);
+  } else {
+    group_advantages_cpu_impl<float>(plan);
+  }
+  return plan.result();
+}
+
+template <typename T>
+void process_advantages_cpu_impl(ProcessAdvantagesPlan& plan) {
+  const int64_t g_size = plan.group_size, steps = plan.num_steps, seq_len = plan.seq_len;
+  T* out = plan.advantages.data_ptr<T>();
+  const int64_t num_groups = plan.batch / g_size;
+  auto valid = [&](int64_t row, int64_t j, T* reward) {
+    const T r = plan.rewards.load<T>(row, j);
+    *reward = r;
+    return r == r && plan.step_end.load<int64_t>(row, j) >= 0;
+  };
+  at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      T sum = T(0), count = T(0), r;
+      for (int64_t row = g * g_size; row < (g + 1) * g_size; ++row)
+        for (int64_t j = 0; j < steps; ++j)
+          if (valid(row, j, &r)) {
+            sum += r;
+            count += T(1);
+          }
+      const T mu = safe_mean(sum, count);
+      T sum_sq = T(0);
+      for (int64_t row = g * g_size; row < (g + 1) * g_size; ++row)
+        for (int64_t j = 0; j < steps; ++j)
+          if (valid(row, j, &r)) sum_sq += (r - mu) * (r - mu);
+      const T denom = std_from_sum_sq(sum_sq, count, plan.std_ddof) + T(plan.eps);
+      for (int64_t row = g * g_size; row < (g + 1) * g_size; ++row) {
+        T* out_row = out + row * seq_len;
+        for (int64_t t = 0; t < seq_len; ++t) out_row[t] = T(0);
+        // A[i,t] = sum of rt[i,j] over steps ending at or after t: add each step to the prefix it covers.
+        for (int64_t j = 0; j < steps; ++j) {
+          if (!valid(row, j, &r)) continue;
+          const int64_t last = std::min<int64_t>(plan.step_end.load<int64_t>(row, j), seq_len - 1);
+          const T rt = (r - mu) / denom;
+          for (int64_t t = 0; t <= last; ++t) out_row[t] += rt;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor process_advantages_cpu(GRPO_PROCESS_ADVANTAGES_PARAMS) {
+  ProcessAdvantagesPlan plan = plan_process_advantages(GRPO_PROCESS_ADVANTAGES_ARGS);
+  if (plan.advantages.scalar_type() == at::kDouble) {
+    process_advantages_cpu_impl<double>(plan);
+  } else {
+    process_advantages_cpu_impl<float>(plan);
+  }
+  return plan.advantages;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("group_advantages", &group_advantages_cpu);
+  m.impl("process_advantages", &process_advantages_cpu);
+}
+
+}  // namespace grpo_ext

@@ -1,0 +1,58 @@
+// Every op schema of grpo_ext in one TORCH_LIBRARY block (implementations register per device in cpu/ and cuda/),
+// plus the small pybind11 module `_C` that reports how the extension was built.
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include <string>
+
+#ifndef GRPO_EXT_VERSION
+#define GRPO_EXT_VERSION "0.0.0"
+#endif
+#ifndef GRPO_EXT_TORCH_VERSION
+#define GRPO_EXT_TORCH_VERSION "unknown"
+#endif
+#ifndef GRPO_EXT_CUDA_ARCHS
+#define GRPO_EXT_CUDA_ARCHS ""
+#endif
+#ifndef GRPO_EXT_CUDA_VERSION
+#define GRPO_EXT_CUDA_VERSION ""
+#endif
+
+TORCH_LIBRARY(grpo_ext, m) {
+  m.def(
+      "group_advantages(Tensor rewards, Tensor? reward_weights, int group_size, str scale_rewards, str baseline, "
+      "str multi_objective_aggregation, float eps, int std_ddof) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "process_advantages(Tensor step_rewards, Tensor step_end, int group_size, int seq_len, float eps, "
+      "int std_ddof) -> Tensor");
+  m.def(
+      "grpo_loss_forward(Tensor logps, Tensor advantages, Tensor completion_mask, Tensor? old_logps, "
+      "Tensor? ref_logps, Tensor? is_weights, Tensor? sample_mask, float? num_items_in_batch, "
+      "Tensor? num_items_tensor, str loss_type, float epsilon_low, float epsilon_high, float? delta, float beta, "
+      "str kl_estimator, float? kl_clamp, bool use_bias_correction_kl, str importance_sampling_level, "
+      "int max_completion_length, float sapo_temperature_pos, float sapo_temperature_neg, float loss_scale, "
+      "bool compute_grad) -> (Tensor loss, Tensor metrics, Tensor grad_raw, Tensor grad_scale)");
+  m.def("grpo_loss_backward(Tensor grad_loss, Tensor grad_raw, Tensor grad_scale, ScalarType out_dtype) -> Tensor");
+}
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "grpo_ext native module: the ops live in torch.ops.grpo_ext; this reports the build.";
+  m.def("build_info", []() {
+    pybind11::dict info;
+    info["version"] = GRPO_EXT_VERSION;
+    info["torch_version"] = GRPO_EXT_TORCH_VERSION;
+#ifdef GRPO_EXT_WITH_CUDA
+    info["cuda_compiled"] = true;
+#else
+    info["cuda_compiled"] = false;
+#endif
+    info["cuda_version"] = GRPO_EXT_CUDA_VERSION;
+    info["cuda_archs"] = GRPO_EXT_CUDA_ARCHS;
+#if defined(__clang__)
+    info["cxx_compiler"] = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+    info["cxx_compiler"] = std::string("gcc ") + __VERSION__;
+#endif
+    return info;
+  });
+}

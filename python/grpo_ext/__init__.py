@@ -1,0 +1,41 @@
+"""grpo_ext: fused GRPO kernels for PyTorch.
+
+The math of every op is ``spec/grpo-math.md`` (the project's contract); :mod:`grpo_ext.reference` is that page in
+plain PyTorch. The ops run hand-written CPU and CUDA kernels registered as ``torch.ops.grpo_ext.*``.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension module)
+
+from . import _C, reference
+from .ops import GroupAdvantages, GRPOLossOutput, group_advantages, grpo_loss, process_advantages
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """How the native module was built.
+
+    Returns:
+        A dict with ``version``, ``torch_version`` (the torch it was compiled against), ``torch_runtime_version``,
+        ``cuda_compiled`` (whether the CUDA kernels were compiled in), ``cuda_version``, ``cuda_archs`` (e.g. "90"),
+        ``cuda_kernels_registered`` (whether the dispatcher holds a CUDA kernel for every op) and ``cxx_compiler``.
+    """
+    info = dict(_C.build_info())
+    info["torch_runtime_version"] = torch.__version__
+    info["cuda_kernels_registered"] = all(
+        torch._C._dispatch_has_kernel_for_dispatch_key(f"grpo_ext::{name}", "CUDA") for name in ops.OP_NAMES
+    )
+    return info
+
+
+from . import ops  # noqa: E402
+
+__all__ = [
+    "GRPOLossOutput",
+    "GroupAdvantages",
+    "build_info",
+    "group_advantages",
+    "grpo_loss",
+    "process_advantages",
+    "reference",
+]

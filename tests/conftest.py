@@ -1,0 +1,78 @@
+"""Shared fixtures and helpers: devices to run on, random GRPO batches, reference comparisons."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import grpo_ext
+
+HAS_CUDA = torch.cuda.is_available()
+
+# CUDA tests run wherever a GPU is visible and are skipped (only they) on machines without one.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device"))]
+
+
+def pytest_report_header(config) -> list[str]:
+    info = grpo_ext.build_info()
+    return [f"grpo_ext build: {info}", f"CUDA device: {torch.cuda.get_device_name() if HAS_CUDA else 'none'}"]
+
+
+@dataclasses.dataclass
+class LossBatch:
+    """A random GRPO batch: G completions per prompt, random masks with an empty row and a full row."""
+
+    logps: torch.Tensor
+    old_logps: torch.Tensor
+    ref_logps: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    is_weights: torch.Tensor
+    sample_mask: torch.Tensor
+
+    def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> LossBatch:
+        def conv(t: torch.Tensor) -> torch.Tensor:
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            return t.to(device)
+
+        return LossBatch(**{f.name: conv(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+def make_loss_batch(
+    batch: int = 8,
+    seq_len: int = 9,
+    *,
+    group_size: int = 4,
+    seed: int = 0,
+    per_token_advantages: bool = False,
+    ratio_spread: float = 0.3,
+    dtype: torch.dtype = torch.float64,
+) -> LossBatch:
+    """Builds a batch whose ratios straddle the clip range and whose masks cover every row shape."""
+    g = torch.Generator().manual_seed(seed)
+    logps = -3.0 * torch.rand(batch, seq_len, generator=g, dtype=dtype) - 0.01
+    old = logps + ratio_spread * torch.randn(batch, seq_len, generator=g, dtype=dtype)
+    ref = logps + 0.2 * torch.randn(batch, seq_len, generator=g, dtype=dtype)
+    mask = torch.rand(batch, seq_len, generator=g) < 0.7
+    mask[0] = False  # a row with no tokens
+    if batch > 1:
+        mask[1] = True  # a full row
+    if per_token_advantages:
+        adv = torch.randn(batch, seq_len, generator=g, dtype=dtype)
+    else:
+        rewards = torch.rand(batch, generator=g, dtype=dtype)
+        adv = grpo_ext.reference.group_advantages(rewards, group_size).advantages
+    is_weights = 0.5 + torch.rand(batch, seq_len, generator=g, dtype=dtype)
+    sample_mask = torch.ones(batch, dtype=torch.bool)
+    sample_mask[-1] = False
+    return LossBatch(logps, old, ref, adv, mask, is_weights, sample_mask)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, msg: str = "") -> None:
+    """assert_close after moving both to float64 on the CPU (the reference's dtype and device)."""
+    torch.testing.assert_close(
+        actual.detach().double().cpu(), expected.detach().double().cpu(), rtol=rtol, atol=atol, msg=msg or None
+    )

@@ -1,0 +1,114 @@
+"""grpo_ext.group_advantages and grpo_ext.process_advantages against the float64 reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import DEVICES, assert_close
+
+import grpo_ext
+from grpo_ext import reference
+
+MODES = list(
+    itertools.product(["group", "batch", "none"], ["mean", "leave_one_out"], ["sum_then_normalize", "normalize_then_sum"])
+)
+
+
+def random_rewards(batch: int, k: int, *, seed: int, nan_fraction: float = 0.15, ties: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(batch, k, generator=g, dtype=torch.float64)
+    if ties:  # binary rewards make equal-reward (zero-std) groups common
+        r[: batch // 2] = (r[: batch // 2] > 0).double()
+    r[torch.rand(batch, k, generator=g) < nan_fraction] = float("nan")
+    return r
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("scale", "baseline", "aggregation"), MODES)
+@pytest.mark.parametrize(("group_size", "k", "ddof"), [(4, 1, 1), (16, 3, 1), (1, 2, 1), (5, 2, 0), (40, 1, 1)])
+def test_matches_reference(device, scale, baseline, aggregation, group_size, k, ddof):
+    rewards = random_rewards(group_size * 24, k, seed=group_size * 10 + k)
+    if k == 1:
+        rewards = rewards[:, 0]
+    kwargs = dict(scale_rewards=scale, baseline=baseline, multi_objective_aggregation=aggregation, std_ddof=ddof)
+    if k > 1:
+        kwargs["reward_weights"] = [1.0, 0.5, -2.0][:k]
+    expected = reference.group_advantages(rewards, group_size, **kwargs)
+    for dtype, tol in ((torch.float32, 2e-5), (torch.float64, 1e-12)):
+        got = grpo_ext.group_advantages(rewards.to(device, dtype), group_size, **kwargs)
+        assert got.advantages.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert torch.isfinite(got.advantages).all()
+        assert_close(got.advantages, expected.advantages, rtol=tol, atol=tol)
+        assert_close(got.group_mean, expected.group_mean, rtol=tol, atol=tol)
+        assert_close(got.group_std, expected.group_std, rtol=tol, atol=tol)
+        assert torch.equal(got.zero_std.cpu(), expected.zero_std)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_std_and_singletons(device):
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 2.0, float("nan"), float("nan"), float("nan")])
+    out = grpo_ext.group_advantages(rewards.to(device), 4)
+    assert out.zero_std.tolist() == [True, False, False]  # the third group has a single scored member
+    assert out.advantages[:4].abs().max().item() == 0
+    single = grpo_ext.group_advantages(torch.tensor([0.3, 0.7, 0.1], device=device), 1)
+    assert not single.zero_std.any(), "a singleton group is never zero_std"
+    assert single.advantages.abs().max().item() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_half_precision_rewards(device):
+    rewards = random_rewards(64, 1, seed=1, nan_fraction=0.0)[:, 0]
+    for dtype in (torch.bfloat16, torch.float16):
+        low = rewards.to(dtype)
+        expected = reference.group_advantages(low.double(), 8)
+        got = grpo_ext.group_advantages(low.to(device), 8)
+        assert got.advantages.dtype == torch.float32
+        assert_close(got.advantages, expected.advantages, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic_and_large(device):
+    rewards = random_rewards(1024 * 16, 1, seed=3)[:, 0].float().to(device)
+    runs = [grpo_ext.group_advantages(rewards, 16, scale_rewards="batch") for _ in range(3)]
+    for r in runs[1:]:
+        assert torch.equal(r.advantages, runs[0].advantages)
+    expected = reference.group_advantages(rewards.double().cpu(), 16, scale_rewards="batch")
+    assert_close(runs[0].advantages, expected.advantages, rtol=2e-5, atol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------- process_advantages
+
+
+def random_steps(batch: int, steps: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(batch, steps, generator=g, dtype=torch.float64)
+    ends = torch.sort(torch.randint(0, seq_len + 3, (batch, steps), generator=g), dim=1).values
+    n_valid = torch.randint(0, steps + 1, (batch,), generator=g)
+    for i in range(batch):
+        rewards[i, n_valid[i] :] = float("nan")
+        ends[i, n_valid[i] :] = -1
+    rewards[0, 0] = float("nan")  # a NaN reward with a real step end: not a valid step
+    return rewards, ends
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("group_size", "steps", "seq_len", "ddof"), [(4, 5, 23, 1), (1, 3, 7, 1), (8, 1, 64, 0)])
+def test_process_advantages_match_reference(device, group_size, steps, seq_len, ddof):
+    rewards, ends = random_steps(group_size * 6, steps, seq_len, seed=steps)
+    expected = reference.process_advantages(rewards, ends, group_size, seq_len, std_ddof=ddof)
+    for dtype, tol in ((torch.float32, 2e-5), (torch.float64, 1e-12)):
+        got = grpo_ext.process_advantages(rewards.to(device, dtype), ends.to(device), group_size, seq_len, std_ddof=ddof)
+        assert got.shape == (group_size * 6, seq_len)
+        assert torch.isfinite(got).all()
+        assert_close(got, expected, rtol=tol, atol=tol)
+
+
+def test_process_advantages_hand_example():
+    # one group of two rows; steps (r=1, end=1), (r=0, end=3) and (r=2, end=0); mean 1, std 1 (ddof 1)
+    rewards = torch.tensor([[1.0, 0.0], [2.0, float("nan")]])
+    ends = torch.tensor([[1, 3], [0, -1]])
+    got = grpo_ext.process_advantages(rewards, ends, 2, 5, eps=0.0 + 1e-12)
+    expected = torch.tensor([[-1.0, -1.0, -1.0, -1.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    assert_close(got, expected, rtol=0, atol=1e-9)

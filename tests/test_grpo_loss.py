@@ -1,0 +1,230 @@
+"""grpo_ext.grpo_loss (the fused kernel) against the float64 reference: values, metrics and gradients."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+from conftest import DEVICES, assert_close, make_loss_batch
+
+import grpo_ext
+from grpo_ext import reference
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
+LEVELS = ["token", "sequence"]
+# (beta, kl_estimator, kl_clamp, use_bias_correction_kl)
+KL_CONFIGS = {
+    "no_kl": (0.0, "k3", None, False),
+    "k1": (0.05, "k1", None, False),
+    "k2": (0.05, "k2", None, False),
+    "k3": (0.05, "k3", None, False),
+    "k3_clamp": (0.3, "k3", 0.15, False),
+    "k3_bias": (0.05, "k3", None, True),
+    "k2_clamp_bias": (0.1, "k2", 0.1, True),
+}
+EXTRAS = ["plain", "delta", "is_weights_sample_mask", "token_advantages", "denominators"]
+
+
+def run_both(batch, device: str, dtype: torch.dtype, **kwargs):
+    """Runs the kernel on `device` in `dtype` and the reference in float64 on the CPU; returns both and grads."""
+    dev = batch.to(device, dtype)
+    logps = dev.logps.clone().requires_grad_(True)
+    out = grpo_ext.grpo_loss(logps, dev.advantages, dev.mask, **_tensors(dev, kwargs))
+    out.loss.backward()
+    ref64 = batch.to("cpu", torch.float64)
+    ref_logps = ref64.logps.clone().requires_grad_(True)
+    ref = reference.grpo_loss(ref_logps, ref64.advantages, ref64.mask, **_tensors(ref64, kwargs))
+    ref.loss.backward()
+    return out, logps.grad, ref, ref_logps.grad
+
+
+def _tensors(batch, kwargs):
+    """Replaces the placeholder strings in kwargs with the batch's tensors."""
+    resolved = {}
+    for key, value in kwargs.items():
+        resolved[key] = getattr(batch, value) if isinstance(value, str) and hasattr(batch, value) else value
+    return resolved
+
+
+def case_kwargs(loss_type: str, level: str, kl: str, extra: str) -> dict:
+    beta, estimator, clamp, bias = KL_CONFIGS[kl]
+    kwargs = dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        old_logps="old_logps",
+        beta=beta,
+        kl_estimator=estimator,
+        kl_clamp=clamp,
+        use_bias_correction_kl=bias,
+    )
+    if beta:
+        kwargs["ref_logps"] = "ref_logps"
+    if extra == "delta":
+        kwargs["delta"] = 1.25
+        kwargs["epsilon_high"] = 0.28
+    elif extra == "is_weights_sample_mask":
+        kwargs["is_weights"] = "is_weights"
+        kwargs["sample_mask"] = "sample_mask"
+    elif extra == "denominators":
+        kwargs.update(max_completion_length=16, num_items_in_batch=37, loss_scale=0.25, epsilon=0.1)
+    return kwargs
+
+
+@pytest.mark.parametrize("extra", EXTRAS)
+@pytest.mark.parametrize("kl", list(KL_CONFIGS))
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_matches_reference_cpu_float32(loss_type, level, kl, extra):
+    seed = zlib.crc32(f"{loss_type}-{level}-{kl}-{extra}".encode()) % 1000
+    batch = make_loss_batch(seed=seed, per_token_advantages=extra == "token_advantages")
+    out, grad, ref, ref_grad = run_both(batch, "cpu", torch.float32, **case_kwargs(loss_type, level, kl, extra))
+    assert out.loss.dtype == torch.float32
+    assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6, msg="loss")
+    assert out.metrics.keys() == ref.metrics.keys()
+    for name in ref.metrics:
+        assert_close(out.metrics[name], ref.metrics[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert grad.dtype == torch.float32
+    assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6, msg="grad")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_float64_kernel_equals_reference_to_rounding(device, loss_type, level):
+    """The float64 instantiation of the kernel computes the same function as the reference, to 1e-12."""
+    batch = make_loss_batch(seed=3, batch=12, seq_len=17, group_size=3)
+    for kl in ("k3_clamp", "k2_clamp_bias"):
+        kwargs = case_kwargs(loss_type, level, kl, "is_weights_sample_mask")
+        kwargs["delta"] = 1.3
+        out, grad, ref, ref_grad = run_both(batch, device, torch.float64, **kwargs)
+        assert_close(out.loss, ref.loss, rtol=1e-12, atol=1e-12)
+        assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+        for name in ref.metrics:
+            assert_close(out.metrics[name], ref.metrics[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_cuda_float32_matches_reference(device, loss_type, level):
+    for kl, extra in itertools.product(KL_CONFIGS, EXTRAS):
+        batch = make_loss_batch(seed=7, batch=16, seq_len=300, per_token_advantages=extra == "token_advantages")
+        out, grad, ref, ref_grad = run_both(batch, device, torch.float32, **case_kwargs(loss_type, level, kl, extra))
+        assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6, msg=f"{kl} {extra}")
+        assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6, msg=f"{kl} {extra}")
+        for name in ref.metrics:
+            assert_close(out.metrics[name], ref.metrics[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("low_precision", [torch.bfloat16, torch.float16])
+def test_low_precision_error_at_most_twice_reference(device, loss_type, low_precision):
+    """flash-attention's rule: the kernel's error is at most twice that of the reference run in the same dtype."""
+    batch = make_loss_batch(seed=11, batch=32, seq_len=257)
+    kwargs = case_kwargs(loss_type, "token", "k3", "plain")
+    low = batch.to("cpu", low_precision).to("cpu", torch.float64)  # the exact inputs the low-precision runs see
+    truth, truth_grad = _reference_loss_and_grad(low, torch.float64, kwargs)
+    ref_lp, ref_lp_grad = _reference_loss_and_grad(low, low_precision, kwargs)
+    dev = low.to(device, low_precision)
+    logps = dev.logps.clone().requires_grad_(True)
+    out = grpo_ext.grpo_loss(logps, dev.advantages, dev.mask, **_tensors(dev, kwargs))
+    out.loss.backward()
+    assert logps.grad.dtype == low_precision
+    loss_err = (out.loss.double().cpu() - truth).abs().item()
+    ref_loss_err = (ref_lp.double() - truth).abs().item()
+    assert loss_err <= 2 * ref_loss_err + 1e-6
+    grad_err = (logps.grad.double().cpu() - truth_grad).abs().max().item()
+    ref_grad_err = (ref_lp_grad.double() - truth_grad).abs().max().item()
+    assert grad_err <= 2 * ref_grad_err + 1e-7
+
+
+def _reference_loss_and_grad(batch, dtype, kwargs):
+    b = batch.to("cpu", dtype)
+    logps = b.logps.clone().requires_grad_(True)
+    out = reference.grpo_loss(logps, b.advantages, b.mask, **_tensors(b, kwargs))
+    out.loss.backward()
+    return out.loss.detach(), logps.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masks_of_every_dtype_and_non_contiguous_inputs(device):
+    batch = make_loss_batch(seed=5, batch=8, seq_len=20)
+    kwargs = case_kwargs("grpo", "token", "k3", "is_weights_sample_mask")
+    _, _, ref, ref_grad = run_both(batch, "cpu", torch.float64, **kwargs)
+    for mask_dtype in (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.bfloat16):
+        dev = batch.to(device, torch.float32)
+        dev.mask = dev.mask.to(mask_dtype)
+        # every [B, T] input as a transposed view, the advantages as a strided slice
+        for name in ("logps", "old_logps", "ref_logps", "is_weights", "mask"):
+            setattr(dev, name, getattr(dev, name).t().contiguous().t())
+        dev.advantages = torch.stack([dev.advantages, dev.advantages], 1)[:, 0]
+        assert not dev.logps.is_contiguous() and not dev.advantages.is_contiguous()
+        logps = dev.logps.detach().requires_grad_(True)
+        out = grpo_ext.grpo_loss(logps, dev.advantages, dev.mask, **_tensors(dev, kwargs))
+        out.loss.backward()
+        assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6, msg=str(mask_dtype))
+        assert_close(logps.grad, ref_grad, rtol=1e-4, atol=1e-6, msg=str(mask_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_positions_never_leak(device):
+    """Garbage (NaN, -inf) under the mask, in a sample-masked row included, changes nothing and gets no gradient."""
+    batch = make_loss_batch(seed=9).to(device, torch.float32)
+    kwargs = dict(old_logps=batch.old_logps, ref_logps=batch.ref_logps, beta=0.1, sample_mask=batch.sample_mask)
+    clean = grpo_ext.grpo_loss(batch.logps, batch.advantages, batch.mask, **kwargs).loss
+    dropped = ~(batch.mask & batch.sample_mask[:, None])
+    dirty = batch.logps.masked_fill(dropped, float("nan")).requires_grad_(True)
+    kwargs["old_logps"] = batch.old_logps.masked_fill(dropped, float("-inf"))
+    kwargs["ref_logps"] = batch.ref_logps.masked_fill(dropped, float("inf"))
+    out = grpo_ext.grpo_loss(dirty, batch.advantages, batch.mask, **kwargs)
+    out.loss.backward()
+    assert torch.equal(out.loss, clean)
+    assert torch.isfinite(dirty.grad).all()
+    assert (dirty.grad[dropped] == 0).all()
+    assert all(torch.isfinite(v) for v in out.metrics.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_deterministic_bitwise(device, loss_type):
+    batch = make_loss_batch(seed=13, batch=64, seq_len=513).to(device, torch.float32)
+    results = []
+    for _ in range(3):
+        logps = batch.logps.clone().requires_grad_(True)
+        out = grpo_ext.grpo_loss(
+            logps, batch.advantages, batch.mask, old_logps=batch.old_logps, ref_logps=batch.ref_logps, beta=0.04,
+            loss_type=loss_type, importance_sampling_level="sequence",
+        )  # fmt: skip
+        out.loss.backward()
+        results.append((out.loss, logps.grad, torch.stack(list(out.metrics.values()))))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_num_items_in_batch_as_tensor(device):
+    batch = make_loss_batch(seed=2).to(device, torch.float32)
+    as_number = grpo_ext.grpo_loss(batch.logps, batch.advantages, batch.mask, loss_type="dapo", num_items_in_batch=23)
+    for n in (torch.tensor(23.0, device=device), torch.tensor(23, device=device), torch.tensor([23.0])):
+        as_tensor = grpo_ext.grpo_loss(batch.logps, batch.advantages, batch.mask, loss_type="dapo",
+                                       num_items_in_batch=n.reshape(()) if n.dim() else n)  # fmt: skip
+        assert_close(as_tensor.loss, as_number.loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_grad_mode_and_grad_scaling(device):
+    batch = make_loss_batch(seed=4).to(device, torch.float32)
+    with torch.no_grad():
+        out = grpo_ext.grpo_loss(batch.logps, batch.advantages, batch.mask, old_logps=batch.old_logps)
+    logps = batch.logps.clone().requires_grad_(True)
+    out_grad = grpo_ext.grpo_loss(logps, batch.advantages, batch.mask, old_logps=batch.old_logps)
+    assert torch.equal(out.loss, out_grad.loss.detach())
+    (3.0 * out_grad.loss).backward()  # backward scales by the incoming gradient
+    logps2 = batch.logps.clone().requires_grad_(True)
+    grpo_ext.grpo_loss(logps2, batch.advantages, batch.mask, old_logps=batch.old_logps, loss_scale=3.0).loss.backward()
+    assert_close(logps.grad, logps2.grad, rtol=1e-6, atol=1e-9)
+    assert not any(v.requires_grad for v in out_grad.metrics.values())

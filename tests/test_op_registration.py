@@ -1,0 +1,110 @@
+"""The ops as torch ops: opcheck (schema, fake, autograd registration, AOT), gradcheck, torch.compile, build info."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES, HAS_CUDA, assert_close, make_loss_batch
+
+import grpo_ext
+from grpo_ext.ops import OP_NAMES
+
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _loss_forward_args(batch, **overrides):
+    args = dict(
+        logps=batch.logps.clone().requires_grad_(True), advantages=batch.advantages, completion_mask=batch.mask,
+        old_logps=batch.old_logps, ref_logps=batch.ref_logps, is_weights=batch.is_weights,
+        sample_mask=batch.sample_mask, num_items_in_batch=None, num_items_tensor=None, loss_type="grpo",
+        epsilon_low=0.2, epsilon_high=0.28, delta=1.5, beta=0.04, kl_estimator="k3", kl_clamp=10.0,
+        use_bias_correction_kl=False, importance_sampling_level="token", max_completion_length=batch.logps.shape[1],
+        sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, loss_scale=1.0, compute_grad=True,
+    )  # fmt: skip
+    args.update(overrides)
+    return tuple(args.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("loss_type", "level"), [("grpo", "token"), ("dapo", "sequence"), ("cispo", "token")])
+def test_opcheck_grpo_loss_forward(device, loss_type, level):
+    batch = make_loss_batch(seed=1).to(device, torch.float32)
+    args = _loss_forward_args(batch, loss_type=loss_type, importance_sampling_level=level)
+    torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_forward.default, args, test_utils=OPCHECK_TESTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_grpo_loss_backward(device):
+    grad_raw = torch.randn(4, 5, device=device)
+    args = (torch.tensor(2.0, device=device), grad_raw, torch.tensor(0.5, device=device), torch.bfloat16)
+    torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_backward.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_advantage_ops(device):
+    rewards = torch.randn(12, 2, device=device)
+    weights = torch.tensor([1.0, 0.5], device=device)
+    for scale in ("group", "batch"):
+        torch.library.opcheck(
+            torch.ops.grpo_ext.group_advantages.default,
+            (rewards, weights, 4, scale, "mean", "sum_then_normalize", 1e-4, 1),
+        )
+    step_rewards = torch.randn(6, 3, device=device)
+    step_end = torch.tensor([[0, 2, 5]] * 6, device=device)
+    torch.library.opcheck(torch.ops.grpo_ext.process_advantages.default, (step_rewards, step_end, 3, 7, 1e-4, 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_gradcheck_float64(device, loss_type, level):
+    """Finite differences through the fused kernel itself (float64 instantiation).
+
+    cispo is left out: its ratio is a stop-gradient weight, which finite differences cannot see; its gradient is
+    compared with the reference's autograd in test_grpo_loss.py instead.
+    """
+    batch = make_loss_batch(seed=21, batch=4, seq_len=6, group_size=2).to(device, torch.float64)
+    for bias in (False, True):
+        def loss_fn(logps, batch=batch, bias=bias):
+            return grpo_ext.grpo_loss(
+                logps, batch.advantages, batch.mask, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
+                is_weights=batch.is_weights, beta=0.3, kl_clamp=0.25, use_bias_correction_kl=bias, delta=1.4,
+                loss_type=loss_type, importance_sampling_level=level,
+            ).loss  # fmt: skip
+
+        logps = batch.logps.clone().requires_grad_(True)
+        assert torch.autograd.gradcheck(loss_fn, (logps,), eps=1e-7, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    batch = make_loss_batch(seed=2, batch=8, seq_len=16).to(device, torch.float32)
+    rewards = torch.rand(8, device=device)
+
+    def step(logps, rewards):
+        adv = grpo_ext.group_advantages(rewards, 4).advantages
+        out = grpo_ext.grpo_loss(logps, adv, batch.mask, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
+                                 beta=0.04, loss_type="dapo")  # fmt: skip
+        return out.loss, out.metrics["kl"]
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    l_eager = batch.logps.clone().requires_grad_(True)
+    l_comp = batch.logps.clone().requires_grad_(True)
+    loss_e, kl_e = step(l_eager, rewards)
+    loss_c, kl_c = compiled(l_comp, rewards)
+    loss_e.backward()
+    loss_c.backward()
+    assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
+    assert_close(kl_c, kl_e, rtol=1e-6, atol=1e-7)
+    assert_close(l_comp.grad, l_eager.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_build_info():
+    info = grpo_ext.build_info()
+    assert info["version"] == grpo_ext.__version__
+    for name in OP_NAMES:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"grpo_ext::{name}", "CPU"), name
+    assert info["cuda_kernels_registered"] == info["cuda_compiled"]
+    if HAS_CUDA:
+        assert info["cuda_compiled"], "a GPU is visible but the CUDA kernels were not compiled"

@@ -1,0 +1,148 @@
+"""Spec section 8's properties, shown on the kernels, and hypothesis-generated batches against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES, assert_close, make_loss_batch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import grpo_ext
+from grpo_ext import reference
+
+
+def _policy_equals_reference(device: str, seed: int = 0):
+    batch = make_loss_batch(seed=seed, batch=12, seq_len=11, group_size=4).to(device, torch.float32)
+    batch.mask[0, 0] = True  # every row has at least one token
+    rewards = torch.rand(12, generator=torch.Generator().manual_seed(seed)).to(device)
+    adv = grpo_ext.group_advantages(rewards, 4).advantages
+    return batch, adv
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("beta", [0.0, 0.04, 1.0])
+def test_loss_starts_at_zero_but_gradient_does_not(device, beta):
+    batch, adv = _policy_equals_reference(device)
+    logps = batch.logps.clone().requires_grad_(True)
+    out = grpo_ext.grpo_loss(logps, adv, batch.mask, ref_logps=batch.logps, beta=beta)
+    out.loss.backward()
+    assert abs(out.loss.item()) < 1e-6
+    m = batch.mask.double()
+    n = m.sum(1, keepdim=True)
+    expected = -adv.double()[:, None] * m / (n * m.shape[0])
+    assert_close(logps.grad, expected, rtol=1e-5, atol=1e-7)
+    assert logps.grad.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_token_level_start_is_length_weighted(device, loss_type):
+    batch, adv = _policy_equals_reference(device, seed=1)
+    out = grpo_ext.grpo_loss(batch.logps, adv, batch.mask, loss_type=loss_type)
+    n = batch.mask.double().sum(1)
+    expected = -(n * adv.double()).sum() / n.sum()
+    assert_close(out.loss, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_on_policy_kl_gradient(device, bias_correction):
+    batch = make_loss_batch(seed=6).to(device, torch.float32)
+    beta = 0.5
+    zero_adv = torch.zeros_like(batch.advantages)
+    logps = batch.logps.clone().requires_grad_(True)
+    out = grpo_ext.grpo_loss(logps, zero_adv, batch.mask, ref_logps=batch.ref_logps, beta=beta, loss_type="dapo",
+                             use_bias_correction_kl=bias_correction)  # fmt: skip
+    out.loss.backward()
+    m = batch.mask.double()
+    l, l_ref = batch.logps.double(), batch.ref_logps.double()
+    per_token = (l - l_ref) if bias_correction else (1 - torch.exp(l_ref - l))
+    expected = beta * per_token * m / m.sum()
+    assert_close(logps.grad, expected, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_std_groups_masked_in_training(device):
+    """Section 6: masking zero-std groups removes their KL pull and their tokens from every denominator."""
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.2], device=device)
+    adv = grpo_ext.group_advantages(rewards, 4)
+    batch = make_loss_batch(seed=8, batch=8).to(device, torch.float32)
+    keep = ~adv.zero_std.repeat_interleave(4)
+    logps = batch.logps.clone().requires_grad_(True)
+    out = grpo_ext.grpo_loss(logps, adv.advantages, batch.mask, ref_logps=batch.ref_logps, beta=0.1,
+                             sample_mask=keep, loss_type="dapo")  # fmt: skip
+    out.loss.backward()
+    assert (logps.grad[:4] == 0).all()
+    sub = grpo_ext.grpo_loss(batch.logps[4:], adv.advantages[4:], batch.mask[4:], ref_logps=batch.ref_logps[4:],
+                             beta=0.1, loss_type="dapo")  # fmt: skip
+    assert_close(out.loss, sub.loss, rtol=1e-6, atol=1e-7)
+
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_groups=st.integers(1, 5),
+    group_size=st.integers(1, 6),
+    seq_len=st.integers(1, 40),
+    density=st.floats(0.0, 1.0),
+    loss_type=st.sampled_from(LOSS_TYPES),
+    level=st.sampled_from(["token", "sequence"]),
+    beta=st.sampled_from([0.0, 0.04]),
+    estimator=st.sampled_from(["k1", "k2", "k3"]),
+    spread=st.floats(0.0, 1.0),
+    scale=st.floats(-3.0, 3.0),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches_match_reference(
+    num_groups, group_size, seq_len, density, loss_type, level, beta, estimator, spread, scale, seed
+):
+    g = torch.Generator().manual_seed(seed)
+    batch = num_groups * group_size
+    logps = -torch.rand(batch, seq_len, generator=g, dtype=torch.float64) * 4
+    old = logps + spread * torch.randn(batch, seq_len, generator=g, dtype=torch.float64)
+    ref = logps + spread * torch.randn(batch, seq_len, generator=g, dtype=torch.float64)
+    mask = torch.rand(batch, seq_len, generator=g) < density
+    rewards = torch.randn(batch, generator=g, dtype=torch.float64) * 10**scale
+    adv = reference.group_advantages(rewards, group_size).advantages
+    kwargs = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, kl_estimator=estimator)
+    expected_l = logps.clone().requires_grad_(True)
+    expected = reference.grpo_loss(expected_l, adv, mask, old_logps=old, ref_logps=ref, **kwargs)
+    expected.loss.backward()
+    got_l = logps.clone().requires_grad_(True)
+    got = grpo_ext.grpo_loss(got_l, adv, mask, old_logps=old, ref_logps=ref, **kwargs)
+    got.loss.backward()
+    assert_close(got.loss, expected.loss, rtol=1e-10, atol=1e-12)
+    assert_close(got_l.grad, expected_l.grad, rtol=1e-9, atol=1e-12)
+    for name, value in expected.metrics.items():
+        assert_close(got.metrics[name], value, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_groups=st.integers(1, 8),
+    group_size=st.integers(1, 40),
+    k=st.integers(1, 3),
+    nan_fraction=st.floats(0.0, 1.0),
+    binary=st.booleans(),
+    scale=st.sampled_from(["group", "batch", "none"]),
+    baseline=st.sampled_from(["mean", "leave_one_out"]),
+    aggregation=st.sampled_from(["sum_then_normalize", "normalize_then_sum"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_rewards_match_reference(num_groups, group_size, k, nan_fraction, binary, scale, baseline,
+                                        aggregation, seed):  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(num_groups * group_size, k, generator=g, dtype=torch.float64)
+    if binary:
+        rewards = (rewards > 0).double()
+    rewards[torch.rand(rewards.shape, generator=g) < nan_fraction] = float("nan")
+    kwargs = dict(scale_rewards=scale, baseline=baseline, multi_objective_aggregation=aggregation)
+    expected = reference.group_advantages(rewards, group_size, **kwargs)
+    got = grpo_ext.group_advantages(rewards, group_size, **kwargs)
+    assert torch.isfinite(got.advantages).all()
+    for name in ("advantages", "group_mean", "group_std"):
+        assert_close(getattr(got, name), getattr(expected, name), rtol=1e-9, atol=1e-9, msg=name)
+    assert torch.equal(got.zero_std, expected.zero_std)
