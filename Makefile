@@ -53,7 +53,7 @@ env: $(VENV)/.installed
 endif
 
 build: env
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e . -Ccmake.verbose=false
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	cd /tmp && $(PY) -c "import grpo_ext, json; print(json.dumps(grpo_ext.build_info()))"
 
 test: build

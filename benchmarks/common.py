@@ -391,6 +391,102 @@ def capture_cuda_graph(fn: Callable[[], Any]) -> tuple[Callable[[], None] | None
     return graph.replay, static_out, None
 
 
+PEER_ORDER = ("eager", "compile", "grpo_ext", "grpo_ext+graph")
+
+
+def add_optional_peers(
+    case: str,
+    steps: dict[str, Callable[[], Any] | None],
+    make_compiled: Callable[[], Callable[[], Any]],
+    device: torch.device,
+    args: argparse.Namespace,
+) -> tuple[dict[str, str], Any, float | None]:
+    """Adds the ``compile`` and (CUDA) ``grpo_ext+graph`` peers to ``steps``, as None with a note when unavailable.
+
+    Args:
+        case: the case's label, for messages.
+        steps: name -> call; must hold ``"grpo_ext"``. Updated in place.
+        make_compiled: builds the torch.compile step (compilation itself happens in the warm-up here).
+        device: the device.
+        args: the parsed command line (``no_compile``, ``no_graph``).
+
+    Returns:
+        ``(notes, graph_outputs, compile_s)``: why a peer is n/a, the graph's static outputs (None without a graph)
+        and the seconds spent compiling (None when not compiled).
+    """
+    notes: dict[str, str] = {}
+    compile_s = None
+    if args.no_compile:
+        steps["compile"], notes["compile"] = None, "skipped (--no-compile)"
+    else:
+        try:
+            compiled = make_compiled()
+            ok, reason, compile_s = warm_up(compiled, device)
+        except Exception as exc:  # torch.compile itself may refuse (e.g. an unsupported Python)
+            ok, reason = False, short_reason(exc)
+        steps["compile"] = compiled if ok else None
+        if not ok:
+            notes["compile"] = f"torch.compile failed: {reason}"
+            print(f"  [{case}] compile n/a: {reason}")
+
+    graph_outputs = None
+    if device.type == "cuda":
+        if args.no_graph:
+            steps["grpo_ext+graph"], notes["grpo_ext+graph"] = None, "skipped (--no-graph)"
+        else:
+            replay, graph_outputs, reason = capture_cuda_graph(steps["grpo_ext"])
+            steps["grpo_ext+graph"] = replay
+            if replay is None:
+                notes["grpo_ext+graph"] = f"CUDA graph capture failed: {reason}"
+                print(f"  [{case}] grpo_ext+graph n/a: {reason}")
+    return notes, graph_outputs, compile_s
+
+
+def time_peers(
+    steps: dict[str, Callable[[], Any] | None],
+    notes: dict[str, str],
+    base_row: dict[str, Any],
+    device: torch.device,
+    *,
+    target_s: float,
+    flusher: L2Flusher | None,
+    compile_s: float | None = None,
+) -> list[dict[str, Any]]:
+    """Times every available peer of one case (in :data:`PEER_ORDER`); an unavailable one gets an n/a row.
+
+    Args:
+        steps: name -> call, or None when unavailable.
+        notes: name -> why it is unavailable.
+        base_row: the case's fields (``case``, sizes, ``bytes``, ...), copied into every row.
+        device: the device.
+        target_s: timed seconds per peer.
+        flusher: L2 eviction between CUDA repetitions, or None.
+        compile_s: seconds the compile peer spent compiling, recorded in its row.
+
+    Returns:
+        One row per peer.
+    """
+    rows = []
+    for name in PEER_ORDER:
+        if name not in steps:
+            continue
+        row: dict[str, Any] = {**base_row, "impl": name, "median_ms": None, "note": notes.get(name)}
+        step = steps[name]
+        if step is not None:
+            row.update(time_call(step, device, target_s=target_s, flusher=flusher))
+            if name != "grpo_ext+graph":  # a graph's memory is its pool, allocated at capture
+                row["peak_bytes"] = peak_memory_above(step, device)
+        if name == "compile":
+            row["compile_s"] = compile_s
+        rows.append(row)
+    return rows
+
+
+def available(steps: dict[str, Any]) -> str:
+    """``"eager, compile, grpo_ext"``: the peers that run, for the check line."""
+    return ", ".join(name for name in PEER_ORDER if steps.get(name) is not None)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # agreement checks
 # ---------------------------------------------------------------------------------------------------------------
@@ -496,6 +592,85 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
         previous_case = row.get("case")
         lines.append(render(line))
     return "\n".join(lines)
+
+
+def report(
+    script_file: str,
+    title: str,
+    rows: list[dict[str, Any]],
+    env: dict[str, Any],
+    copy: dict[str, float] | None,
+    args: argparse.Namespace,
+    device: torch.device,
+    flusher: L2Flusher | None,
+) -> None:
+    """Fills the derived columns, prints the table and the n/a reasons, and writes the JSON record.
+
+    Args:
+        script_file: the bench script's ``__file__`` (names the JSON file).
+        title: the line printed above the table.
+        rows: the rows of every case.
+        env: :func:`environment`'s dict.
+        copy: :func:`measure_copy_bandwidth`'s dict (CUDA) or None.
+        args: the parsed command line, recorded as the run's settings.
+        device: the device.
+        flusher: the L2 flusher used, or None (recorded as the timer's kind).
+    """
+    add_derived(rows, copy["gbps"] if copy else None)
+    columns = [
+        ("case", "case", "s"),
+        ("impl", "impl", "s"),
+        ("median_ms", "ms", "ms"),
+        ("x_eager", "x eager", "x"),
+        ("x_compile", "x compile", "x"),
+    ]
+    if device.type == "cuda":
+        columns += [("gbps", "GB/s", "f1"), ("pct_copy", "%copy", "f1"), ("peak_bytes", "peak MiB", "mib")]
+    print()
+    print(f"{title}, median time per call; 'x eager' = eager's time / this row's time (above 1: this row is faster)")
+    print(format_table(rows, columns))
+    for row in rows:
+        if row.get("note"):
+            print(f"n/a  {row['case']} {row['impl']}: {row['note']}")
+
+    if device.type == "cuda":
+        timer = "cuda_event_isolated_call" + ("_cold_l2" if flusher is not None else "_warm_l2")
+    else:
+        timer = "perf_counter_loop"
+    settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    path = output_path(script_file, device, args.quick, args.out)
+    write_json(
+        path,
+        {
+            "benchmark": title,
+            "environment": env,
+            "settings": {**settings, "timer": timer},
+            "copy_bandwidth": copy,
+            "rows": rows,
+        },
+    )
+    print(f"wrote {path}")
+
+
+def start(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any], dict[str, float] | None, L2Flusher | None]:
+    """Resolves the device, prints its facts and measures the copy bandwidth (CUDA).
+
+    Args:
+        args: the parsed command line.
+
+    Returns:
+        ``(device, environment, copy_bandwidth_or_None, l2_flusher_or_None)``.
+    """
+    device = resolve_device(args.device)
+    env = environment(device)
+    print(f"device: {env['device_name']} | torch {env['torch_version']} | CUDA {env['cuda_version']}")
+    copy, flusher = None, None
+    if device.type == "cuda":
+        copy = measure_copy_bandwidth(device)
+        print(f"device-to-device copy: {copy['gbps']:.0f} GB/s (bytes read + written, 1 GiB source)")
+        if not args.no_l2_flush:
+            flusher = L2Flusher(device)
+    return device, env, copy, flusher
 
 
 def output_path(script_file: str, device: torch.device, quick: bool, override: Path | None) -> Path:
