@@ -19,7 +19,7 @@ GRPO_EXT_CUDA ?= AUTO
 ifeq ($(strip $(PYTHON_ENV)),system)
 PY := python3
 else
-PY := $(VENV)/bin/python
+PY := $(CURDIR)/$(VENV)/bin/python
 endif
 
 # The toolkit's own bin first: the nvcc on PATH may be a wrapper script (build-findings.md).

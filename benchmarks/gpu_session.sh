@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One GPU session in one call (device time is scarce): build against the machine's torch, run every test, run
+# compute-sanitizer over the CUDA tests, run the benchmarks. Logs and JSON go to $OUT (or ./gpu-out).
+#   usage: bash benchmarks/gpu_session.sh [all|test|sanitize|bench]
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+what="${1:-all}"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" GRPO_EXT_CUDA=ON
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  python3 -c "import torch, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -2
+} 2>&1 | tee "$OUT/build.txt"
+
+make build PYTHON_ENV=system 2>&1 | tail -20 | tee -a "$OUT/build.txt"
+cd /tmp && python3 -c "import grpo_ext; assert grpo_ext.build_info()['cuda_kernels_registered']" || exit 1
+cd - >/dev/null
+
+if [[ "$what" == all || "$what" == test ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rs 2>&1 | tail -40 | tee "$OUT/pytest.txt"
+fi
+if [[ "$what" == all || "$what" == sanitize ]]; then
+  sel="cuda and (float64_kernel or deterministic or masked_positions or every_dtype or large or process_advantages_match)"
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+      python3 -m pytest -q -p no:cacheprovider -x -k "$sel" tests/test_grpo_loss.py tests/test_group_advantages.py \
+      2>&1 | tail -15 | tee "$OUT/sanitizer-$tool.txt"
+    echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]}" | tee -a "$OUT/sanitizer-$tool.txt"
+  done
+fi
+if [[ "$what" == all || "$what" == bench ]]; then
+  python3 benchmarks/bench_advantages.py 2>&1 | tee "$OUT/bench_advantages.txt"
+  python3 benchmarks/bench_loss.py 2>&1 | tee "$OUT/bench_loss.txt"
+  cp benchmarks/out/*.json "$OUT/" 2>/dev/null
+fi
