@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HAS_CUDA, make_loss_batch
 
 import grpo_ext
+from conftest import HAS_CUDA, make_loss_batch
 from grpo_ext import reference
 
 IMPLEMENTATIONS = [grpo_ext, reference]

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 import torch
-from conftest import DEVICES, assert_close
 
 import grpo_ext
+from conftest import DEVICES, assert_close
 from grpo_ext import reference
 
 MODES = list(

@@ -7,9 +7,9 @@ import zlib
 
 import pytest
 import torch
-from conftest import DEVICES, assert_close, make_loss_batch
 
 import grpo_ext
+from conftest import DEVICES, assert_close, make_loss_batch
 from grpo_ext import reference
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]

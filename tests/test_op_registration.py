@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES, HAS_CUDA, assert_close, make_loss_batch
 
 import grpo_ext
+from conftest import DEVICES, HAS_CUDA, assert_close, make_loss_batch
 from grpo_ext.ops import OP_NAMES
 
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")

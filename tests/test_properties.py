@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES, assert_close, make_loss_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import grpo_ext
+from conftest import DEVICES, assert_close, make_loss_batch
 from grpo_ext import reference
 
 
@@ -56,8 +56,8 @@ def test_on_policy_kl_gradient(device, bias_correction):
                              use_bias_correction_kl=bias_correction)  # fmt: skip
     out.loss.backward()
     m = batch.mask.double()
-    l, l_ref = batch.logps.double(), batch.ref_logps.double()
-    per_token = (l - l_ref) if bias_correction else (1 - torch.exp(l_ref - l))
+    logp, l_ref = batch.logps.double(), batch.ref_logps.double()
+    per_token = (logp - l_ref) if bias_correction else (1 - torch.exp(l_ref - logp))
     expected = beta * per_token * m / m.sum()
     assert_close(logps.grad, expected, rtol=1e-4, atol=1e-7)
 

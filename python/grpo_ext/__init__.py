@@ -4,7 +4,7 @@ The math of every op is ``spec/grpo-math.md`` (the project's contract); :mod:`gr
 plain PyTorch. The ops run hand-written CPU and CUDA kernels registered as ``torch.ops.grpo_ext.*``.
 """
 
-import torch  # noqa: F401  (loads libtorch before the extension module)
+import torch
 
 from . import _C, reference
 from .ops import GroupAdvantages, GRPOLossOutput, group_advantages, grpo_loss, process_advantages

@@ -24,17 +24,17 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "GroupAdvantages",
-    "GRPOLossOutput",
-    "group_advantages",
-    "process_advantages",
-    "grpo_loss",
-    "LOSS_TYPES",
-    "KL_ESTIMATORS",
-    "IMPORTANCE_SAMPLING_LEVELS",
-    "SCALE_REWARDS",
     "BASELINES",
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "KL_ESTIMATORS",
+    "LOSS_TYPES",
     "MULTI_OBJECTIVE_AGGREGATIONS",
+    "SCALE_REWARDS",
+    "GRPOLossOutput",
+    "GroupAdvantages",
+    "group_advantages",
+    "grpo_loss",
+    "process_advantages",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
