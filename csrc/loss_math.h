@@ -4,6 +4,8 @@
 // gradient at its bounds.
 #pragma once
 
+#include <cstring>
+
 #include "common.h"
 
 namespace grpo_ext {
@@ -50,77 +52,128 @@ struct LossInputs {
 // Only 'grpo' and 'sapo' normalize each row by its own length.
 GRPO_HD bool per_row_normalized(LossType t) { return t == LossType::kGRPO || t == LossType::kSAPO; }
 
+// The policy term's shape, and the KL estimator (kNone when beta == 0): the two choices that change the per-token
+// code. Kernels dispatch on them once, so the token loop is straight-line code (vectorized on the CPU).
+enum class PolicyFamily : int32_t { kClip = 0, kCispo, kSapo };
+enum class KLKind : int32_t { kNone = 0, kK1, kK2, kK3 };
+
+GRPO_HD PolicyFamily policy_family(LossType t) {
+  return t == LossType::kCISPO ? PolicyFamily::kCispo : (t == LossType::kSAPO ? PolicyFamily::kSapo : PolicyFamily::kClip);
+}
+GRPO_HD KLKind kl_kind(const LossParams& p) {
+  if (p.beta == 0.0) return KLKind::kNone;
+  return p.kl_estimator == KLEstimator::kK1 ? KLKind::kK1 : (p.kl_estimator == KLEstimator::kK2 ? KLKind::kK2 : KLKind::kK3);
+}
+
+// The hyperparameters in the compute type, converted once per kernel rather than per token.
+// An unset delta or KL clamp is an infinite bound, which leaves every finite value (and its gradient) alone: the
+// token code needs no branch for them.
+template <typename T>
+struct TokenConsts {
+  T clip_low, clip_high, cispo_cap, delta, beta, kl_clamp, tau_pos, tau_neg;
+  GRPO_HD explicit TokenConsts(const LossParams& p)
+      : clip_low(T(1) - T(p.epsilon_low)),
+        clip_high(T(1) + T(p.epsilon_high)),
+        cispo_cap(T(p.epsilon_high)),
+        delta(p.has_delta ? T(p.delta) : T(INFINITY)),
+        beta(T(p.beta)),
+        kl_clamp(p.has_kl_clamp ? T(p.kl_clamp) : T(INFINITY)),
+        tau_pos(T(p.sapo_tau_pos)),
+        tau_neg(T(p.sapo_tau_neg)) {}
+};
+
 template <typename T>
 struct TokenTerms {
-  T loss;         // P = L * is_weight + beta * KL
-  T kl;           // KL term as logged (times rho when bias-corrected)
-  T dloss_drho;   // dP/drho, holding l fixed
-  T dloss_dl;     // dP/dl through every path except rho
-  bool low, high, cispo_clipped;
+  T loss;        // P = L * is_weight + beta * KL
+  T kl;          // KL term as logged (times rho when bias-corrected)
+  T dloss_drho;  // dP/drho, holding l fixed
+  T dloss_dl;    // dP/dl through every path except rho
+  T low, high, cispo_clipped;  // clip-metric conditions (spec section 7) as 0/1; they test the uncapped rho
 };
+
+// exp and expm1 as the kernels use them. On the device and in double precision: the library functions. In host
+// float code: branch-free versions the compiler can vectorize (Cody-Waite reduction and a degree-7 polynomial,
+// within 2 ulp over the range), because glibc's scalar calls would stop the token loop from vectorizing.
+#if !defined(__CUDA_ARCH__)
+inline float host_expf(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding and removing it rounds to the nearest integer
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+#endif
+
+template <typename T>
+GRPO_HD T math_exp(T x) {
+  using std::exp;
+  return exp(x);
+}
+template <typename T>
+GRPO_HD T math_expm1(T x) {
+  using std::expm1;
+  return expm1(x);
+}
+#if !defined(__CUDA_ARCH__)
+template <>
+inline float math_exp<float>(float x) {
+  return host_expf(x);
+}
+template <>
+inline float math_expm1<float>(float r) {
+  // Where exp(r) - 1 would cancel, the series r + r^2/2! + ... + r^7/7! (truncation below 2e-11 relative).
+  const float series = r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720 + r * (1.f / 5040)))))));
+  const float direct = host_expf(r) - 1.f;
+  return ((r > -0.125f) & (r < 0.125f)) ? series : direct;
+}
+#endif
 
 // d/dx of torch.minimum(a, b) given da/dx and db/dx.
 template <typename T>
 GRPO_HD T minimum_grad(T a, T b, T da, T db) {
-  if (a < b) return da;
-  if (a > b) return db;
-  return (da + db) * T(0.5);
+  return a < b ? da : (a > b ? db : (da + db) * T(0.5));
 }
 
-// expm1 for the k3 estimator. glibc's expm1f costs several times expf, so host float code uses a short series
-// where exp(r) - 1 would cancel and exp(r) - 1 elsewhere (relative error below 1e-6 either way); device code and
-// double precision keep the library function.
+// Clip-metric conditions (spec section 7) as 0/1; they test the uncapped rho.
 template <typename T>
-GRPO_HD T kl_expm1(T r) {
-  using std::expm1;
-  return expm1(r);
-}
-#if !defined(__CUDA_ARCH__)
-template <>
-inline float kl_expm1<float>(float r) {
-  if (r > -0.125f && r < 0.125f) {
-    // Horner form of r + r^2/2! + ... + r^7/7!; the truncation error is below 2e-11 relative here.
-    return r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720 + r * (1.f / 5040)))))));
-  }
-  return std::exp(r) - 1.f;
-}
-#endif
-
-// Clip-metric conditions (spec section 7): they test the uncapped rho.
-template <typename T>
-GRPO_HD void clip_flags(const LossParams& p, T rho, T adv, bool* low, bool* high, bool* cispo_clipped) {
-  *low = rho < T(1) - T(p.epsilon_low) && adv < T(0);
-  *high = rho > T(1) + T(p.epsilon_high) && adv > T(0);
-  *cispo_clipped = rho > T(p.epsilon_high) && adv > T(0);
+GRPO_HD void clip_flags(const TokenConsts<T>& c, T rho, T adv, T* low, T* high, T* cispo_clipped) {
+  *low = ((rho < c.clip_low) & (adv < T(0))) ? T(1) : T(0);
+  *high = ((rho > c.clip_high) & (adv > T(0))) ? T(1) : T(0);
+  *cispo_clipped = ((rho > c.cispo_cap) & (adv > T(0))) ? T(1) : T(0);
 }
 
-template <typename T>
-GRPO_HD TokenTerms<T> token_terms(const LossParams& p, T l, T l_ref, T adv, T is_weight, T rho) {
-  using std::exp;
+// Per-token loss, KL, their derivatives and the clip conditions for one policy family and KL estimator; only
+// selects depend on the data, so the CPU compiler vectorizes a loop over this.
+template <typename T, PolicyFamily kFamily, KLKind kKL, bool kBias>
+GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv, T is_weight, T rho) {
   TokenTerms<T> out;
-  const T lo = T(1) - T(p.epsilon_low);
-  const T hi = T(1) + T(p.epsilon_high);
-  T policy = T(0), dpolicy_drho = T(0), dpolicy_dl = T(0);
-
-  if (p.loss_type == LossType::kCISPO) {
-    const T cap = T(p.epsilon_high);
-    const T w = rho < cap ? rho : cap;  // stop-gradient weight
+  T policy, dpolicy_drho = T(0), dpolicy_dl = T(0);
+  if constexpr (kFamily == PolicyFamily::kCispo) {
+    const T w = rho < c.cispo_cap ? rho : c.cispo_cap;  // a stop-gradient weight
     policy = -w * adv * l;
     dpolicy_dl = -w * adv;
-  } else if (p.loss_type == LossType::kSAPO) {
-    const T tau = adv > T(0) ? T(p.sapo_tau_pos) : T(p.sapo_tau_neg);
-    const T s = T(1) / (T(1) + exp(-tau * (rho - T(1))));
+  } else if constexpr (kFamily == PolicyFamily::kSapo) {
+    const T tau = adv > T(0) ? c.tau_pos : c.tau_neg;
+    const T s = T(1) / (T(1) + math_exp(-tau * (rho - T(1))));
     policy = -(T(4) / tau) * s * adv;
     dpolicy_drho = -T(4) * s * (T(1) - s) * adv;
-  } else {  // clip family
-    T rho_c = rho, drho_c = T(1);
-    if (p.has_delta) {
-      const T delta = T(p.delta);
-      rho_c = rho < delta ? rho : delta;
-      drho_c = rho <= delta ? T(1) : T(0);
-    }
-    const T rho_clip = rho < lo ? lo : (rho > hi ? hi : rho);
-    const T drho_clip = (rho >= lo && rho <= hi) ? T(1) : T(0);
+  } else {  // clip family: -min(rho_c * A, clamp(rho, lo, hi) * A), rho_c = min(rho, delta) when delta is set
+    const bool capped = rho > c.delta;
+    const T rho_c = capped ? c.delta : rho;
+    const T drho_c = capped ? T(0) : T(1);
+    const T rho_clip = rho < c.clip_low ? c.clip_low : (rho > c.clip_high ? c.clip_high : rho);
+    const T drho_clip = ((rho >= c.clip_low) & (rho <= c.clip_high)) ? T(1) : T(0);
     const T a = rho_c * adv, b = rho_clip * adv;
     policy = -(a < b ? a : b);
     dpolicy_drho = -minimum_grad(a, b, drho_c * adv, drho_clip * adv);
@@ -128,43 +181,87 @@ GRPO_HD TokenTerms<T> token_terms(const LossParams& p, T l, T l_ref, T adv, T is
   out.loss = policy * is_weight;
   out.dloss_drho = dpolicy_drho * is_weight;
   out.dloss_dl = dpolicy_dl * is_weight;
-
   out.kl = T(0);
-  if (p.beta != 0.0) {
-    T r = l_ref - l, pass = T(1);
-    if (p.has_kl_clamp) {
-      const T c = T(p.kl_clamp);
-      pass = (r >= -c && r <= c) ? T(1) : T(0);
-      r = r < -c ? -c : (r > c ? c : r);
-    }
+
+  if constexpr (kKL != KLKind::kNone) {
+    T r = l_ref - l;
+    const bool inside = (r >= -c.kl_clamp) & (r <= c.kl_clamp);  // torch.clamp passes the gradient at its bounds
+    r = r < -c.kl_clamp ? -c.kl_clamp : (r > c.kl_clamp ? c.kl_clamp : r);
     T kl, dkl_dr;
-    if (p.kl_estimator == KLEstimator::kK1) {
+    if constexpr (kKL == KLKind::kK1) {
       kl = -r;
       dkl_dr = T(-1);
-    } else if (p.kl_estimator == KLEstimator::kK2) {
+    } else if constexpr (kKL == KLKind::kK2) {
       kl = T(0.5) * r * r;
       dkl_dr = r;
-    } else {  // k3; expm1 keeps exp(r) - r - 1 accurate when r is small
-      const T em1 = kl_expm1(r);
+    } else {  // k3: exp(r) - r - 1, through expm1 so that small r keeps its precision
+      const T em1 = math_expm1(r);
       kl = em1 - r;
       dkl_dr = em1;
     }
-    const T dkl_dl = -dkl_dr * pass;
-    const T beta = T(p.beta);
-    if (p.bias_correction) {
+    const T dkl_dl = inside ? -dkl_dr : T(0);
+    if constexpr (kBias) {  // bias correction (DeepSeek-V3.2): KL * rho, rho carrying its gradient
       out.kl = rho * kl;
-      out.dloss_drho += beta * kl;
-      out.dloss_dl += beta * rho * dkl_dl;
+      out.dloss_drho += c.beta * kl;
+      out.dloss_dl += c.beta * (rho * dkl_dl);
     } else {
       out.kl = kl;
-      out.dloss_dl += beta * dkl_dl;
+      out.dloss_dl += c.beta * dkl_dl;
     }
-    out.loss += beta * out.kl;
+    out.loss += c.beta * out.kl;
   }
 
-  clip_flags(p, rho, adv, &out.low, &out.high, &out.cispo_clipped);
+  clip_flags(c, rho, adv, &out.low, &out.high, &out.cispo_clipped);
   return out;
 }
+
+// token_terms_t as a callable type, so that one dispatch hands a loop the right instantiation.
+template <typename T, PolicyFamily kFamily, KLKind kKL, bool kBias>
+struct TokenTermsFn {
+  GRPO_HD TokenTerms<T> operator()(const TokenConsts<T>& c, T l, T l_ref, T adv, T is_weight, T rho) const {
+    return token_terms_t<T, kFamily, kKL, kBias>(c, l, l_ref, adv, is_weight, rho);
+  }
+};
+
+template <typename T, PolicyFamily kFamily, bool kBias, typename Fn>
+GRPO_HD void dispatch_kl(KLKind kl, Fn&& fn) {
+  switch (kl) {
+    case KLKind::kNone: fn(TokenTermsFn<T, kFamily, KLKind::kNone, false>{}); break;
+    case KLKind::kK1: fn(TokenTermsFn<T, kFamily, KLKind::kK1, kBias>{}); break;
+    case KLKind::kK2: fn(TokenTermsFn<T, kFamily, KLKind::kK2, kBias>{}); break;
+    case KLKind::kK3: fn(TokenTermsFn<T, kFamily, KLKind::kK3, kBias>{}); break;
+  }
+}
+
+template <typename T, PolicyFamily kFamily, typename Fn>
+GRPO_HD void dispatch_bias(KLKind kl, bool bias_correction, Fn&& fn) {
+  if (bias_correction) {
+    dispatch_kl<T, kFamily, true>(kl, fn);
+  } else {
+    dispatch_kl<T, kFamily, false>(kl, fn);
+  }
+}
+
+// Runs fn(TokenTermsFn<T, family, kl, bias>{}) for the runtime choice: one switch per row or kernel, not per token.
+template <typename T, typename Fn>
+GRPO_HD void dispatch_token_terms(PolicyFamily family, KLKind kl, bool bias_correction, Fn&& fn) {
+  switch (family) {
+    case PolicyFamily::kClip: dispatch_bias<T, PolicyFamily::kClip>(kl, bias_correction, fn); break;
+    case PolicyFamily::kCispo: dispatch_bias<T, PolicyFamily::kCispo>(kl, bias_correction, fn); break;
+    case PolicyFamily::kSapo: dispatch_bias<T, PolicyFamily::kSapo>(kl, bias_correction, fn); break;
+  }
+}
+
+// The same for a choice made at run time (a per-token switch: fine where memory bandwidth is the limit).
+template <typename T>
+GRPO_HD TokenTerms<T> token_terms(const TokenConsts<T>& c, PolicyFamily family, KLKind kl, bool bias_correction, T l,
+                                  T l_ref, T adv, T is_weight, T rho) {
+  TokenTerms<T> out;
+  dispatch_token_terms<T>(family, kl, bias_correction,
+                          [&](auto terms) { out = terms(c, l, l_ref, adv, is_weight, rho); });
+  return out;
+}
+
 
 // The global factor applied to the sum of row partials (and, in backward, to the raw gradient).
 template <typename T>

@@ -4,6 +4,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../binding_utils.h"
@@ -47,19 +49,74 @@ const T* row_values(const StridedMatrix& m, int64_t row, int64_t n, T* buffer) {
   return buffer;
 }
 
-// Per-thread scratch rows for the inputs that need converting.
+// Per-thread scratch: rows of inputs that need converting, and the per-token contributions that are summed.
 template <typename T>
 struct RowScratch {
   std::vector<T> mask, logps, old_logps, ref_logps, advantages, is_weights;
-  explicit RowScratch(int64_t n)
-      : mask(n), logps(n), old_logps(n), ref_logps(n), advantages(n), is_weights(n) {}
+  std::vector<T> contributions;  // kNumRowSlots + 1 rows of n: loss, mask, kl, low, high, region, cispo, dP/drho
+  std::vector<T> grad;           // the gradient's destination when none is wanted
+  int64_t n;
+  explicit RowScratch(int64_t n_cols)
+      : mask(n_cols), logps(n_cols), old_logps(n_cols), ref_logps(n_cols), advantages(n_cols), is_weights(n_cols),
+        contributions((kNumRowSlots + 1) * n_cols), grad(n_cols), n(n_cols) {}
+  T* slot(int s) { return contributions.data() + s * n; }
 };
+
+// Sum of x[0..n) in 16 interleaved float lanes (vectorized; a fixed order, so reproducible), finished in double.
+template <typename T>
+double lane_sum(const T* x, int64_t n) {
+  constexpr int kLanes = 16;
+  T lanes[kLanes] = {};
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] += x[t + j];
+  }
+  double total = 0.0;
+  for (int j = 0; j < kLanes; ++j) total += double(lanes[j]);
+  for (; t < n; ++t) total += double(x[t]);
+  return total;
+}
+
+// dst = src where m != 0, else 0: garbage under the mask (NaN, -inf) never reaches the arithmetic. The load comes
+// first and unconditionally, which is what lets the compiler vectorize the select.
+template <typename T>
+void sanitize_row(int64_t n, const T* __restrict__ m, const T* __restrict__ src, T* __restrict__ dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T value = src[t];
+    dst[t] = m[t] != T(0) ? value : T(0);
+  }
+}
+
+// The token loop, compiled twice: for baseline x86-64 (SSE2, 4 floats a vector) and for AVX2 (8), chosen at run
+// time. No FMA in either, so both round alike and a result does not depend on the machine's vector width beyond
+// the order of additions inside a vector (which is fixed per instruction set).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GRPO_EXT_CPU_AVX2 1
+namespace isa_avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#include "loss_tokens.inc"
+#pragma GCC pop_options
+}  // namespace isa_avx2
+#endif
+namespace isa_baseline {
+#include "loss_tokens.inc"
+}  // namespace isa_baseline
+
+inline bool cpu_has_avx2() {
+#ifdef GRPO_EXT_CPU_AVX2
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+#else
+  return false;
+#endif
+}
+
 
 // One row: its loss/metric partials and, if requested, the raw gradient (before the global scale).
 template <typename T>
-void loss_row(const LossParams& p, const LossInputs& in, int64_t row, RowScratch<T>& scratch, double* partials,
-              T* grad_row) {
-  using std::exp;
+void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInputs& in, int64_t row,
+              RowScratch<T>& scratch, double* partials, T* grad_row) {
   const int64_t n_cols = in.seq_len;
   const bool want_kl = p.beta != 0.0;
   // m_eff = mask * sample_mask: a dropped row reads nothing else.
@@ -68,83 +125,87 @@ void loss_row(const LossParams& p, const LossInputs& in, int64_t row, RowScratch
     if (grad_row) std::fill(grad_row, grad_row + n_cols, T(0));
     for (int s = 0; s < kNumRowSlots; ++s) partials[s] = 0.0;
     if (p.row_share_metrics) {  // every row counts in the row shares; a row without tokens has ratio 1
-      bool low, high, cispo;
-      clip_flags<T>(p, T(1), in.advantages.load<T>(row, 0), &low, &high, &cispo);
+      T low, high, cispo;
+      clip_flags<T>(consts, T(1), in.advantages.load<T>(row, 0), &low, &high, &cispo);
       partials[kSlotLow] = low;
       partials[kSlotHigh] = high;
-      partials[kSlotRegion] = low || high;
+      partials[kSlotRegion] = low + high;
       partials[kSlotCispo] = cispo;
     }
     return;
   }
-  const T* mask = row_values(in.mask, row, n_cols, scratch.mask.data());
-  const T* logps = row_values(in.logps, row, n_cols, scratch.logps.data());
-  const T* old_logps = p.has_old ? row_values(in.old_logps, row, n_cols, scratch.old_logps.data()) : nullptr;
-  const T* ref_logps = want_kl ? row_values(in.ref_logps, row, n_cols, scratch.ref_logps.data()) : nullptr;
-  const T* advantages = row_values(in.advantages, row, n_cols, scratch.advantages.data());
-  const T* is_weights = row_values(in.is_weights, row, n_cols, scratch.is_weights.data());
+  // m_eff, then every input as a contiguous row with zeros under the mask.
+  const T* mask_in = row_values(in.mask, row, n_cols, scratch.mask.data());
+  T* mask = scratch.mask.data();
+  for (int64_t t = 0; t < n_cols; ++t) mask[t] = mask_in[t] * row_keep;
+  auto clean = [&](const StridedMatrix& m, std::vector<T>& buffer) -> const T* {
+    const T* values = row_values(m, row, n_cols, buffer.data());
+    sanitize_row(n_cols, mask, values, buffer.data());
+    return buffer.data();
+  };
+  const T* logps = clean(in.logps, scratch.logps);
+  // Absent inputs: on-policy old = logps (rho = 1 exactly); no KL reads logps in place of ref; weights of 1.
+  const T* old_logps = p.has_old ? clean(in.old_logps, scratch.old_logps) : logps;
+  const T* ref_logps = want_kl ? clean(in.ref_logps, scratch.ref_logps) : logps;
+  const T* advantages = clean(in.advantages, scratch.advantages);
+  const T* is_weights;
+  if (in.is_weights.present()) {
+    is_weights = clean(in.is_weights, scratch.is_weights);
+  } else {
+    std::fill(scratch.is_weights.begin(), scratch.is_weights.end(), T(1));
+    is_weights = scratch.is_weights.data();
+  }
 
   const bool need_count = per_row_normalized(p.loss_type) || p.sequence_level;
-  double count = 0.0, log_ratio_sum = 0.0;
-  if (need_count) {
-    for (int64_t t = 0; t < n_cols; ++t) {
-      const T m = mask[t] * row_keep;
-      if (m == T(0)) continue;
-      count += m;
-      if (p.sequence_level && old_logps) log_ratio_sum += double(m) * double(logps[t] - old_logps[t]);
-    }
+  const double count = need_count ? lane_sum(mask, n_cols) : 0.0;
+  double log_ratio_sum = 0.0;
+  if (p.sequence_level) {  // sum_t m * (l - l_old), through a scratch row so that both loops vectorize
+    T* log_ratio = scratch.slot(kNumRowSlots);
+    for (int64_t t = 0; t < n_cols; ++t) log_ratio[t] = mask[t] * (logps[t] - old_logps[t]);
+    log_ratio_sum = lane_sum(log_ratio, n_cols);
   }
   const double count_clamped = count > 1.0 ? count : 1.0;
-  const T seq_ratio = p.sequence_level ? T(exp(log_ratio_sum / count_clamped)) : T(1);
+  const T seq_ratio = p.sequence_level ? math_exp(T(log_ratio_sum / count_clamped)) : T(1);
   const T row_factor = per_row_normalized(p.loss_type) ? T(1.0 / count_clamped) : T(1);
 
-  double acc[kNumRowSlots] = {0, 0, 0, 0, 0, 0, 0};
-  double drho_sum = 0.0;  // sequence level: sum_t w * dP/drho
-  for (int64_t t = 0; t < n_cols; ++t) {
-    const T m = mask[t] * row_keep;
-    if (m == T(0)) {
-      if (grad_row) grad_row[t] = T(0);
-      continue;
-    }
-    const T l = logps[t];
-    const T rho = p.sequence_level ? seq_ratio : (old_logps ? exp(l - old_logps[t]) : T(1));
-    const T adv = advantages[t];
-    const T l_ref = ref_logps ? ref_logps[t] : T(0);
-    const T isw = is_weights ? is_weights[t] : T(1);
-    const TokenTerms<T> tt = token_terms<T>(p, l, l_ref, adv, isw, rho);
-    const T w = m * row_factor;
-    acc[kSlotLoss] += double(w * tt.loss);
-    acc[kSlotMask] += double(m);
-    acc[kSlotKL] += double(m * tt.kl);
-    acc[kSlotLow] += tt.low ? double(m) : 0.0;
-    acc[kSlotHigh] += tt.high ? double(m) : 0.0;
-    acc[kSlotRegion] += (tt.low || tt.high) ? double(m) : 0.0;
-    acc[kSlotCispo] += tt.cispo_clipped ? double(m) : 0.0;
-    if (grad_row) {
-      if (p.sequence_level) {
-        drho_sum += double(w * tt.dloss_drho);
-        grad_row[t] = w * tt.dloss_dl;
-      } else {
-        grad_row[t] = w * (tt.dloss_dl + tt.dloss_drho * rho);
+  dispatch_token_terms<T>(policy_family(p.loss_type), kl_kind(p), p.bias_correction, [&](auto terms) {
+    T* grad_out = grad_row ? grad_row : scratch.grad.data();  // one store path keeps the loop branch-free
+    auto run = [&](auto sequence_level) {
+      constexpr bool kSequence = decltype(sequence_level)::value;
+      auto args = std::make_tuple(terms, consts, n_cols, mask, logps, old_logps, ref_logps, advantages, is_weights,
+                                  seq_ratio, row_factor, scratch.slot(kSlotLoss), scratch.slot(kSlotMask),
+                                  scratch.slot(kSlotKL), scratch.slot(kSlotLow), scratch.slot(kSlotHigh),
+                                  scratch.slot(kSlotRegion), scratch.slot(kSlotCispo), scratch.slot(kNumRowSlots),
+                                  grad_out);
+#ifdef GRPO_EXT_CPU_AVX2
+      if (cpu_has_avx2()) {
+        std::apply([](auto&&... a) { isa_avx2::loss_row_tokens<T, kSequence>(a...); }, args);
+        return;
       }
+#endif
+      std::apply([](auto&&... a) { isa_baseline::loss_row_tokens<T, kSequence>(a...); }, args);
+    };
+    if (p.sequence_level) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
     }
-  }
+  });
+  for (int s = 0; s < kNumRowSlots; ++s) partials[s] = lane_sum(scratch.slot(s), n_cols);
   if (p.row_share_metrics) {  // one condition per row, every row counted
-    bool low, high, cispo;
-    clip_flags<T>(p, seq_ratio, in.advantages.load<T>(row, 0), &low, &high, &cispo);
-    acc[kSlotLow] = low;
-    acc[kSlotHigh] = high;
-    acc[kSlotRegion] = low || high;
-    acc[kSlotCispo] = cispo;
+    T low, high, cispo;
+    clip_flags<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), &low, &high, &cispo);
+    partials[kSlotLow] = low;
+    partials[kSlotHigh] = high;
+    partials[kSlotRegion] = low + high;
+    partials[kSlotCispo] = cispo;
   }
   if (grad_row && p.sequence_level) {
-    // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1)
+    // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1), times sum_t w * dP/drho
+    const double drho_sum = lane_sum(scratch.slot(kNumRowSlots), n_cols);
     const T through_ratio = T(drho_sum * double(seq_ratio) / count_clamped);
-    for (int64_t t = 0; t < n_cols; ++t) {
-      if (mask[t] != T(0)) grad_row[t] += through_ratio * mask[t] * row_keep;
-    }
+    for (int64_t t = 0; t < n_cols; ++t) grad_row[t] += through_ratio * mask[t];
   }
-  for (int s = 0; s < kNumRowSlots; ++s) partials[s] = acc[s];
 }
 
 template <typename T>
@@ -154,10 +215,11 @@ void loss_forward_cpu_impl(LossForwardPlan& plan) {
   std::vector<double> partials(static_cast<size_t>(in.batch) * kNumRowSlots);
   T* grad = p.compute_grad ? plan.grad_raw.data_ptr<T>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(in.seq_len, 1));
+  const TokenConsts<T> consts(p);
   at::parallel_for(0, in.batch, grain, [&](int64_t begin, int64_t end) {
     RowScratch<T> scratch(in.seq_len);
     for (int64_t row = begin; row < end; ++row) {
-      loss_row<T>(p, in, row, scratch, partials.data() + row * kNumRowSlots,
+      loss_row<T>(p, consts, in, row, scratch, partials.data() + row * kNumRowSlots,
                   grad ? grad + row * in.seq_len : nullptr);
     }
   });

@@ -72,6 +72,7 @@ __global__ void group_advantages_kernel(AdvantageParams p, StridedMatrix rewards
       group_std[g] = sigma;
       zero_std[g] = cnt >= T(2) && sigma <= T(kZeroStdTolerance);
     }
+    __syncwarp();  // lane 0's group_std is read by the whole warp in phase 3
   }
 
   // Phase 2: batch statistics of R.

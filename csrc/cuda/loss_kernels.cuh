@@ -21,6 +21,9 @@ __global__ void grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict
   const int64_t n_cols = in.seq_len;
   const bool need_count = per_row_normalized(p.loss_type) || p.sequence_level;
   const bool want_kl = p.beta != 0.0;
+  const TokenConsts<T> consts(p);
+  const PolicyFamily family = policy_family(p.loss_type);
+  const KLKind kl = kl_kind(p);
   for (int64_t row = blockIdx.x; row < in.batch; row += gridDim.x) {
     T* grad_row = grad ? grad + row * n_cols : nullptr;
     T pass1[2] = {T(0), T(0)};  // sum m, sum m * (l - l_old)
@@ -34,7 +37,7 @@ __global__ void grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict
       block_sum<T, 2>(pass1, scratch);
     }
     const T count_clamped = pass1[0] > T(1) ? pass1[0] : T(1);
-    const T seq_ratio = p.sequence_level ? exp(pass1[1] / count_clamped) : T(1);
+    const T seq_ratio = p.sequence_level ? math_exp(pass1[1] / count_clamped) : T(1);
     const T row_factor = per_row_normalized(p.loss_type) ? T(1) / count_clamped : T(1);
 
     T acc[kNumRowSlots + 1];  // the row slots, then sum_t w * dP/drho (sequence level)
@@ -47,19 +50,19 @@ __global__ void grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict
         continue;
       }
       const T l = in.logps.load<T>(row, t);
-      const T rho = p.sequence_level ? seq_ratio : (p.has_old ? exp(l - in.old_logps.load<T>(row, t)) : T(1));
+      const T rho = p.sequence_level ? seq_ratio : (p.has_old ? math_exp(l - in.old_logps.load<T>(row, t)) : T(1));
       const T adv = in.advantages.load<T>(row, t);
       const T l_ref = want_kl ? in.ref_logps.load<T>(row, t) : T(0);
       const T isw = in.is_weights.present() ? in.is_weights.load<T>(row, t) : T(1);
-      const TokenTerms<T> tt = token_terms<T>(p, l, l_ref, adv, isw, rho);
+      const TokenTerms<T> tt = token_terms<T>(consts, family, kl, p.bias_correction, l, l_ref, adv, isw, rho);
       const T w = m * row_factor;
       acc[kSlotLoss] += w * tt.loss;
       acc[kSlotMask] += m;
       acc[kSlotKL] += m * tt.kl;
-      acc[kSlotLow] += tt.low ? m : T(0);
-      acc[kSlotHigh] += tt.high ? m : T(0);
-      acc[kSlotRegion] += (tt.low || tt.high) ? m : T(0);
-      acc[kSlotCispo] += tt.cispo_clipped ? m : T(0);
+      acc[kSlotLow] += tt.low * m;
+      acc[kSlotHigh] += tt.high * m;
+      acc[kSlotRegion] += (tt.low + tt.high) * m;  // low and high never hold together
+      acc[kSlotCispo] += tt.cispo_clipped * m;
       if (grad_row) {
         if (p.sequence_level) {
           acc[kNumRowSlots] += w * tt.dloss_drho;
@@ -72,12 +75,9 @@ __global__ void grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict
     block_sum<T, kNumRowSlots + 1>(acc, scratch);
     if (threadIdx.x == 0) {
       if (p.row_share_metrics) {  // one condition per row, every row counted
-        bool low, high, cispo;
-        clip_flags<T>(p, seq_ratio, in.advantages.load<T>(row, 0), &low, &high, &cispo);
-        acc[kSlotLow] = low;
-        acc[kSlotHigh] = high;
-        acc[kSlotRegion] = low || high;
-        acc[kSlotCispo] = cispo;
+        clip_flags<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), &acc[kSlotLow], &acc[kSlotHigh],
+                      &acc[kSlotCispo]);
+        acc[kSlotRegion] = acc[kSlotLow] + acc[kSlotHigh];
       }
 #pragma unroll
       for (int s = 0; s < kNumRowSlots; ++s) partials[row * kNumRowSlots + s] = acc[s];
