@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -42,7 +43,8 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
   bool* g_zero = plan.zero_std.data_ptr<bool>();
 
   // Phase 1: the combined reward R of every row and each group's own statistics of R.
-  at::parallel_for(0, plan.num_groups, 64, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 4096 / g_size);  // small batches stay on one thread
+  at::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> column(static_cast<size_t>(g_size));
     for (int64_t g = begin; g < end; ++g) {
       T* r_group = combined.data() + g * g_size;
@@ -56,6 +58,14 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
           for (int64_t i = 0; i < g_size; ++i) {
             if (column[i] == column[i]) r_group[i] += w * (column[i] - mu) / (sigma + T(p.eps));
           }
+        }
+      } else if (k == 1 && !plan.weights.present()) {  // one reward function: R is the reward itself
+        const StridedMatrix& r = plan.rewards;
+        if (r.dtype == (sizeof(T) == 4 ? DType::kFloat32 : DType::kFloat64)) {
+          const T* src = static_cast<const T*>(r.data);
+          for (int64_t i = 0; i < g_size; ++i) r_group[i] = src[(g * g_size + i) * r.row_stride];
+        } else {
+          for (int64_t i = 0; i < g_size; ++i) r_group[i] = r.load<T>(g * g_size + i, 0);
         }
       } else {
         for (int64_t i = 0; i < g_size; ++i) r_group[i] = combine_rewards<T>(plan.rewards, plan.weights, g * g_size + i, k);
@@ -75,7 +85,7 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
   }
 
   // Phase 3: advantages.
-  at::parallel_for(0, plan.num_groups, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const T* r_group = combined.data() + g * g_size;
       if (gdpo) {
