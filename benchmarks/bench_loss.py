@@ -157,6 +157,27 @@ def bytes_moved(batch: int, length: int, dtype: torch.dtype) -> int:
     return forward + backward
 
 
+def _loss_step(loss_fn, inputs: dict[str, Tensor], loss_type: str, beta: float) -> Step:
+    """A step running ``loss_fn`` (grpo_ext.grpo_loss or its reference, maybe compiled), then d loss / d logps."""
+    logps = inputs["logps"]
+
+    def step() -> tuple[Tensor, Tensor]:
+        out = loss_fn(
+            logps,
+            inputs["advantages"],
+            inputs["completion_mask"],
+            old_logps=inputs["old_logps"],
+            ref_logps=inputs["ref_logps"],
+            loss_type=loss_type,
+            beta=beta,
+            epsilon=EPSILON,
+        )
+        (grad,) = torch.autograd.grad(out.loss, logps)
+        return out.loss, grad
+
+    return step
+
+
 def make_steps(inputs: dict[str, Tensor], loss_type: str, beta: float) -> dict[str, Step]:
     """The eager and grpo_ext steps (loss, then gradient w.r.t. logps) on fixed inputs."""
     logps = inputs["logps"]
@@ -174,44 +195,14 @@ def make_steps(inputs: dict[str, Tensor], loss_type: str, beta: float) -> dict[s
         (grad,) = torch.autograd.grad(loss, logps)
         return loss, grad
 
-    def ext() -> tuple[Tensor, Tensor]:
-        out = grpo_ext.grpo_loss(
-            logps,
-            inputs["advantages"],
-            inputs["completion_mask"],
-            old_logps=inputs["old_logps"],
-            ref_logps=inputs["ref_logps"],
-            loss_type=loss_type,
-            beta=beta,
-            epsilon=EPSILON,
-        )
-        (grad,) = torch.autograd.grad(out.loss, logps)
-        return out.loss, grad
-
-    return {"eager": eager, "grpo_ext": ext}
+    return {"eager": eager, "grpo_ext": _loss_step(grpo_ext.grpo_loss, inputs, loss_type, beta)}
 
 
 def make_compiled_step(inputs: dict[str, Tensor], loss_type: str, beta: float) -> Step:
     """``torch.compile(reference.grpo_loss)`` as a step; compilation happens on its first calls."""
     torch._dynamo.reset()  # a fresh, static-shape compile per case (and no recompile limit across cases)
     compiled = torch.compile(reference.grpo_loss, dynamic=False)
-    logps = inputs["logps"]
-
-    def step() -> tuple[Tensor, Tensor]:
-        out = compiled(
-            logps,
-            inputs["advantages"],
-            inputs["completion_mask"],
-            old_logps=inputs["old_logps"],
-            ref_logps=inputs["ref_logps"],
-            loss_type=loss_type,
-            beta=beta,
-            epsilon=EPSILON,
-        )
-        (grad,) = torch.autograd.grad(out.loss, logps)
-        return out.loss, grad
-
-    return step
+    return _loss_step(compiled, inputs, loss_type, beta)
 
 
 def float64_truth(inputs: dict[str, Tensor], loss_type: str, beta: float) -> tuple[Tensor, Tensor, Tensor]:
