@@ -33,6 +33,12 @@ TORCH_LIBRARY(grpo_ext, m) {
       "int max_completion_length, float sapo_temperature_pos, float sapo_temperature_neg, float loss_scale, "
       "bool compute_grad) -> (Tensor loss, Tensor metrics, Tensor grad_raw, Tensor grad_scale)");
   m.def("grpo_loss_backward(Tensor grad_loss, Tensor grad_raw, Tensor grad_scale, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "selective_log_softmax_forward(Tensor logits, Tensor ids, float temperature, bool return_entropy) -> "
+      "(Tensor logps, Tensor entropy, Tensor row_stats)");
+  m.def(
+      "selective_log_softmax_backward(Tensor grad_logps, Tensor? grad_entropy, Tensor logits, Tensor ids, "
+      "Tensor row_stats, float temperature) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

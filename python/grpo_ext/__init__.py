@@ -7,7 +7,15 @@ plain PyTorch. The ops run hand-written CPU and CUDA kernels registered as ``tor
 import torch
 
 from . import _C, reference
-from .ops import GroupAdvantages, GRPOLossOutput, group_advantages, grpo_loss, process_advantages
+from .ops import (
+    GroupAdvantages,
+    GRPOLossOutput,
+    SelectiveLogSoftmax,
+    group_advantages,
+    grpo_loss,
+    process_advantages,
+    selective_log_softmax,
+)
 
 __version__ = "0.1.0"
 
@@ -33,9 +41,11 @@ from . import ops  # noqa: E402
 __all__ = [
     "GRPOLossOutput",
     "GroupAdvantages",
+    "SelectiveLogSoftmax",
     "build_info",
     "group_advantages",
     "grpo_loss",
     "process_advantages",
     "reference",
+    "selective_log_softmax",
 ]

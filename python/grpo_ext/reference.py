@@ -32,9 +32,11 @@ __all__ = [
     "SCALE_REWARDS",
     "GRPOLossOutput",
     "GroupAdvantages",
+    "SelectiveLogSoftmax",
     "group_advantages",
     "grpo_loss",
     "process_advantages",
+    "selective_log_softmax",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -775,3 +777,65 @@ def grpo_loss(
             metrics["clip_ratio/region_mean"] = share(low | high)
 
     return GRPOLossOutput(loss=loss, metrics=metrics)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Section 2: log-probs and entropy from logits
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class SelectiveLogSoftmax(NamedTuple):
+    """Per-token log-probs of the chosen ids, and the entropy of each row's distribution (None unless asked)."""
+
+    logps: Tensor
+    entropy: Tensor | None
+
+
+def validate_selective_log_softmax_args(logits: Tensor, ids: Tensor, temperature: float) -> float:
+    """Checks selective_log_softmax's arguments (shared with the native op's wrapper); returns the temperature.
+
+    Raises:
+        ValueError: naming the bad argument and what was expected.
+    """
+    _check_tensor("logits", logits)
+    _check_tensor("ids", ids)
+    _check_floating("logits", logits)
+    _check_integer("ids", ids)
+    if logits.dim() < 2:
+        raise ValueError(f"logits must have shape [N, V] or [B, T, V], got {tuple(logits.shape)}")
+    if tuple(ids.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"ids must have shape {tuple(logits.shape[:-1])} (logits without V), got {tuple(ids.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a vocabulary of at least one entry (V >= 1)")
+    _check_same_device("logits", logits, ids=ids)
+    return _check_positive("temperature", temperature)
+
+
+def selective_log_softmax(
+    logits: Tensor, ids: Tensor, *, temperature: float = 1.0, return_entropy: bool = False
+) -> SelectiveLogSoftmax:
+    """Log-probs of the chosen tokens and the entropy (spec section 2), through a materialized log_softmax.
+
+    ``z = logits / temperature``; ``logps = z[id] - logsumexp(z)``;
+    ``entropy = logsumexp(z) - sum_v softmax(z)_v * z_v``.
+
+    Args:
+        logits: ``[..., V]`` floating; ``logits[..., :]`` scores ``ids[...]`` (positions already aligned).
+        ids: ``[...]`` integer token ids in ``[0, V)``.
+        temperature: > 0.
+        return_entropy: also return the entropy.
+
+    Returns:
+        :class:`SelectiveLogSoftmax` of ``[...]`` tensors in the compute dtype (float32, float64 for float64
+        logits), differentiable with respect to ``logits``.
+    """
+    temperature = validate_selective_log_softmax_args(logits, ids, temperature)
+    z = logits.to(_compute_dtype(logits)) / temperature
+    log_probs = torch.log_softmax(z, dim=-1)
+    logps = torch.gather(log_probs, -1, ids.long().unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if return_entropy:
+        probs = log_probs.exp()
+        # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing
+        entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum(-1)
+    return SelectiveLogSoftmax(logps, entropy)

@@ -1,0 +1,63 @@
+// CPU helpers shared by the row-wise kernels: a strided input row as contiguous values, and a reproducible sum.
+#pragma once
+
+#include <cstdint>
+
+#include "../common.h"
+
+namespace grpo_ext {
+namespace cpu {
+
+// A row of a strided input as contiguous T: the data itself when it already is, else converted into `buffer`.
+// Hoisting the dtype switch out of the token loop is what keeps that loop cheap.
+template <typename T>
+const T* row_values(const StridedMatrix& m, int64_t row, int64_t n, T* buffer) {
+  if (!m.present()) return nullptr;
+  constexpr DType kSame = sizeof(T) == sizeof(double) ? DType::kFloat64 : DType::kFloat32;
+  if (m.dtype == kSame && m.col_stride == 1) return static_cast<const T*>(m.data) + row * m.row_stride;
+  if (m.col_stride == 0) {
+    const T v = m.load<T>(row, 0);
+    for (int64_t t = 0; t < n; ++t) buffer[t] = v;
+    return buffer;
+  }
+  switch (m.dtype) {  // one switch per row; each loop below vectorizes
+#define GRPO_CONVERT_ROW(tag, ctype, expr)                                          \
+  case DType::tag: {                                                              \
+    const ctype* src = static_cast<const ctype*>(m.data) + row * m.row_stride;   \
+    for (int64_t t = 0; t < n; ++t) {                                             \
+      const ctype x = src[t * m.col_stride];                                      \
+      buffer[t] = static_cast<T>(expr);                                           \
+    }                                                                             \
+    return buffer;                                                                \
+  }
+    GRPO_CONVERT_ROW(kFloat32, float, x)
+    GRPO_CONVERT_ROW(kFloat64, double, x)
+    GRPO_CONVERT_ROW(kBFloat16, uint16_t, bf16_bits_to_float(x))
+    GRPO_CONVERT_ROW(kFloat16, uint16_t, f16_bits_to_float(x))
+    GRPO_CONVERT_ROW(kBool, uint8_t, x)
+    GRPO_CONVERT_ROW(kUInt8, uint8_t, x)
+    GRPO_CONVERT_ROW(kInt8, int8_t, x)
+    GRPO_CONVERT_ROW(kInt32, int32_t, x)
+    GRPO_CONVERT_ROW(kInt64, int64_t, x)
+#undef GRPO_CONVERT_ROW
+  }
+  return buffer;
+}
+
+// Sum of x[0..n) in 16 interleaved float lanes (vectorized; a fixed order, so reproducible), finished in double.
+template <typename T>
+double lane_sum(const T* x, int64_t n) {
+  constexpr int kLanes = 16;
+  T lanes[kLanes] = {};
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] += x[t + j];
+  }
+  double total = 0.0;
+  for (int j = 0; j < kLanes; ++j) total += double(lanes[j]);
+  for (; t < n; ++t) total += double(x[t]);
+  return total;
+}
+
+}  // namespace cpu
+}  // namespace grpo_ext

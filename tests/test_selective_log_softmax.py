@@ -1,0 +1,119 @@
+"""grpo_ext.selective_log_softmax (spec section 2) against the materialized float64 log_softmax reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES, assert_close
+
+import grpo_ext
+from grpo_ext import reference
+
+
+def make_logits(rows: int, vocab: int, *, seed: int = 0, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = scale * torch.randn(rows, vocab, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (rows,), generator=g)
+    if rows > 1:
+        logits[1, ids[1]] += 40.0  # a confident token: p -> 1, where 1 - p would cancel
+    return logits, ids
+
+
+def run(logits: torch.Tensor, ids: torch.Tensor, impl, temperature: float, weights: tuple[torch.Tensor, torch.Tensor]):
+    x = logits.clone().requires_grad_(True)
+    out = impl.selective_log_softmax(x, ids, temperature=temperature, return_entropy=True)
+    (out.logps * weights[0]).sum().add((out.entropy * weights[1]).sum()).backward()
+    return out.logps.detach(), out.entropy.detach(), x.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [1, 7, 300, 50257])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_matches_reference(device, vocab, temperature):
+    rows = 6 if vocab < 10000 else 3
+    logits, ids = make_logits(rows, vocab, seed=vocab)
+    g = torch.Generator().manual_seed(1)
+    weights = (torch.randn(rows, generator=g, dtype=torch.float64), torch.randn(rows, generator=g, dtype=torch.float64))
+    ref = run(logits, ids, reference, temperature, weights)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        got = run(logits.to(device, dtype), ids.to(device), grpo_ext, temperature, tuple(w.to(device) for w in weights))
+        assert got[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert got[2].dtype == dtype
+        for name, a, b in zip(("logps", "entropy", "grad"), got, ref, strict=True):
+            assert_close(a, b, rtol=tol, atol=tol, msg=f"{name} {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("low_precision", [torch.bfloat16, torch.float16])
+def test_low_precision_error_at_most_twice_reference(device, low_precision):
+    logits, ids = make_logits(8, 4099, seed=3)
+    low = logits.to(low_precision)
+    weights = (torch.ones(8, dtype=torch.float64), 0.5 * torch.ones(8, dtype=torch.float64))
+    truth = run(low.double(), ids, reference, 0.9, weights)
+    ref_low = run(low, ids, reference, 0.9, weights)
+    got = run(low.to(device), ids.to(device), grpo_ext, 0.9, tuple(w.to(device) for w in weights))
+    for name, a, r, t in zip(("logps", "entropy", "grad"), got, ref_low, truth, strict=True):
+        err = (a.double().cpu() - t).abs().max().item()
+        ref_err = (r.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + 1e-6, (name, err, ref_err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_shape_non_contiguous_and_infinite_logits(device):
+    logits, ids = make_logits(12, 33, seed=5)
+    logits[2, :5] = float("-inf")  # masked vocabulary entries (not the chosen one)
+    ids[2] = 10
+    wide = torch.zeros(12, 66, dtype=torch.float64)
+    wide[:, ::2] = logits
+    view = wide[:, ::2].reshape(3, 4, 33)  # strided rows, [B, T, V]
+    assert not view.is_contiguous()
+    expected = reference.selective_log_softmax(logits, ids, return_entropy=True)
+    got = grpo_ext.selective_log_softmax(view.to(device), ids.reshape(3, 4).to(device), return_entropy=True)
+    assert got.logps.shape == (3, 4)
+    assert_close(got.logps.reshape(-1), expected.logps, rtol=1e-12, atol=1e-12)
+    assert_close(got.entropy.reshape(-1), expected.entropy, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic(device):
+    logits, ids = make_logits(16, 5000, seed=7)
+    x = logits.float().to(device)
+    runs = [grpo_ext.selective_log_softmax(x, ids.to(device), return_entropy=True) for _ in range(3)]
+    for r in runs[1:]:
+        assert torch.equal(r.logps, runs[0].logps) and torch.equal(r.entropy, runs[0].entropy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_gradcheck_compile(device):
+    logits, ids = make_logits(4, 9, seed=2)
+    x = logits.to(device).requires_grad_(True)
+    ids = ids.to(device)
+    for entropy in (False, True):
+        torch.library.opcheck(torch.ops.grpo_ext.selective_log_softmax_forward.default, (x, ids, 0.8, entropy))
+    stats = torch.ops.grpo_ext.selective_log_softmax_forward(x.detach(), ids, 0.8, True)[2]
+    grad = torch.randn(4, dtype=torch.float64, device=device)
+    torch.library.opcheck(
+        torch.ops.grpo_ext.selective_log_softmax_backward.default, (grad, grad, x.detach(), ids, stats, 0.8)
+    )
+
+    def fn(t):
+        out = grpo_ext.selective_log_softmax(t, ids, temperature=0.8, return_entropy=True)
+        return out.logps.sum() + 0.5 * out.entropy.sum()
+
+    assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-8)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    assert_close(compiled(x), fn(x), rtol=1e-12, atol=1e-12)
+
+
+def test_errors():
+    logits = torch.randn(4, 5)
+    for impl in (grpo_ext, reference):
+        with pytest.raises(ValueError, match="ids must have shape"):
+            impl.selective_log_softmax(logits, torch.zeros(3, dtype=torch.long))
+        with pytest.raises(ValueError, match="temperature"):
+            impl.selective_log_softmax(logits, torch.zeros(4, dtype=torch.long), temperature=0.0)
+        with pytest.raises(ValueError, match="logits must be a floating-point tensor"):
+            impl.selective_log_softmax(logits.long(), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        grpo_ext.selective_log_softmax(logits, torch.tensor([0, 1, 5, 2]))
