@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES, assert_close
 
 import grpo_ext
+from conftest import DEVICES, assert_close
 from grpo_ext import reference
 
 
