@@ -1,0 +1,186 @@
+"""GRPOConfig: the training options, under TRL's names where TRL has the concept, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+# Loss types whose denominator is the number of tokens in the (accumulated) batch: they take num_items_in_batch.
+TOKEN_LEVEL_LOSS_TYPES = ("dapo", "cispo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LR_SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
+
+
+def _fail(field: str, message: str, value: Any) -> None:
+    raise ValueError(f"GRPOConfig.{field} {message}, got {value!r}")
+
+
+@dataclasses.dataclass
+class GRPOConfig:
+    """Options of :class:`GRPOTrainer`.
+
+    One optimizer step consumes ``gradient_accumulation_steps`` micro-batches of ``per_device_train_batch_size``
+    completions. One generation produces ``per_device_train_batch_size * steps_per_generation`` completions
+    (``num_generations`` per prompt), scored once and reused ``num_iterations`` times.
+    """
+
+    output_dir: str = "grpo_output"
+    seed: int = 42
+    max_steps: int = 100
+    max_time_s: float | None = None  # safety net only: training stops early past it (runs are capped by steps)
+
+    # Generation
+    num_generations: int = 8
+    max_prompt_length: int | None = 512
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k, so the sampled distribution is the one whose log-probs enter the loss
+    mask_truncated_completions: bool = False
+
+    # Batching
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    steps_per_generation: int | None = None  # default: gradient_accumulation_steps
+    num_iterations: int = 1
+
+    # Loss
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    loss_type: str = "grpo"
+    kl_estimator: str = "k3"
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    reward_weights: list[float] | None = None
+    mask_zero_std_groups: bool = True  # drop zero-std groups from the loss when beta != 0 (spec section 6)
+
+    # Optimization
+    learning_rate: float = 1e-6
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    bf16: bool | None = None  # None: bf16 autocast on CUDA, float32 elsewhere
+
+    # Logging and checkpoints
+    logging_steps: int = 1
+    save_steps: int = 0  # 0: no checkpoints
+    save_total_limit: int | None = None
+    report_to: str = "tensorboard"  # "tensorboard" (when importable) or "none"; the JSONL file is always written
+    log_completions: bool = True
+    log_completions_steps: int = 100
+    num_completions_to_print: int = 2
+    disable_tqdm: bool = False
+    plot: bool = True  # write metrics.png with the curves at the end of train()
+
+    def __post_init__(self) -> None:
+        # TRL accepts booleans for scale_rewards: True means per-group std, False none (Dr. GRPO).
+        if self.scale_rewards is True:
+            self.scale_rewards = "group"
+        elif self.scale_rewards is False:
+            self.scale_rewards = "none"
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.reward_weights is not None:
+            if isinstance(self.reward_weights, (str, bytes)) or not isinstance(self.reward_weights, Sequence):
+                _fail("reward_weights", "must be a list of numbers", self.reward_weights)
+            weights = []
+            for w in self.reward_weights:
+                if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                    _fail("reward_weights", "must hold finite numbers", self.reward_weights)
+                weights.append(float(w))
+            self.reward_weights = weights
+        self._validate()
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions produced by one generation."""
+        return self.per_device_train_batch_size * self.steps_per_generation
+
+    def _validate(self) -> None:
+        ints = {
+            "seed": 0, "max_steps": 1, "num_generations": 2, "max_completion_length": 1, "top_k": 0,
+            "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "steps_per_generation": 1,
+            "num_iterations": 1, "warmup_steps": 0, "logging_steps": 1, "save_steps": 0, "log_completions_steps": 1,
+            "num_completions_to_print": 0,
+        }  # fmt: skip
+        for name, minimum in ints.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                _fail(name, "must be an integer", value)
+            if value < minimum:
+                _fail(name, f"must be >= {minimum}", value)
+        for name in ("max_prompt_length", "save_total_limit"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                _fail(name, "must be None or an integer >= 1", value)
+
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                _fail(name, "must be a finite number", value)
+            return float(value)
+
+        for name in ("temperature", "learning_rate", "epsilon", "adam_epsilon"):
+            if number(name) <= 0:
+                _fail(name, "must be > 0", getattr(self, name))
+        for name in ("beta", "weight_decay"):
+            if number(name) < 0:
+                _fail(name, "must be >= 0", getattr(self, name))
+        if not 0 < number("top_p") <= 1:
+            _fail("top_p", "must be in (0, 1]", self.top_p)
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= number(name) < 1:
+                _fail(name, "must be in [0, 1)", getattr(self, name))
+        if not 0 <= number("warmup_ratio") < 1:
+            _fail("warmup_ratio", "must be in [0, 1)", self.warmup_ratio)
+        if self.epsilon_high is not None and number("epsilon_high") < 0:
+            _fail("epsilon_high", "must be None or >= 0", self.epsilon_high)
+        if self.delta is not None and number("delta") <= 1:
+            _fail("delta", "must be None or > 1 (a cap on the importance ratio)", self.delta)
+        if self.max_grad_norm is not None and number("max_grad_norm") <= 0:
+            _fail("max_grad_norm", "must be None or > 0", self.max_grad_norm)
+        if self.max_time_s is not None and number("max_time_s") <= 0:
+            _fail("max_time_s", "must be None or > 0", self.max_time_s)
+
+        choices = {
+            "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS, "kl_estimator": KL_ESTIMATORS,
+            "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "lr_scheduler_type": LR_SCHEDULERS,
+            "report_to": ("tensorboard", "none"),
+        }  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                _fail(name, f"must be one of {', '.join(allowed)}", getattr(self, name))
+        if self.generation_batch_size % self.num_generations != 0:
+            _fail(
+                "num_generations",
+                f"must divide the generation batch per_device_train_batch_size * steps_per_generation = "
+                f"{self.generation_batch_size} (whole groups are generated together)",
+                self.num_generations,
+            )
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            _fail("output_dir", "must be a non-empty path", self.output_dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as a plain dict (JSON/YAML-serializable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> GRPOConfig:
+        """Build from a dict, rejecting unknown keys with an error that names them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"GRPOConfig has no field(s) {', '.join(unknown)}")
+        return cls(**options)

@@ -1,0 +1,121 @@
+"""Built-in reward functions.
+
+A reward function is a callable ``f(prompts, completions, **columns) -> list[float | None]``: ``prompts`` and
+``completions`` are lists of strings of the same length (one entry per completion, the prompt repeated for each of
+its ``G`` completions), ``columns`` holds the dataset's other columns aligned the same way, plus
+``completion_truncated`` (True where the completion hit ``max_completion_length`` without EOS). ``None`` means
+"not scored" and becomes NaN (ignored by the advantage normalization).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# open-r1's format: reasoning inside <think>, the answer inside <answer>, each tag on its own line.
+THINK_ANSWER_PATTERN = r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$"
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(completion: str) -> str:
+    """The answer part of a completion: the last ``\\boxed{...}``, else the last ``<answer>...</answer>``, else all.
+
+    Whitespace is stripped and inner runs of whitespace collapsed, so ``" 4 2 "`` and ``"4 2"`` compare equal.
+    """
+    boxed = _BOXED.findall(completion)
+    if boxed:
+        text = boxed[-1]
+    else:
+        tagged = _ANSWER_TAG.findall(completion)
+        text = tagged[-1] if tagged else completion
+    return " ".join(text.split())
+
+
+def accuracy_reward(
+    prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any] | None = None, **columns: Any
+) -> list[float | None]:
+    """1.0 where the completion's extracted answer equals the reference answer exactly, else 0.0.
+
+    Args:
+        prompts: ``[N]`` prompt strings (unused).
+        completions: ``[N]`` completion strings.
+        answer: ``[N]`` reference answers (column ``answer``; ``solution`` is accepted too); a None answer gives a
+            None reward (not scored).
+        **columns: other dataset columns (ignored).
+
+    Returns:
+        ``[N]`` floats in {0.0, 1.0} or None.
+    """
+    if answer is None:
+        answer = columns.get("solution")
+    if answer is None:
+        raise ValueError("accuracy_reward needs an 'answer' (or 'solution') column in the dataset")
+    rewards: list[float | None] = []
+    for completion, reference in zip(completions, answer, strict=True):
+        if reference is None:
+            rewards.append(None)
+        else:
+            rewards.append(float(extract_answer(completion) == " ".join(str(reference).split())))
+    return rewards
+
+
+def make_format_reward(pattern: str = THINK_ANSWER_PATTERN, flags: int = re.DOTALL | re.MULTILINE) -> Callable:
+    """A reward of 1.0 where the whole completion matches ``pattern`` (``re.match``), else 0.0."""
+    compiled = re.compile(pattern, flags)
+
+    def format_reward(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
+        return [1.0 if compiled.match(completion) else 0.0 for completion in completions]
+
+    return format_reward
+
+
+format_reward = make_format_reward()
+format_reward.__doc__ = "1.0 where the completion is ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>``, else 0.0."
+
+
+def graded_answer_reward(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    answer: Sequence[str],
+    completion_truncated: Sequence[bool] | None = None,
+    stop_bonus: float = 0.2,
+    **columns: Any,
+) -> list[float]:
+    """The demo task's graded reward: partial credit per position plus a bonus for stopping at the right length.
+
+    ``correct positions / max(len(answer), len(completion))`` plus ``stop_bonus`` when the completion ended with EOS
+    (not truncated) at exactly the answer's length. The bonus keeps a confident model trying EOS: three right
+    digits and a junk fourth already score 0.75 otherwise.
+
+    Args:
+        prompts: ``[N]`` prompt strings (unused).
+        completions: ``[N]`` completion strings (special tokens removed).
+        answer: ``[N]`` reference answers.
+        completion_truncated: ``[N]`` True where generation hit the length cap without EOS (default: none).
+        stop_bonus: added for a correct-length, EOS-terminated completion.
+        **columns: other dataset columns (ignored).
+
+    Returns:
+        ``[N]`` floats in ``[0, 1 + stop_bonus]``.
+    """
+    if completion_truncated is None:
+        completion_truncated = [False] * len(completions)
+    rewards = []
+    for completion, target, truncated in zip(completions, answer, completion_truncated, strict=True):
+        text, target = completion.strip(), str(target)
+        correct = sum(a == b for a, b in zip(text, target, strict=False))
+        score = correct / max(len(target), len(text), 1)
+        if not truncated and len(text) == len(target):
+            score += stop_bonus
+        rewards.append(score)
+    return rewards
+
+
+BUILTIN_REWARDS: dict[str, Callable] = {
+    "accuracy": accuracy_reward,
+    "format": format_reward,
+    "graded_answer": graded_answer_reward,
+}
