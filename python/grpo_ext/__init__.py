@@ -13,6 +13,7 @@ from .ops import (
     SelectiveLogSoftmax,
     group_advantages,
     grpo_loss,
+    grpo_loss_from_logits,
     process_advantages,
     selective_log_softmax,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "build_info",
     "group_advantages",
     "grpo_loss",
+    "grpo_loss_from_logits",
     "process_advantages",
     "reference",
     "selective_log_softmax",
