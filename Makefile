@@ -29,11 +29,12 @@ ifneq ($(CUDA_HOME),)
 export CUDACXX := $(CUDA_HOME)/bin/nvcc
 endif
 
-.PHONY: help env build test lint wheel wheel-smoke bench clean
+.PHONY: help env build test lint wheel wheel-smoke bench demo clean
 
 help:
 	@echo "make test         create the environment, build grpo_ext, run the tests"
 	@echo "make bench        run the microbenchmarks (CPU here, CUDA where a GPU is)"
+	@echo "make demo         GRPO on an embedded tiny model: learns to reverse digits in under 3 minutes on 2 CPU cores"
 	@echo "make wheel        build a wheel into dist/"
 	@echo "make wheel-smoke  install that wheel into a fresh venv and smoke-test it"
 	@echo "make lint         ruff"
@@ -42,7 +43,7 @@ $(VENV)/.installed:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.26" ninja \
-	    "pytest>=8" "hypothesis>=6" numpy ruff
+	    "pytest>=8" "hypothesis>=6" numpy ruff transformers tqdm matplotlib pyyaml tensorboard
 	touch $@
 
 ifeq ($(strip $(PYTHON_ENV)),system)
@@ -76,6 +77,10 @@ wheel-smoke: wheel
 bench: build
 	$(PY) benchmarks/bench_advantages.py
 	$(PY) benchmarks/bench_loss.py
+
+# The training layer's embedded default: a tiny LLaMA learns digit reversal with GRPO, nothing downloaded.
+demo: build
+	$(PY) -m grpo_ext.trainer.cli demo
 
 clean:
 	rm -rf build dist $(VENV)-smoke python/grpo_ext/*.so

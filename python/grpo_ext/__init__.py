@@ -38,9 +38,22 @@ def build_info() -> dict:
 
 
 from . import ops  # noqa: E402
+from .trainer import GRPOConfig  # noqa: E402  (light: no transformers until GRPOTrainer is used)
+
+
+def __getattr__(name: str):
+    # GRPOTrainer needs transformers and tqdm: import them only when the trainer is asked for.
+    if name == "GRPOTrainer":
+        from .trainer.trainer import GRPOTrainer
+
+        return GRPOTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
+    "GRPOConfig",
     "GRPOLossOutput",
+    "GRPOTrainer",
     "GroupAdvantages",
     "SelectiveLogSoftmax",
     "build_info",

@@ -60,6 +60,16 @@ class GRPOConfig:
     scale_rewards: str = "group"
     reward_weights: list[float] | None = None
     mask_zero_std_groups: bool = True  # drop zero-std groups from the loss when beta != 0 (spec section 6)
+    # Adaptive KL controller (off when None): beta moves toward the KL target, proportionally, over kl_horizon
+    # steps (Ziegler et al. 2019). Needs beta > 0 to start from.
+    kl_target: float | None = None
+    kl_horizon: int = 10000
+    # DAPO dynamic sampling (off by default): drop groups whose rewards are all equal and sample new prompts until
+    # the generation batch is full, at most max_sampling_rounds rounds (then zero-std groups fill the rest).
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    # Per-token log-probs: "torch" (log_softmax + gather in float32) or "grpo_ext" (selective_log_softmax kernel).
+    logps_backend: str = "torch"
 
     # Optimization
     learning_rate: float = 1e-6
@@ -113,7 +123,7 @@ class GRPOConfig:
             "seed": 0, "max_steps": 1, "num_generations": 2, "max_completion_length": 1, "top_k": 0,
             "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "steps_per_generation": 1,
             "num_iterations": 1, "warmup_steps": 0, "logging_steps": 1, "save_steps": 0, "log_completions_steps": 1,
-            "num_completions_to_print": 0,
+            "num_completions_to_print": 0, "kl_horizon": 1, "max_sampling_rounds": 1,
         }  # fmt: skip
         for name, minimum in ints.items():
             value = getattr(self, name)
@@ -151,13 +161,18 @@ class GRPOConfig:
             _fail("delta", "must be None or > 1 (a cap on the importance ratio)", self.delta)
         if self.max_grad_norm is not None and number("max_grad_norm") <= 0:
             _fail("max_grad_norm", "must be None or > 0", self.max_grad_norm)
+        if self.kl_target is not None:
+            if number("kl_target") <= 0:
+                _fail("kl_target", "must be None or > 0", self.kl_target)
+            if self.beta == 0:
+                _fail("kl_target", "needs beta > 0 (the adaptive controller scales beta)", self.kl_target)
         if self.max_time_s is not None and number("max_time_s") <= 0:
             _fail("max_time_s", "must be None or > 0", self.max_time_s)
 
         choices = {
             "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS, "kl_estimator": KL_ESTIMATORS,
             "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "lr_scheduler_type": LR_SCHEDULERS,
-            "report_to": ("tensorboard", "none"),
+            "report_to": ("tensorboard", "none"), "logps_backend": ("torch", "grpo_ext"),
         }  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

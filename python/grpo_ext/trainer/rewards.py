@@ -73,7 +73,9 @@ def make_format_reward(pattern: str = THINK_ANSWER_PATTERN, flags: int = re.DOTA
 
 
 format_reward = make_format_reward()
-format_reward.__doc__ = "1.0 where the completion is ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>``, else 0.0."
+format_reward.__doc__ = (
+    "1.0 where the completion is ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>``, else 0.0."
+)
 
 
 def graded_answer_reward(

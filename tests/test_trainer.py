@@ -1,0 +1,331 @@
+"""GRPOTrainer end to end on the demo's tiny model: metrics, checkpoints, exact resume, clipping, the CLI, learning."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+import grpo_ext
+from grpo_ext.trainer import GRPOConfig
+from grpo_ext.trainer.cli import main as cli_main
+from grpo_ext.trainer.cli import parse_overrides
+from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward, run_demo
+from grpo_ext.trainer.rewards import graded_answer_reward
+from grpo_ext.trainer.trainer import TIMING_METRICS, GRPOTrainer
+
+TRL_METRICS = (
+    "reward", "reward_std", "rewards/reversal_reward/mean", "frac_reward_zero_std", "clip_ratio/low_mean",
+    "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length", "loss", "grad_norm",
+    "learning_rate", "step_time", "tokens_per_second", "entropy",
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model gains nothing from threads; keeps the test cheap on shared cores
+    yield
+    torch.set_num_threads(previous)
+
+
+def small_config(tmp_path, **overrides) -> GRPOConfig:
+    options = dict(
+        output_dir=str(tmp_path / "run"), seed=3, max_steps=4, num_generations=4, per_device_train_batch_size=16,
+        max_completion_length=4, max_prompt_length=None, learning_rate=3e-3, lr_scheduler_type="cosine",
+        warmup_steps=1, report_to="none", disable_tqdm=True, log_completions=False, plot=False,
+    )  # fmt: skip
+    options.update(overrides)
+    return GRPOConfig(**options)
+
+
+def make_trainer(config: GRPOConfig, model_seed: int = 0) -> GRPOTrainer:
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=model_seed)
+    train_rows, _ = reversal_dataset(seed=0)
+    return GRPOTrainer(model, [reversal_reward], train_rows, config, tokenizer=tokenizer)
+
+
+def read_metrics(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def without_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMING_METRICS}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_generations", 1), ("learning_rate", 0.0), ("learning_rate", float("nan")), ("beta", -0.1),
+        ("epsilon", 0), ("delta", 1.0), ("top_p", 1.5), ("temperature", -1.0), ("loss_type", "ppo"),
+        ("scale_rewards", "rank"), ("importance_sampling_level", "sentence"), ("num_iterations", 0),
+        ("max_completion_length", 0), ("gradient_accumulation_steps", 2.5), ("max_steps", 0),
+        ("reward_weights", "1,2"), ("reward_weights", [1.0, float("inf")]), ("max_grad_norm", 0.0),
+        ("warmup_ratio", 1.0), ("lr_scheduler_type", "cosine_restarts"), ("adam_beta2", 1.0),
+        ("kl_target", -1.0), ("kl_target", 0.1), ("logps_backend", "triton"),
+    ],
+)  # fmt: skip
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"GRPOConfig\.{field} "):
+        GRPOConfig(**{field: value})
+
+
+def test_config_generation_batch_must_hold_whole_groups():
+    with pytest.raises(ValueError, match=r"GRPOConfig\.num_generations .* 12"):
+        GRPOConfig(num_generations=8, per_device_train_batch_size=6, steps_per_generation=2)
+    assert (
+        GRPOConfig(num_generations=4, per_device_train_batch_size=6, steps_per_generation=2).generation_batch_size == 12
+    )
+
+
+def test_config_defaults_and_unknown_keys():
+    config = GRPOConfig(gradient_accumulation_steps=3, num_generations=3, per_device_train_batch_size=3)
+    assert config.steps_per_generation == 3
+    assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
+    with pytest.raises(ValueError, match=r"no field.*learning_rat"):
+        GRPOConfig.from_dict({"learning_rat": 1e-3})
+
+
+def test_trainer_checks_reward_weights_length(tmp_path):
+    with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 1"):
+        make_trainer(small_config(tmp_path, reward_weights=[1.0, 2.0]))
+
+
+def test_package_exports_are_lazy():
+    assert grpo_ext.GRPOConfig is GRPOConfig
+    assert grpo_ext.GRPOTrainer is GRPOTrainer
+    assert {"GRPOConfig", "GRPOTrainer"} <= set(grpo_ext.__all__)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rollouts and log-probs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_token_logps_match_unpadded_scoring(tmp_path):
+    """Left-padded batched scoring equals scoring each sequence alone, position by position."""
+    trainer = make_trainer(small_config(tmp_path))
+    prompts = ["1>", "123>", "45>"]
+    prompt_ids, prompt_mask, completion_ids, completion_mask, truncated = trainer.generate(prompts, 2)
+    assert completion_ids.shape[0] == 6 and truncated.shape == (6,)
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                 completion_mask=completion_mask)  # fmt: skip
+    with torch.no_grad():
+        logps = trainer.token_logps(trainer.model, batch)
+        for row in range(6):
+            prompt = prompt_ids[row][prompt_mask[row].bool()]
+            completion = completion_ids[row][completion_mask[row]]
+            ids = torch.cat([prompt, completion]).unsqueeze(0)
+            logits = trainer.model(input_ids=ids).logits[0].double()
+            expected = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(-1, completion.unsqueeze(-1))
+            torch.testing.assert_close(logps[row][completion_mask[row]].double(), expected.squeeze(-1), atol=1e-5,
+                                       rtol=1e-5)  # fmt: skip
+
+
+def test_grpo_ext_logps_backend_matches_torch(tmp_path):
+    """selective_log_softmax gives the log-probs and entropy of the float32 log_softmax path, and their gradient."""
+    trainer = make_trainer(small_config(tmp_path))
+    prompt_ids, prompt_mask, completion_ids, completion_mask, _ = trainer.generate(["12>", "3>"], 4)
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                 completion_mask=completion_mask)  # fmt: skip
+    results = {}
+    for backend in ("torch", "grpo_ext"):
+        trainer.config.logps_backend = backend
+        trainer.model.zero_grad()
+        logps, entropy = trainer.token_logps(trainer.model, batch, with_entropy=True)
+        (logps * completion_mask).sum().backward()
+        results[backend] = (logps.detach(), entropy, trainer.model.lm_head.weight.grad.clone())
+    for got, expected in zip(results["grpo_ext"], results["torch"], strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_completion_mask_stops_after_first_eos(tmp_path):
+    trainer = make_trainer(small_config(tmp_path))
+    _, _, completion_ids, completion_mask, truncated = trainer.generate(["12>"] * 64, 1)
+    eos = trainer.tokenizer.eos_token_id
+    for ids, mask, cut in zip(completion_ids.tolist(), completion_mask.tolist(), truncated.tolist(), strict=True):
+        expected_len = ids.index(eos) + 1 if eos in ids else len(ids)
+        assert mask == [True] * expected_len + [False] * (len(ids) - expected_len)
+        assert cut == (eos not in ids)
+
+
+def test_mask_truncated_completions_drops_rows_without_eos(tmp_path):
+    trainer = make_trainer(small_config(tmp_path, mask_truncated_completions=True))
+    trainer._generate_and_score()
+    eos = trainer.tokenizer.eos_token_id
+    (batch,) = trainer._micro_batches
+    has_eos = (batch["completion_ids"] == eos).any(dim=1)
+    assert (~has_eos).any() and has_eos.any()  # the untrained model produces both kinds
+    assert not batch["completion_mask"][~has_eos].any()
+    assert batch["completion_mask"][has_eos].any(dim=1).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_end_to_end_metrics_checkpoint_and_exact_resume(tmp_path):
+    # num_iterations=2 and a checkpoint at step 3 leave a queued micro-batch in the checkpoint; beta != 0 runs
+    # the reference model and zero-std masking.
+    config = small_config(tmp_path, max_steps=5, save_steps=3, num_iterations=2, beta=0.04, plot=True)
+    trainer = make_trainer(config)
+    history = trainer.train()
+    out = tmp_path / "run"
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows == history
+    for row in rows:
+        missing = [m for m in (*TRL_METRICS, "kl") if m not in row]
+        assert not missing
+        assert all(math.isfinite(v) for v in row.values())
+        assert 0 <= row["frac_reward_zero_std"] <= 1 and 1 <= row["completions/mean_length"] <= 4
+    assert rows[0]["learning_rate"] == 0.0 and rows[1]["learning_rate"] == pytest.approx(3e-3)  # 1 warm-up step
+    assert (out / "metrics.png").stat().st_size > 0
+    checkpoint = out / "checkpoint-3"
+    for name in ("model_state.pt", "trainer_state.pt", "config.grpo.json", "config.json", "model.safetensors"):
+        assert (checkpoint / name).is_file(), name
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-3"]  # no temp dirs left
+    final_params = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    # Resume from step 3 in a fresh process-like state: new model and trainer, the same seed.
+    resumed = make_trainer(config)
+    assert resumed.latest_checkpoint() == checkpoint
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.global_step == 5
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, final_params[name]), name
+    resumed_rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed_rows] == [1, 2, 3, 4, 5]  # lines after the checkpoint were replaced
+    assert [without_timing(r) for r in resumed_rows] == [without_timing(r) for r in rows]
+
+
+def test_tensorboard_events_written_when_requested(tmp_path):
+    make_trainer(small_config(tmp_path, max_steps=2, report_to="tensorboard")).train()
+    events = list((tmp_path / "run" / "runs").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+
+
+def test_adaptive_kl_controller_moves_beta_toward_target(tmp_path):
+    # A target far above the measured KL lowers beta by 20%/horizon per step, a tiny one raises it.
+    rows = make_trainer(small_config(tmp_path / "a", beta=0.1, kl_target=10.0, kl_horizon=2)).train()
+    assert [r["beta"] for r in rows] == pytest.approx([0.1 * 0.9**k for k in range(4)])
+    rows = make_trainer(small_config(tmp_path / "b", beta=0.1, kl_target=1e-12, kl_horizon=2)).train()
+    # Steps 1-2: the policy is still the reference (step 1 is the warm-up at lr 0), kl = 0 < target: -20%/2.
+    assert rows[0]["kl"] == 0 and rows[1]["kl"] == 0
+    assert [r["beta"] for r in rows[:3]] == pytest.approx([0.1, 0.09, 0.081])
+    # Step 3: the policy moved, kl > target: +20%/2.
+    assert rows[2]["kl"] > 1e-9 and rows[3]["beta"] == pytest.approx(0.081 * 1.1)
+
+
+def half_constant_reward(prompts, completions, answer, **columns):
+    """The graded reward on prompts starting with an even digit, 0 on the others (their groups have zero std)."""
+    graded = graded_answer_reward(prompts, completions, answer, **columns)
+    return [g if int(p[0]) % 2 == 0 else 0.0 for p, g in zip(prompts, graded, strict=True)]
+
+
+def test_dynamic_sampling_fills_the_batch_with_varied_groups(tmp_path):
+    def run(name, **overrides):
+        config = small_config(tmp_path / name, max_steps=3, **overrides)
+        trainer = make_trainer(config)
+        trainer.reward_funcs, trainer.reward_names = [half_constant_reward], ["half_constant_reward"]
+        return trainer.train(), trainer
+
+    plain, _ = run("plain")
+    assert max(r["frac_reward_zero_std"] for r in plain) > 0
+    dynamic, trainer = run("dynamic", dynamic_sampling=True, max_sampling_rounds=8)
+    # Each batch holds only varied groups unless every round was used (then zero-std groups fill the rest).
+    assert all(r["frac_reward_zero_std"] == 0 or r["sampling_rounds"] == 8 for r in dynamic)
+    assert any(r["frac_reward_zero_std"] == 0 and r["sampling_rounds"] > 1 for r in dynamic)
+    assert trainer._prompt_pos > 3 * 4  # more prompts were drawn than three plain steps use
+
+
+def test_resume_without_checkpoint_fails_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        make_trainer(small_config(tmp_path)).train(resume_from_checkpoint=True)
+
+
+def test_num_iterations_two_clips_and_one_does_not(tmp_path):
+    on_policy = make_trainer(small_config(tmp_path / "a", max_steps=4, learning_rate=2e-2)).train()
+    assert all(r["clip_ratio/region_mean"] == 0 for r in on_policy)  # ratio is exactly 1 on-policy
+    reused = make_trainer(small_config(tmp_path / "b", max_steps=4, learning_rate=2e-2, num_iterations=2)).train()
+    # Even steps re-use the previous step's rollouts after an update: the ratio leaves [1 - eps, 1 + eps].
+    assert all(r["clip_ratio/region_mean"] == 0 for r in reused[0::2])
+    assert max(r["clip_ratio/region_mean"] for r in reused[1::2]) > 0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, loss_type):
+    """Two micro-batches of 16 accumulated give the update of one batch of 32 (num_items_in_batch for dapo)."""
+    big = make_trainer(small_config(tmp_path / "big", max_steps=1, per_device_train_batch_size=32, loss_type=loss_type))
+    big.train()
+    accumulated = make_trainer(
+        small_config(tmp_path / "acc", max_steps=1, gradient_accumulation_steps=2, loss_type=loss_type)
+    )
+    accumulated.train()
+    big_rows = read_metrics(tmp_path / "big" / "run" / "metrics.jsonl")
+    acc_rows = read_metrics(tmp_path / "acc" / "run" / "metrics.jsonl")
+    assert acc_rows[0]["reward"] == big_rows[0]["reward"]  # the same rollouts
+    assert acc_rows[0]["loss"] == pytest.approx(big_rows[0]["loss"], abs=1e-6)
+    assert acc_rows[0]["grad_norm"] == pytest.approx(big_rows[0]["grad_norm"], rel=1e-4)
+    for name, value in accumulated.model.state_dict().items():
+        torch.testing.assert_close(value, big.model.state_dict()[name], atol=1e-6, rtol=1e-5)
+
+
+def test_cli_train_on_a_local_model_folder_and_jsonl(tmp_path):
+    tokenizer = build_tokenizer()
+    build_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    train_rows, _ = reversal_dataset(seed=0)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows[:40]))
+    (tmp_path / "run.yaml").write_text(
+        f"model_name_or_path: {tmp_path / 'model'}\ndataset: {tmp_path / 'data.jsonl'}\n"
+        "reward_funcs: [graded_answer, accuracy]\nreward_weights: [1.0, 0.5]\nnum_generations: 4\n"
+        "per_device_train_batch_size: 8\nmax_completion_length: 4\nmax_steps: 5\nreport_to: none\n"
+        "disable_tqdm: true\nplot: false\nsave_steps: 2\n"
+    )
+    out = tmp_path / "out"
+    argv = ["train", "--config", str(tmp_path / "run.yaml"), "--output_dir", str(out), "--learning_rate", "1e-3"]
+    assert cli_main([*argv, "--max_steps", "3"]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert {"rewards/graded_answer_reward/mean", "rewards/accuracy_reward/mean"} <= set(rows[0])
+    assert rows[0]["learning_rate"] == pytest.approx(1e-3 * (1 + math.cos(0)) / 2)
+    # --resume continues from checkpoint-2: step 3 is redone and matches the uninterrupted run.
+    assert cli_main([*argv, "--max_steps", "3", "--resume"]) == 0
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [without_timing(r) for r in resumed] == [without_timing(r) for r in rows]
+    shutil.rmtree(out / "checkpoint-2")
+    with pytest.raises(FileNotFoundError):
+        cli_main([*argv, "--resume"])
+
+
+def test_parse_overrides_reads_yaml_values():
+    assert parse_overrides(["--learning_rate", "1e-5", "--bf16", "false", "--reward-weights", "[1, 0.5]",
+                            "--output_dir=x"]) == {"learning_rate": 1e-5, "bf16": False, "reward_weights": [1, 0.5],
+                                                   "output_dir": "x"}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the demo learns (the issue's criterion)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_learns_within_three_minutes(tmp_path):
+    result = run_demo(output_dir=str(tmp_path / "demo"), disable_tqdm=True, log_completions=False)
+    assert result.wall_time_s <= 180
+    assert result.accuracy_before <= 0.1
+    assert result.accuracy_after >= 0.5
+    assert result.reward_last >= 2 * result.reward_first
+    assert result.reward_last >= result.reward_first + 0.3
+    assert result.learned
