@@ -252,6 +252,22 @@ inline ProcessAdvantagesPlan plan_process_advantages(GRPO_PROCESS_ADVANTAGES_PAR
       use_bias_correction_kl, importance_sampling_level, max_completion_length, sapo_temperature_pos,              \
       sapo_temperature_neg, loss_scale, compute_grad
 
+// Every loss-op argument after `logps`, shared by the loss op and the logits ops.
+#define GRPO_LOSS_INPUTS_PARAMS                                                                                    \
+  const at::Tensor &advantages, const at::Tensor &completion_mask, const std::optional<at::Tensor>&old_logps,    \
+      const std::optional<at::Tensor>&ref_logps, const std::optional<at::Tensor>&is_weights,                       \
+      const std::optional<at::Tensor>&sample_mask, std::optional<double> num_items_in_batch,                      \
+      const std::optional<at::Tensor>&num_items_tensor, c10::string_view loss_type, double epsilon_low,           \
+      double epsilon_high, std::optional<double> delta, double beta, c10::string_view kl_estimator,               \
+      std::optional<double> kl_clamp, bool use_bias_correction_kl, c10::string_view importance_sampling_level,    \
+      int64_t max_completion_length, double sapo_temperature_pos, double sapo_temperature_neg, double loss_scale, \
+      bool compute_grad
+#define GRPO_LOSS_FORWARD_ARGS_AFTER_LOGPS                                                                         \
+  advantages, completion_mask, old_logps, ref_logps, is_weights, sample_mask, num_items_in_batch,                  \
+      num_items_tensor, loss_type, epsilon_low, epsilon_high, delta, beta, kl_estimator, kl_clamp,                 \
+      use_bias_correction_kl, importance_sampling_level, max_completion_length, sapo_temperature_pos,              \
+      sapo_temperature_neg, loss_scale, compute_grad
+
 using LossForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 struct LossForwardPlan {
@@ -266,46 +282,45 @@ struct LossForwardPlan {
   LossForwardResult result() const { return {loss, metrics, grad_raw, grad_scale}; }
 };
 
-inline LossForwardPlan plan_loss_forward(GRPO_LOSS_FORWARD_PARAMS) {
+// The loss inputs of a [batch, seq_len] problem, checked and viewed; `logps` may be null (the logits ops compute
+// them), `like` gives the device (named `like_name` in errors) and `acc` the statistics dtype.
+inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at::Tensor* logps, const at::Tensor& like,
+                                        at::ScalarType acc, GRPO_LOSS_INPUTS_PARAMS, const char* like_name = "logps") {
   LossForwardPlan plan;
-  check_float(logps, "logps");
-  TORCH_CHECK(logps.dim() == 2, "logps must have shape [B, T], got ", logps.sizes());
-  const int64_t batch = logps.size(0), seq_len = logps.size(1);
-  TORCH_CHECK(batch >= 1, "logps must have at least one row (B >= 1), got shape ", logps.sizes());
   LossInputs& in = plan.inputs;
   in.batch = batch;
   in.seq_len = seq_len;
-  in.logps = matrix_view(logps, batch, seq_len, "logps", false);
+  if (logps != nullptr) in.logps = matrix_view(*logps, batch, seq_len, "logps", false);
 
   check_float(advantages, "advantages");
-  check_same_device(advantages, logps, "advantages", "logps");
+  check_same_device(advantages, like, "advantages", like_name);
   in.advantages = matrix_view(advantages, batch, seq_len, "advantages", true);
   const bool per_row_advantages = in.advantages.col_stride == 0;
 
   TORCH_CHECK(completion_mask.scalar_type() == at::kBool || is_float_type(completion_mask.scalar_type()) ||
                   at::isIntegralType(completion_mask.scalar_type(), false),
               "completion_mask must be bool, integer or floating-point, got ", completion_mask.scalar_type());
-  check_same_device(completion_mask, logps, "completion_mask", "logps");
+  check_same_device(completion_mask, like, "completion_mask", like_name);
   in.mask = matrix_view(completion_mask, batch, seq_len, "completion_mask", false);
 
   if (old_logps.has_value()) {
     check_float(*old_logps, "old_logps");
-    check_same_device(*old_logps, logps, "old_logps", "logps");
+    check_same_device(*old_logps, like, "old_logps", like_name);
     in.old_logps = matrix_view(*old_logps, batch, seq_len, "old_logps", false);
   }
   if (ref_logps.has_value()) {
     check_float(*ref_logps, "ref_logps");
-    check_same_device(*ref_logps, logps, "ref_logps", "logps");
+    check_same_device(*ref_logps, like, "ref_logps", like_name);
     in.ref_logps = matrix_view(*ref_logps, batch, seq_len, "ref_logps", false);
   }
   if (is_weights.has_value()) {
     check_float(*is_weights, "is_weights");
-    check_same_device(*is_weights, logps, "is_weights", "logps");
+    check_same_device(*is_weights, like, "is_weights", like_name);
     in.is_weights = matrix_view(*is_weights, batch, seq_len, "is_weights", true);
   }
   if (sample_mask.has_value()) {
     const at::Tensor& s = *sample_mask;
-    check_same_device(s, logps, "sample_mask", "logps");
+    check_same_device(s, like, "sample_mask", like_name);
     TORCH_CHECK(s.dim() == 1 && s.size(0) == batch, "sample_mask must have shape [", batch, "], got ", s.sizes());
     in.sample_mask = matrix_view(s, batch, 1, "sample_mask", true);
   }
@@ -344,8 +359,7 @@ inline LossForwardPlan plan_loss_forward(GRPO_LOSS_FORWARD_PARAMS) {
   plan.max_completion_length = max_completion_length;
   plan.loss_scale = loss_scale;
 
-  const at::ScalarType acc = accumulate_type(logps.scalar_type());
-  const auto opts = logps.options().dtype(acc);
+  const auto opts = like.options().dtype(acc);
   TORCH_CHECK(!(num_items_in_batch.has_value() && num_items_tensor.has_value()),
               "pass num_items_in_batch as a number or as a tensor, not both");
   if (num_items_in_batch.has_value()) {
@@ -361,7 +375,7 @@ inline LossForwardPlan plan_loss_forward(GRPO_LOSS_FORWARD_PARAMS) {
       plan.num_items = n.item<double>();  // a host tensor: reading it needs no device sync
       TORCH_CHECK(plan.num_items > 0, "num_items_in_batch must be > 0, got ", plan.num_items);
     } else {
-      check_same_device(n, logps, "num_items_in_batch", "logps");
+      check_same_device(n, like, "num_items_in_batch", like_name);
       plan.num_items_device = n.reshape({1}).to(acc);
     }
   }
@@ -371,6 +385,14 @@ inline LossForwardPlan plan_loss_forward(GRPO_LOSS_FORWARD_PARAMS) {
   plan.grad_raw = compute_grad ? at::empty({batch, seq_len}, opts) : at::empty({0}, opts);
   plan.grad_scale = at::empty({}, opts);
   return plan;
+}
+
+inline LossForwardPlan plan_loss_forward(GRPO_LOSS_FORWARD_PARAMS) {
+  check_float(logps, "logps");
+  TORCH_CHECK(logps.dim() == 2, "logps must have shape [B, T], got ", logps.sizes());
+  TORCH_CHECK(logps.size(0) >= 1, "logps must have at least one row (B >= 1), got shape ", logps.sizes());
+  return plan_loss_inputs(logps.size(0), logps.size(1), &logps, logps, accumulate_type(logps.scalar_type()),
+                          GRPO_LOSS_FORWARD_ARGS_AFTER_LOGPS);
 }
 
 inline void check_loss_backward(const at::Tensor& grad_loss, const at::Tensor& grad_raw, const at::Tensor& grad_scale,
@@ -453,6 +475,133 @@ inline void check_selective_log_softmax_backward(const at::Tensor& grad_logps,
   TORCH_CHECK(row_stats.scalar_type() == accumulate_type(logits.scalar_type()),
               "row_stats must have the forward's statistics dtype");
   check_same_device(row_stats, logits, "row_stats", "logits");
+}
+
+
+// ---------------------------------------------------------------------------------------------------------------
+// grpo_logits_pass / grpo_logits_pass_ (the fused loss from logits, spec sections 2-7)
+// ---------------------------------------------------------------------------------------------------------------
+
+#define GRPO_LOGITS_PASS_PARAMS                                                                                    \
+  const at::Tensor &logits, const at::Tensor &ids, int64_t row_offset, const at::Tensor &advantages,               \
+      const at::Tensor &completion_mask, const std::optional<at::Tensor>&old_logps,                                \
+      const std::optional<at::Tensor>&ref_logps, const std::optional<at::Tensor>&is_weights,                       \
+      const std::optional<at::Tensor>&sample_mask, std::optional<double> num_items_in_batch,                      \
+      const std::optional<at::Tensor>&num_items_tensor, const std::optional<at::Tensor>&token_grad,               \
+      c10::string_view loss_type, double epsilon_low, double epsilon_high, std::optional<double> delta,           \
+      double beta, c10::string_view kl_estimator, std::optional<double> kl_clamp, bool use_bias_correction_kl,     \
+      int64_t max_completion_length, double sapo_temperature_pos, double sapo_temperature_neg, double loss_scale,  \
+      double temperature, bool compute_grad
+#define GRPO_LOGITS_PASS_ARGS                                                                                      \
+  logits, ids, row_offset, advantages, completion_mask, old_logps, ref_logps, is_weights, sample_mask,             \
+      num_items_in_batch, num_items_tensor, token_grad, loss_type, epsilon_low, epsilon_high, delta, beta,         \
+      kl_estimator, kl_clamp, use_bias_correction_kl, max_completion_length, sapo_temperature_pos,                 \
+      sapo_temperature_neg, loss_scale, temperature, compute_grad
+
+using LogitsPassResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+struct LogitsPassPlan {
+  LossForwardPlan loss;  // the [B, T] loss inputs and options (its logps view is unused)
+  LogitsRows logits;
+  StridedMatrix ids;         // [R, 1]
+  StridedMatrix token_grad;  // [R, 1] d loss / d logp per row, or absent (then computed from the loss inputs)
+  int64_t row_offset = 0;    // row r of the logits is token row_offset + r of the flattened [B, T] problem
+  double temperature = 1.0;
+  bool compute_grad = true;
+  at::Tensor logps, entropy, grad_logits;
+  void* grad_data = nullptr;  // grad_logits' storage, or the logits' own for the in-place op
+  DType grad_dtype = DType::kFloat32;
+  LogitsPassResult result() const { return {logps, entropy, grad_logits}; }
+};
+
+// Rows of [R, V] or [B', T', V] logits whose last dimension is contiguous (rows may be strided).
+inline LogitsRows logits_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 || logits.dim() == 3, "logits must have shape [N, V] or [B, T, V], got ",
+              logits.sizes());
+  TORCH_CHECK(logits.size(-1) >= 1, "logits must have a vocabulary of at least one entry (V >= 1)");
+  TORCH_CHECK(logits.stride(-1) == 1 || logits.size(-1) == 1,
+              "logits must be contiguous in the vocabulary dimension (stride(-1) == 1), got strides ",
+              logits.strides(), "; pass logits.contiguous()");
+  LogitsRows rows;
+  rows.data = logits.data_ptr();
+  rows.dtype = dtype_tag(logits.scalar_type(), "logits");
+  rows.vocab = logits.size(-1);
+  if (logits.dim() == 2) {
+    rows.rows = logits.size(0);
+    rows.inner = rows.rows > 0 ? rows.rows : 1;
+    rows.stride_outer = 0;
+    rows.stride_inner = logits.stride(0);
+  } else {
+    rows.rows = logits.size(0) * logits.size(1);
+    rows.inner = logits.size(1) > 0 ? logits.size(1) : 1;
+    rows.stride_outer = logits.stride(0);
+    rows.stride_inner = logits.stride(1);
+  }
+  return rows;
+}
+
+inline LogitsPassPlan plan_logits_pass(GRPO_LOGITS_PASS_PARAMS, bool inplace) {
+  check_float(logits, "logits");
+  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
+  TORCH_CHECK(completion_mask.dim() == 2, "completion_mask must have shape [B, T], got ", completion_mask.sizes());
+  const int64_t batch = completion_mask.size(0), seq_len = completion_mask.size(1);
+  TORCH_CHECK(batch >= 1, "completion_mask must have at least one row (B >= 1), got shape ", completion_mask.sizes());
+  LogitsPassPlan plan;
+  plan.logits = logits_rows(logits);
+  const int64_t rows = plan.logits.rows;
+  TORCH_CHECK(row_offset >= 0 && row_offset + rows <= batch * seq_len, "row_offset=", row_offset, " and ", rows,
+              " logits rows exceed the B*T=", batch * seq_len, " tokens of completion_mask");
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt,
+              "ids must be an int64 (or int32) tensor, got ", ids.scalar_type());
+  TORCH_CHECK(ids.dim() == 1 && ids.size(0) == rows, "ids must have shape [", rows, "] (one per logits row), got ",
+              ids.sizes());
+  check_same_device(ids, logits, "ids", "logits");
+  plan.ids = matrix_view(ids, rows, 1, "ids", true);
+  const at::ScalarType acc = accumulate_type(logits.scalar_type());
+  plan.loss = plan_loss_inputs(batch, seq_len, nullptr, logits, acc, advantages, completion_mask, old_logps,
+                               ref_logps, is_weights, sample_mask, num_items_in_batch, num_items_tensor, loss_type,
+                               epsilon_low, epsilon_high, delta, beta, kl_estimator, kl_clamp,
+                               use_bias_correction_kl, "token", max_completion_length, sapo_temperature_pos,
+                               sapo_temperature_neg, loss_scale, /*compute_grad=*/false, "logits");
+  if (token_grad.has_value()) {
+    const at::Tensor& g = *token_grad;
+    check_float(g, "token_grad");
+    check_same_device(g, logits, "token_grad", "logits");
+    TORCH_CHECK(g.dim() == 1 && g.size(0) == rows, "token_grad must have shape [", rows, "], got ", g.sizes());
+    plan.token_grad = matrix_view(g, rows, 1, "token_grad", true);
+  }
+  plan.row_offset = row_offset;
+  plan.temperature = temperature;
+  plan.compute_grad = compute_grad;
+  const auto opts = logits.options().dtype(acc);
+  plan.logps = at::empty({rows}, opts);
+  plan.entropy = at::empty({rows}, opts);
+  plan.grad_dtype = plan.logits.dtype;
+  if (inplace) {
+    plan.grad_data = logits.data_ptr();
+    plan.grad_logits = at::empty({0}, logits.options());
+  } else if (compute_grad) {
+    plan.grad_logits = at::empty({rows, plan.logits.vocab}, logits.options().memory_format(at::MemoryFormat::Contiguous));
+    plan.grad_data = plan.grad_logits.data_ptr();
+  } else {
+    plan.grad_logits = at::empty({0}, logits.options());
+  }
+  return plan;
+}
+
+// The in-place op writes each row's gradient over that row of the logits: the rows must not overlap.
+inline void check_inplace_logits(const at::Tensor& logits) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16 ||
+                  logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kDouble,
+              "inplace logits must be float32, bfloat16, float16 or float64, got ", logits.scalar_type());
+  TORCH_CHECK(!logits.is_inference(), "inplace_grad cannot write into an inference tensor");
+  const int64_t vocab = logits.size(-1);
+  bool rows_disjoint = true;
+  for (int64_t d = 0; d + 1 < logits.dim(); ++d) {
+    if (logits.size(d) > 1 && logits.stride(d) < vocab) rows_disjoint = false;
+  }
+  TORCH_CHECK(rows_disjoint, "inplace_grad needs logits whose rows do not overlap in memory, got strides ",
+              logits.strides());
 }
 
 }  // namespace grpo_ext

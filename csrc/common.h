@@ -76,6 +76,15 @@ struct StridedMatrix {
   }
 };
 
+// Rows of [R, V] or [B', T', V] logits (row r = (r / inner, r % inner)), each row contiguous over V.
+struct LogitsRows {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0, vocab = 0, inner = 1, stride_outer = 0, stride_inner = 0;
+
+  GRPO_HD int64_t offset(int64_t r) const { return (r / inner) * stride_outer + (r % inner) * stride_inner; }
+};
+
 // Option codes, parsed once on the host from the user's strings.
 enum class LossType : int32_t { kGRPO = 0, kBNPO, kDrGRPO, kDAPO, kLUSPO, kCISPO, kSAPO };
 enum class KLEstimator : int32_t { kK1 = 1, kK2 = 2, kK3 = 3 };

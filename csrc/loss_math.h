@@ -297,4 +297,27 @@ GRPO_HD void finalize_loss(const LossParams& p, const T* totals, int64_t batch, 
   metrics_out[kMetricCispo] = totals[kSlotCispo] / share_denom;
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// The logits kernels: for the token-level losses, d loss / d logp of token (b, t) is
+//   row_weight[b] * m[b, t] * (dP/dl + dP/drho * rho),  row_weight[b] = global scale * (1 / max(n_b, 1) or 1),
+// and every factor but the token's own log-prob is known from the masks before any logits row is read. That is
+// what lets one pass over a row compute the log-prob and write the gradient.
+// ---------------------------------------------------------------------------------------------------------------
+
+// Row b's share of the gradient scale, given n_b and the global scale.
+template <typename T>
+GRPO_HD T logits_row_weight(LossType t, T count, T global_scale) {
+  return per_row_normalized(t) ? global_scale / (count > T(1) ? count : T(1)) : global_scale;
+}
+
+// dP/dl + dP/drho * rho for one token (the caller multiplies by its weight); rho = 1 when on-policy.
+template <typename T>
+GRPO_HD T token_logp_grad(const TokenConsts<T>& c, PolicyFamily family, KLKind kl, bool bias_correction,
+                          bool has_old, T l, T l_old, T l_ref, T adv, T is_weight) {
+  const T rho = has_old ? math_exp(l - l_old) : T(1);
+  const TokenTerms<T> tt = token_terms<T>(c, family, kl, bias_correction, l, l_ref, adv, is_weight, rho);
+  return tt.dloss_dl + tt.dloss_drho * rho;
+}
+
 }  // namespace grpo_ext

@@ -18,6 +18,15 @@
 #define GRPO_EXT_CUDA_VERSION ""
 #endif
 
+// The arguments of grpo_logits_pass after `logits` (the loss op's, plus the chunk's row offset, per-token
+// gradients for the second pass of sequence-level losses, and the temperature).
+#define GRPO_LOGITS_PASS_SCHEMA_ARGS                                                                              \
+  "Tensor ids, int row_offset, Tensor advantages, Tensor completion_mask, Tensor? old_logps, Tensor? ref_logps, " \
+  "Tensor? is_weights, Tensor? sample_mask, float? num_items_in_batch, Tensor? num_items_tensor, "               \
+  "Tensor? token_grad, str loss_type, float epsilon_low, float epsilon_high, float? delta, float beta, "          \
+  "str kl_estimator, float? kl_clamp, bool use_bias_correction_kl, int max_completion_length, "                  \
+  "float sapo_temperature_pos, float sapo_temperature_neg, float loss_scale, float temperature, bool compute_grad"
+
 TORCH_LIBRARY(grpo_ext, m) {
   m.def(
       "group_advantages(Tensor rewards, Tensor? reward_weights, int group_size, str scale_rewards, str baseline, "
@@ -39,6 +48,13 @@ TORCH_LIBRARY(grpo_ext, m) {
   m.def(
       "selective_log_softmax_backward(Tensor grad_logps, Tensor? grad_entropy, Tensor logits, Tensor ids, "
       "Tensor row_stats, float temperature) -> Tensor");
+  // The loss from logits (token-level gradient in the same pass; see cuda/logits_loss_kernels.cuh). The `_` op
+  // writes the gradient over the logits instead of into a new tensor.
+  m.def("grpo_logits_pass(Tensor logits, " GRPO_LOGITS_PASS_SCHEMA_ARGS
+        ") -> (Tensor logps, Tensor entropy, Tensor grad_logits)");
+  m.def("grpo_logits_pass_(Tensor(a!) logits, " GRPO_LOGITS_PASS_SCHEMA_ARGS ") -> (Tensor logps, Tensor entropy)");
+  // grad *= factor, skipped on the device when factor == 1 (the backward of the logits losses).
+  m.def("scale_grad_(Tensor(a!) grad, Tensor factor) -> ()");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -76,3 +76,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, a
     torch.testing.assert_close(
         actual.detach().double().cpu(), expected.detach().double().cpu(), rtol=rtol, atol=atol, msg=msg or None
     )
+
+
+def cast_kwargs(device: str | torch.device, dtype: torch.dtype, kwargs: dict) -> dict:
+    """kwargs with every tensor moved to ``device``, and every floating one cast to ``dtype``."""
+    out = {}
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, dtype) if value.is_floating_point() else value.to(device)
+        out[key] = value
+    return out

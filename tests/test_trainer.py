@@ -322,8 +322,9 @@ def test_parse_overrides_reads_yaml_values():
 
 @pytest.mark.slow
 def test_demo_learns(tmp_path):
-    # The 3-minute budget is the demo's own safety net (it stops at 170 s); speed is not asserted in tests.
-    result = run_demo(output_dir=str(tmp_path / "demo"), disable_tqdm=True, log_completions=False)
+    # The demo's 170 s safety net is for the README command; here every step runs, so a slow or busy machine
+    # changes the wall time and never the outcome (speed is not asserted in tests).
+    result = run_demo(output_dir=str(tmp_path / "demo"), disable_tqdm=True, log_completions=False, max_time_s=None)
     assert result.accuracy_before <= 0.1
     assert result.accuracy_after >= 0.5
     assert result.reward_last >= 2 * result.reward_first

@@ -59,5 +59,21 @@ double lane_sum(const T* x, int64_t n) {
   return total;
 }
 
+// Max of x[0..n) in 16 lanes (vectorizes without -ffast-math); n >= 1.
+template <typename T>
+T lane_max(const T* x, int64_t n) {
+  constexpr int kLanes = 16;
+  T lanes[kLanes];
+  for (int j = 0; j < kLanes; ++j) lanes[j] = x[0];
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
+  }
+  T best = lanes[0];
+  for (int j = 1; j < kLanes; ++j) best = lanes[j] > best ? lanes[j] : best;
+  for (; t < n; ++t) best = x[t] > best ? x[t] : best;
+  return best;
+}
+
 }  // namespace cpu
 }  // namespace grpo_ext

@@ -576,8 +576,17 @@ def validate_grpo_loss_args(
             # its value is not checked: that would sync the host with the device
         else:
             _check_positive("num_items_in_batch", num_items_in_batch)
-    return (epsilon, epsilon_high, delta, beta, kl_clamp, sapo_temperature_pos, sapo_temperature_neg, loss_scale,
-            max_completion_length)
+    return (
+        epsilon,
+        epsilon_high,
+        delta,
+        beta,
+        kl_clamp,
+        sapo_temperature_pos,
+        sapo_temperature_neg,
+        loss_scale,
+        max_completion_length,
+    )
 
 
 def grpo_loss(
@@ -839,3 +848,82 @@ def selective_log_softmax(
         # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing
         entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum(-1)
     return SelectiveLogSoftmax(logps, entropy)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sections 2-7 together: the loss from logits or from hidden states
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def grpo_loss_from_logits(
+    logits: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    **loss_kwargs,
+) -> GRPOLossOutput:
+    """:func:`selective_log_softmax` then :func:`grpo_loss`, through a materialized log_softmax.
+
+    Args:
+        logits: ``[B, T, V]`` (or ``[N, V]`` with ``N = B * T``) floating; ``logits[i, t]`` scores
+            ``completion_ids[i, t]``.
+        completion_ids: ``[B, T]`` (or ``[N]``) integer ids.
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        completion_mask: ``[B, T]``.
+        temperature: > 0.
+        **loss_kwargs: :func:`grpo_loss`' options.
+
+    Returns:
+        GRPOLossOutput: :func:`grpo_loss`'s, with ``metrics["entropy"]``, the mean entropy over the kept tokens.
+    """
+    batch, length = completion_mask.shape
+    logits = logits.reshape(batch, length, logits.shape[-1])
+    selected = selective_log_softmax(
+        logits, completion_ids.reshape(batch, length), temperature=temperature, return_entropy=True
+    )
+    out = grpo_loss(selected.logps, advantages, completion_mask, **loss_kwargs)
+    mask = completion_mask.to(selected.logps.dtype)
+    sample_mask = loss_kwargs.get("sample_mask")
+    if sample_mask is not None:
+        mask = mask * sample_mask.to(mask.dtype).unsqueeze(1)
+    entropy = torch.where(mask != 0, selected.entropy.detach(), 0.0)
+    out.metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+    return out
+
+
+def grpo_loss_from_hidden(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    lm_head_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    **loss_kwargs,
+) -> GRPOLossOutput:
+    """``logits = hidden @ lm_head_weight.T (+ lm_head_bias)``, then :func:`grpo_loss_from_logits`.
+
+    Args:
+        hidden: ``[B, T, H]`` or ``[N, H]``.
+        lm_head_weight: ``[V, H]``.
+        completion_ids: ``[B, T]`` (or ``[N]``).
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        completion_mask: ``[B, T]``.
+        lm_head_bias: ``[V]`` or None.
+        temperature: > 0.
+        chunk_size: ignored (the reference materializes every logit).
+        **loss_kwargs: :func:`grpo_loss`' options.
+
+    Returns:
+        GRPOLossOutput, with ``metrics["entropy"]``.
+    """
+    logits = hidden @ lm_head_weight.t()
+    if lm_head_bias is not None:
+        logits = logits + lm_head_bias
+    return grpo_loss_from_logits(
+        logits, completion_ids, advantages, completion_mask, temperature=temperature, **loss_kwargs
+    )

@@ -1,0 +1,153 @@
+"""grpo_ext.grpo_loss_from_hidden (chunked lm_head + fused loss) against the materialized float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grpo_ext
+from conftest import DEVICES, assert_close, cast_kwargs
+from grpo_ext import reference
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
+
+
+def make_problem(batch: int = 4, length: int = 5, size: int = 16, vocab: int = 37, *, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, length, size, generator=g, dtype=torch.float64)
+    weight = 0.5 * torch.randn(vocab, size, generator=g, dtype=torch.float64)
+    bias = 0.3 * torch.randn(vocab, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = torch.rand(batch, length, generator=g) < 0.75
+    mask[0] = False
+    mask[1] = True
+    adv = torch.randn(batch, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        logps = reference.selective_log_softmax(hidden @ weight.t() + bias, ids, temperature=0.8).logps
+    old = logps + 0.25 * torch.randn(batch, length, generator=g, dtype=torch.float64)
+    ref = logps + 0.2 * torch.randn(batch, length, generator=g, dtype=torch.float64)
+    return hidden, weight, bias, ids, adv, mask, old, ref
+
+
+def run(impl, hidden, weight, bias, ids, adv, mask, **kwargs):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    out = impl.grpo_loss_from_hidden(leaves[0], leaves[1], ids, adv, mask, lm_head_bias=leaves[2], **kwargs)
+    out.loss.backward()
+    return out, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_matches_reference(device, loss_type, level):
+    hidden, weight, bias, ids, adv, mask, old, ref = make_problem(seed=LOSS_TYPES.index(loss_type))
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.05, loss_type=loss_type, importance_sampling_level=level,
+                  temperature=0.8, sample_mask=torch.tensor([True, True, True, False]))  # fmt: skip
+    expected, expected_grads = run(reference, hidden, weight, bias, ids, adv, mask, **kwargs)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 3e-5)):
+        # chunks of 3 rows: chunks straddle sequences, and the last one is partial
+        got, grads = run(grpo_ext, hidden.to(device, dtype), weight.to(device, dtype), bias.to(device, dtype),
+                         ids.to(device), adv.to(device, dtype), mask.to(device), chunk_size=3,
+                         **cast_kwargs(device, dtype, kwargs))  # fmt: skip
+        assert_close(got.loss, expected.loss, rtol=tol, atol=tol, msg=f"loss {dtype}")
+        for name, a, b in zip(("hidden", "weight", "bias"), grads, expected_grads, strict=True):
+            assert a.dtype == dtype
+            assert_close(a, b, rtol=10 * tol, atol=tol, msg=f"grad {name} {dtype}")
+        for name, value in expected.metrics.items():
+            assert_close(got.metrics[name], value, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunk_size_does_not_change_the_result(device):
+    hidden, weight, bias, ids, adv, mask, old, _ = make_problem(seed=20)
+    args = [t.to(device) for t in (hidden, weight, bias, ids, adv, mask)]
+    results = [run(grpo_ext, *args, old_logps=old.to(device), chunk_size=c, loss_type="dapo") for c in (1, 7, 20, 64)]
+    for out, grads in results[1:]:
+        assert_close(out.loss, results[0][0].loss, rtol=1e-12, atol=1e-14)
+        for a, b in zip(grads, results[0][1], strict=True):
+            assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_requires_grad_no_bias_and_no_grad(device):
+    hidden, weight, _, ids, adv, mask, old, _ = make_problem(seed=21)
+    hidden, weight, ids, adv, mask, old = (t.to(device) for t in (hidden, weight, ids, adv, mask, old))
+    w = weight.clone().requires_grad_(True)
+    out = grpo_ext.grpo_loss_from_hidden(hidden, w, ids, adv, mask, old_logps=old, chunk_size=4)
+    out.loss.backward()
+    w_ref = weight.clone().requires_grad_(True)
+    expected = reference.grpo_loss_from_hidden(hidden, w_ref, ids, adv, mask, old_logps=old)
+    expected.loss.backward()
+    assert_close(out.loss, expected.loss, rtol=1e-10, atol=1e-12)
+    assert_close(w.grad, w_ref.grad, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():
+        no_grad = grpo_ext.grpo_loss_from_hidden(hidden, w, ids, adv, mask, old_logps=old)
+    assert_close(no_grad.loss, expected.loss, rtol=1e-10, atol=1e-12)
+    h = hidden.clone().requires_grad_(True)
+    out = grpo_ext.grpo_loss_from_hidden(h, weight, ids, adv, mask, old_logps=old)
+    (2.0 * out.loss).backward()  # grad_output != 1 scales every gradient
+    h_ref = hidden.clone().requires_grad_(True)
+    (2.0 * reference.grpo_loss_from_hidden(h_ref, weight, ids, adv, mask, old_logps=old).loss).backward()
+    assert_close(h.grad, h_ref.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_low_precision_error_at_most_twice_reference(device):
+    hidden, weight, bias, ids, adv, mask, old, ref = make_problem(4, 6, 64, 300, seed=22)
+    low = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
+    kwargs = dict(old_logps=old.float(), ref_logps=ref.float(), beta=0.04)
+    truth, truth_grads = run(
+        reference, *[t.double() for t in low], ids, adv, mask, **cast_kwargs("cpu", torch.float64, kwargs)
+    )
+    ref_low, ref_grads = run(reference, *low, ids, adv.float(), mask, **kwargs)
+    got, grads = run(grpo_ext, *[t.to(device) for t in low], ids.to(device), adv.float().to(device),
+                     mask.to(device), chunk_size=5, **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    pairs = [("loss", got.loss, ref_low.loss, truth.loss)]
+    pairs += [
+        (n, a, r, t) for n, a, r, t in zip(("hidden", "weight", "bias"), grads, ref_grads, truth_grads, strict=True)
+    ]
+    for name, a, r, t in pairs:
+        err = (a.double().cpu() - t).abs().max().item()
+        ref_err = (r.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + 1e-6, (name, err, ref_err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_compile(device):
+    hidden, weight, bias, ids, adv, mask, old, _ = make_problem(2, 3, 8, 11, seed=23)
+    hidden, weight, bias, ids, adv, mask, old = (t.to(device) for t in (hidden, weight, bias, ids, adv, mask, old))
+    flat = hidden.reshape(6, 8).requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    op_args = (flat, w, bias, ids.reshape(-1), adv, mask, old, None, None, None, None, None, "grpo", 0.2, 0.2, None,
+               0.0, "k3", None, False, "sequence", 3, 1.0, 1.05, 1.0, 0.9, 4)  # fmt: skip
+    torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_hidden.default, op_args)
+
+    def fn(h, weight):
+        out = grpo_ext.grpo_loss_from_hidden(h, weight, ids, adv, mask, lm_head_bias=bias, old_logps=old,
+                                             temperature=0.9, chunk_size=4)  # fmt: skip
+        return out.loss
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    expected = torch.autograd.grad(fn(hidden.requires_grad_(True), w), (hidden, w))
+    value = compiled(hidden, w)
+    grads = torch.autograd.grad(value, (hidden, w))
+    assert_close(value, fn(hidden, w), rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, expected, strict=True):
+        assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_errors():
+    hidden, weight, bias, ids, adv, mask, *_ = make_problem(seed=24)
+    with pytest.raises(ValueError, match="lm_head_weight must have shape"):
+        grpo_ext.grpo_loss_from_hidden(hidden, weight[:, :3], ids, adv, mask)
+    with pytest.raises(ValueError, match="lm_head_weight must match"):
+        grpo_ext.grpo_loss_from_hidden(hidden, weight.float(), ids, adv, mask)
+    with pytest.raises(ValueError, match="lm_head_bias"):
+        grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, lm_head_bias=bias[:3])
+    with pytest.raises(ValueError, match="chunk_size"):
+        grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, chunk_size=0)
+    with pytest.raises(ValueError, match="completion_ids must have shape"):
+        grpo_ext.grpo_loss_from_hidden(hidden, weight, ids[:, :2], adv, mask)
+    with pytest.raises(ValueError, match="token rows"):
+        grpo_ext.grpo_loss_from_hidden(hidden[:, :4], weight, ids, adv, mask)

@@ -1,0 +1,255 @@
+"""grpo_ext.grpo_loss_from_logits (spec sections 2-7) against the materialized float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grpo_ext
+from conftest import DEVICES, assert_close, cast_kwargs
+from grpo_ext import reference
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
+
+
+def make_problem(batch: int = 4, length: int = 6, vocab: int = 50, *, seed: int = 0, per_token_adv: bool = False):
+    """Logits [B, T, V] (one confident token), ids, advantages, a mask with an empty row, old/ref log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 2 * torch.randn(batch, length, vocab, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (batch, length), generator=g)
+    logits[1, 0, ids[1, 0]] += 40.0  # p -> 1: the gradient's 1 - p must not cancel
+    mask = torch.rand(batch, length, generator=g) < 0.7
+    mask[0] = False
+    mask[1] = True
+    adv = (
+        torch.randn(batch, length, generator=g, dtype=torch.float64)
+        if per_token_adv
+        else torch.randn(batch, generator=g, dtype=torch.float64)
+    )
+    with torch.no_grad():
+        base = reference.selective_log_softmax(logits, ids, temperature=0.9).logps
+    old = base + 0.25 * torch.randn(batch, length, generator=g, dtype=torch.float64)
+    ref = base + 0.2 * torch.randn(batch, length, generator=g, dtype=torch.float64)
+    return logits, ids, adv, mask, old, ref
+
+
+def run(impl, logits, ids, adv, mask, **kwargs):
+    x = logits.detach().clone().requires_grad_(True)
+    out = impl.grpo_loss_from_logits(x, ids, adv, mask, **kwargs)
+    out.loss.backward()
+    return out, x.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_matches_reference(device, loss_type, level):
+    logits, ids, adv, mask, old, ref = make_problem(seed=LOSS_TYPES.index(loss_type))
+    g = torch.Generator().manual_seed(5)
+    is_weights = 0.5 + torch.rand(4, 6, generator=g, dtype=torch.float64)
+    sample_mask = torch.tensor([True, True, False, True])
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.05, loss_type=loss_type, importance_sampling_level=level,
+                  is_weights=is_weights, sample_mask=sample_mask, temperature=0.9, epsilon_high=0.28)  # fmt: skip
+    if loss_type == "cispo":
+        kwargs["epsilon_high"] = 1.2
+    expected, expected_grad = run(reference, logits, ids, adv, mask, **kwargs)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        got, grad = run(grpo_ext, logits.to(device, dtype), ids.to(device), adv.to(device, dtype), mask.to(device),
+                        **cast_kwargs(device, dtype, kwargs))  # fmt: skip
+        assert got.loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert grad.dtype == dtype
+        assert_close(got.loss, expected.loss, rtol=tol, atol=tol, msg=f"loss {dtype}")
+        assert_close(grad, expected_grad, rtol=10 * tol, atol=tol, msg=f"grad {dtype}")
+        assert set(got.metrics) == set(expected.metrics)
+        for name, value in expected.metrics.items():
+            assert_close(got.metrics[name], value, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [1, 7, 50257, 151936])
+def test_vocabulary_sizes_and_temperature(device, vocab):
+    logits, ids, adv, mask, old, ref = make_problem(2, 3, vocab, seed=vocab, per_token_adv=True)
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.1, temperature=0.7, loss_type="dapo")
+    expected, expected_grad = run(reference, logits, ids, adv, mask, **kwargs)
+    got, grad = run(grpo_ext, logits.float().to(device), ids.to(device), adv.float().to(device), mask.to(device),
+                    **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    assert_close(got.loss, expected.loss, rtol=2e-5, atol=2e-6)
+    assert_close(grad, expected_grad, rtol=1e-4, atol=1e-7)
+    assert_close(got.metrics["entropy"], expected.metrics["entropy"], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("low_precision", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_low_precision_error_at_most_twice_reference(device, low_precision, level):
+    """flash-attention's rule: the error against float64 is at most twice the reference's in the same dtype."""
+    logits, ids, adv, mask, old, ref = make_problem(4, 8, 4099, seed=3)
+    low = logits.to(low_precision)
+    kwargs = dict(old_logps=old.float(), ref_logps=ref.float(), beta=0.04, importance_sampling_level=level)
+    truth, truth_grad = run(reference, low.double(), ids, adv, mask, **cast_kwargs("cpu", torch.float64, kwargs))
+    ref_low, ref_low_grad = run(reference, low, ids, adv.float(), mask, **kwargs)
+    got, grad = run(grpo_ext, low.to(device), ids.to(device), adv.float().to(device), mask.to(device),
+                    **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    assert grad.dtype == low_precision
+    for name, a, r, t in (("loss", got.loss, ref_low.loss, truth.loss), ("grad", grad, ref_low_grad, truth_grad)):
+        err = (a.double().cpu() - t).abs().max().item()
+        ref_err = (r.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + 1e-7, (name, err, ref_err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_inplace_grad(device, level):
+    logits, ids, adv, mask, old, ref = make_problem(seed=8)
+    kwargs = dict(old_logps=old.float().to(device), ref_logps=ref.float().to(device), beta=0.02,
+                  importance_sampling_level=level)  # fmt: skip
+    ids, adv, mask = ids.to(device), adv.float().to(device), mask.to(device)
+    # the logits come out of a matmul, which saves its inputs and not its output: in place is legal here
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 6, 16, generator=g).to(device).requires_grad_(True)
+    weight = torch.randn(50, 16, generator=g).to(device)
+    expected = grpo_ext.grpo_loss_from_logits(hidden @ weight.t(), ids, adv, mask, **kwargs)
+    (expected_grad,) = torch.autograd.grad(expected.loss, hidden)
+    logits = hidden @ weight.t()
+    version = logits._version
+    out = grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, inplace_grad=True, **kwargs)
+    assert logits._version > version  # autograd can tell the values changed
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    assert torch.equal(out.loss, expected.loss)
+    assert torch.equal(grad, expected_grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_grad_cannot_be_misused_silently(device):
+    logits, ids, adv, mask, *_ = make_problem(seed=9)
+    ids, adv, mask = ids.to(device), adv.float().to(device), mask.to(device)
+    base = logits.float().to(device).requires_grad_(True)
+    saved = torch.exp(base)  # exp saves its output for backward: overwriting it must make backward fail
+    out = grpo_ext.grpo_loss_from_logits(saved, ids, adv, mask, inplace_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
+    with pytest.raises(ValueError, match="leaf"):
+        grpo_ext.grpo_loss_from_logits(base, ids, adv, mask, inplace_grad=True)
+    strided = torch.randn(4, 50, 6, device=device).transpose(1, 2)  # [B, T, V] with stride(-1) == 6
+    with pytest.raises(ValueError, match="contiguous in the vocabulary"):
+        grpo_ext.grpo_loss_from_logits(strided, ids, adv, mask, inplace_grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_rows_never_read_and_get_zero_gradient(device):
+    logits, ids, adv, mask, old, _ = make_problem(seed=10)
+    poisoned = logits.clone()
+    poisoned[~mask] = float("nan")  # a masked row is never read, so its NaN cannot reach the loss
+    expected, expected_grad = run(reference, logits, ids, adv, mask, old_logps=old)
+    got, grad = run(grpo_ext, poisoned.float().to(device), ids.to(device), adv.float().to(device), mask.to(device),
+                    old_logps=old.float().to(device))  # fmt: skip
+    assert torch.isfinite(got.loss)
+    assert_close(got.loss, expected.loss, rtol=2e-5, atol=2e-6)
+    assert torch.count_nonzero(grad[~mask.to(device)]) == 0
+    assert_close(grad, expected_grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_and_flat_layouts(device):
+    logits, ids, adv, mask, old, _ = make_problem(seed=11)
+    expected, expected_grad = run(reference, logits, ids, adv, mask, old_logps=old)
+    # a model's output is [B, T+1, V]; the loss takes [:, :-1] without a copy
+    padded = torch.cat([logits, torch.randn(4, 1, 50, dtype=torch.float64)], dim=1).to(device).requires_grad_(True)
+    view = padded[:, :-1]
+    assert not view.is_contiguous()
+    out = grpo_ext.grpo_loss_from_logits(view, ids.to(device), adv.to(device), mask.to(device),
+                                         old_logps=old.to(device))  # fmt: skip
+    out.loss.backward()
+    assert_close(out.loss, expected.loss, rtol=1e-10, atol=1e-12)
+    assert_close(padded.grad[:, :-1], expected_grad, rtol=1e-9, atol=1e-12)
+    assert torch.count_nonzero(padded.grad[:, -1]) == 0
+    flat = run(grpo_ext, logits.reshape(24, 50).to(device), ids.reshape(24).to(device), adv.to(device),
+               mask.to(device), old_logps=old.to(device))  # fmt: skip
+    assert_close(flat[0].loss, expected.loss, rtol=1e-10, atol=1e-12)
+    assert_close(flat[1].reshape(4, 6, 50), expected_grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_output_scaling_no_grad_and_determinism(device):
+    logits, ids, adv, mask, old, ref = make_problem(seed=12)
+    args = (ids.to(device), adv.float().to(device), mask.to(device))
+    kwargs = dict(old_logps=old.float().to(device), ref_logps=ref.float().to(device), beta=0.1)
+    x = logits.float().to(device).requires_grad_(True)
+    once = grpo_ext.grpo_loss_from_logits(x, *args, **kwargs)
+    (grad_once,) = torch.autograd.grad(once.loss, x)
+    twice = grpo_ext.grpo_loss_from_logits(x, *args, **kwargs)
+    (grad_twice,) = torch.autograd.grad(2.5 * twice.loss, x)
+    assert torch.equal(once.loss, twice.loss)
+    assert_close(grad_twice, 2.5 * grad_once, rtol=1e-6, atol=0)
+    for _ in range(2):  # bitwise reproducible
+        again = grpo_ext.grpo_loss_from_logits(x, *args, **kwargs)
+        assert torch.equal(torch.autograd.grad(again.loss, x)[0], grad_once)
+    with torch.no_grad():
+        assert torch.equal(grpo_ext.grpo_loss_from_logits(x, *args, **kwargs).loss, once.loss)
+    retained = grpo_ext.grpo_loss_from_logits(x, *args, **kwargs)
+    retained.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        retained.loss.backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_compile(device):
+    logits, ids, adv, mask, old, ref = make_problem(2, 3, 11, seed=13)
+    x = logits.to(device)
+    ids, adv, mask, old, ref = ids.to(device), adv.to(device), mask.to(device), old.to(device), ref.to(device)
+    flat_ids = ids.reshape(-1)
+    for token_grad, compute_grad in (
+        (None, True),
+        (None, False),
+        (torch.randn(6, dtype=torch.float64, device=device), True),
+    ):
+        args = (x, flat_ids, 0, adv, mask, old, ref, None, None, None, None, token_grad, "grpo", 0.2, 0.2, None, 0.1,
+                "k3", None, False, 3, 1.0, 1.05, 1.0, 0.9, compute_grad)  # fmt: skip
+        torch.library.opcheck(torch.ops.grpo_ext.grpo_logits_pass.default, args)
+        torch.library.opcheck(torch.ops.grpo_ext.grpo_logits_pass_.default, (x.clone(), *args[1:]))
+    torch.library.opcheck(torch.ops.grpo_ext.scale_grad_.default, (x.clone(), torch.tensor(2.0, device=device)))
+    op_args = (x.requires_grad_(True), flat_ids, adv, mask, old, ref, None, None, None, None, "dapo", 0.2, 0.28, None,
+               0.1, "k3", None, False, "token", 3, 1.0, 1.05, 1.0, 0.9)  # fmt: skip
+    torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits.default, op_args)
+
+    def fn(t):
+        out = grpo_ext.grpo_loss_from_logits(t, ids, adv, mask, old_logps=old, ref_logps=ref, beta=0.1,
+                                             temperature=0.9)  # fmt: skip
+        return out.loss + 0.0 * out.metrics["entropy"]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    (expected_grad,) = torch.autograd.grad(fn(x), x)
+    value = compiled(x)
+    (grad,) = torch.autograd.grad(value, x)
+    assert_close(value, fn(x), rtol=1e-12, atol=1e-12)
+    assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+    def inplace_fn(t):
+        return grpo_ext.grpo_loss_from_logits(t * 1.0, ids, adv, mask, inplace_grad=True).loss
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="inplace_grad=True is for eager mode"):
+        torch.compile(inplace_fn, fullgraph=True, backend="aot_eager")(x)
+
+
+def test_errors():
+    logits, ids, adv, mask, *_ = make_problem(seed=14)
+    with pytest.raises(ValueError, match="logits must have shape"):
+        grpo_ext.grpo_loss_from_logits(logits[0, 0], ids, adv, mask)
+    with pytest.raises(ValueError, match="completion_ids must have shape"):
+        grpo_ext.grpo_loss_from_logits(logits, ids[:, :3], adv, mask)
+    with pytest.raises(ValueError, match="logits must have shape \\[B, T, V\\] with"):
+        grpo_ext.grpo_loss_from_logits(logits[:, :5], ids, adv, mask)
+    with pytest.raises(ValueError, match="temperature"):
+        grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, temperature=0)
+    with pytest.raises(ValueError, match="loss_type"):
+        grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, loss_type="ppo")
+    with pytest.raises(ValueError, match="ref_logps is required"):
+        grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, beta=0.1)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, epsilon_hi=0.3)
+    bad_ids = ids.clone()
+    bad_ids[2, 1] = 50
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        grpo_ext.grpo_loss_from_logits(logits, bad_ids, adv, mask)
