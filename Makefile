@@ -39,11 +39,14 @@ help:
 	@echo "make wheel-smoke  install that wheel into a fresh venv and smoke-test it"
 	@echo "make lint         ruff"
 
+# This rule runs only when the marker is missing (a fresh venv, as in CI): after changing the list, delete
+# $(VENV)/.installed (or the venv) so that `make test` installs it again. trl is pinned: grpo_ext.integrations.trl
+# hooks TRL internals, and tests/test_trl_integration.py checks it against this version.
 $(VENV)/.installed:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.26" ninja \
-	    "pytest>=8" "hypothesis>=6" numpy ruff transformers tqdm matplotlib pyyaml tensorboard
+	    "pytest>=8" "hypothesis>=6" numpy ruff transformers tqdm matplotlib pyyaml tensorboard "trl==1.16.0"
 	touch $@
 
 ifeq ($(strip $(PYTHON_ENV)),system)
@@ -57,8 +60,9 @@ build: env
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	cd /tmp && $(PY) -c "import grpo_ext, json; print(json.dumps(grpo_ext.build_info()))"
 
+# The venv has trl, so there the TRL integration test must run: a missing trl fails it instead of skipping it.
 test: build
-	$(PY) -m pytest -q
+	GRPO_EXT_REQUIRE_TRL=$(if $(filter system,$(strip $(PYTHON_ENV))),0,1) $(PY) -m pytest -q
 
 lint: env
 	$(PY) -m ruff check python tests benchmarks
@@ -77,6 +81,7 @@ wheel-smoke: wheel
 bench: build
 	$(PY) benchmarks/bench_advantages.py
 	$(PY) benchmarks/bench_loss.py
+	$(PY) benchmarks/bench_fused.py
 
 # The training layer's embedded default: a tiny LLaMA learns digit reversal with GRPO, nothing downloaded.
 demo: build

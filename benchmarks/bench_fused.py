@@ -66,13 +66,29 @@ def make_inputs(rows: int, vocab: int, size: int | None, dtype: torch.dtype, dev
         inputs["hidden"] = torch.randn(batch, length, size, generator=gen).to(device=device, dtype=dtype)
         inputs["weight"] = (torch.randn(vocab, size, generator=gen) / size**0.5).to(device=device, dtype=dtype)
     inputs["ids"] = torch.randint(0, vocab, (batch, length), generator=gen).to(device)
-    old = -0.05 - 3.0 * torch.rand(batch, length, generator=gen)
-    inputs["old_logps"] = old.to(device)
-    inputs["ref_logps"] = (old + 0.2 * torch.randn(batch, length, generator=gen)).to(device)
+    # old and ref near the policy's own log-probs, as in training: ratios straddle the clip range, KL stays small
+    logps = policy_logps(inputs).cpu()
+    inputs["old_logps"] = (logps + 0.2 * torch.randn(batch, length, generator=gen)).to(device)
+    inputs["ref_logps"] = (logps + 0.2 * torch.randn(batch, length, generator=gen)).to(device)
     inputs["advantages"] = torch.randn(batch, generator=gen).to(device)
     lengths = torch.randint(1, length + 1, (batch,), generator=gen)
     inputs["mask"] = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).to(MASK_DTYPE).to(device)
     return inputs
+
+
+@torch.no_grad()
+def policy_logps(inputs: dict[str, Any]) -> Tensor:
+    """``[B, T]`` float32 log-probs of the ids under the inputs' logits (chunks of 1024 rows on the hidden path)."""
+    if "logits" in inputs:
+        return grpo_ext.selective_log_softmax(inputs["logits"], inputs["ids"], temperature=TEMPERATURE).logps
+    hidden, weight, ids = inputs["hidden"], inputs["weight"], inputs["ids"]
+    flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
+    parts = [
+        grpo_ext.selective_log_softmax(flat_hidden[i : i + 1024] @ weight.t(), flat_ids[i : i + 1024],
+                                       temperature=TEMPERATURE).logps
+        for i in range(0, flat_ids.numel(), 1024)
+    ]  # fmt: skip
+    return torch.cat(parts).view_as(ids)
 
 
 def loss_kwargs(inputs: dict[str, Any], beta: float) -> dict[str, Any]:

@@ -23,10 +23,11 @@ if [[ "$what" == all || "$what" == test ]]; then
   python3 -m pytest -q -p no:cacheprovider -rs 2>&1 | tail -40 | tee "$OUT/pytest.txt"
 fi
 if [[ "$what" == all || "$what" == sanitize ]]; then
-  sel="cuda and (float64_kernel or deterministic or masked_positions or every_dtype or large or process_advantages_match)"
+  sel="cuda and (float64_kernel or deterministic or masked_positions or every_dtype or large or process_advantages_match or inplace_grad or masked_rows_never_read)"
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
       python3 -m pytest -q -p no:cacheprovider -x -k "$sel" tests/test_grpo_loss.py tests/test_group_advantages.py \
+      tests/test_grpo_loss_from_logits.py \
       2>&1 | tail -15 | tee "$OUT/sanitizer-$tool.txt"
     echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]}" | tee -a "$OUT/sanitizer-$tool.txt"
   done
@@ -34,5 +35,6 @@ fi
 if [[ "$what" == all || "$what" == bench ]]; then
   python3 benchmarks/bench_advantages.py 2>&1 | tee "$OUT/bench_advantages.txt"
   python3 benchmarks/bench_loss.py 2>&1 | tee "$OUT/bench_loss.txt"
+  python3 benchmarks/bench_fused.py 2>&1 | tee "$OUT/bench_fused.txt"
   cp benchmarks/out/*.json "$OUT/" 2>/dev/null
 fi

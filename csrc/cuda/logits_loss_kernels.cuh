@@ -68,8 +68,10 @@ struct LogitsPassArgs {
   bool grad_in_logits;       // the in-place op: row r's gradient goes over logits row r
 };
 
+// Up to 1024 threads per block (softmax_threads): the bound keeps even the float64 instantiation within the SM's
+// 64K registers, where it would otherwise fail to launch.
 template <typename T, typename In>
-__global__ void grpo_logits_pass_kernel(LogitsPassArgs a, T inv_temperature, const T* __restrict__ row_weight,
+__global__ void __launch_bounds__(1024) grpo_logits_pass_kernel(LogitsPassArgs a, T inv_temperature, const T* __restrict__ row_weight,
                                         In* grad, T* __restrict__ logps, T* __restrict__ entropy) {
   __shared__ SoftmaxState<T> warp_states[32];
   __shared__ T row_lse, row_logp, row_g;
