@@ -50,31 +50,39 @@ __device__ __forceinline__ SoftmaxState<T> warp_merge(SoftmaxState<T> s) {
   return s;
 }
 
+// Merges every thread's state over the block (blockDim.x a multiple of 32) in a fixed order; the merged state is
+// returned to thread 0 (other threads get partial states). `warp_states` is 32 entries of shared memory.
+template <typename T>
+__device__ __forceinline__ SoftmaxState<T> block_merge(SoftmaxState<T> s, SoftmaxState<T>* warp_states) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  s = warp_merge(s);
+  if (lane == 0) warp_states[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < num_warps ? warp_states[lane] : SoftmaxState<T>{T(0), T(0), T(0)};
+    s = warp_merge(s);
+  }
+  return s;
+}
+
 template <typename T>
 __global__ void selective_log_softmax_forward_kernel(StridedMatrix logits, StridedMatrix ids, int64_t rows,
                                                      int64_t vocab, T inv_temperature, T* __restrict__ logps,
                                                      T* __restrict__ entropy, T* __restrict__ row_stats) {
   __shared__ SoftmaxState<T> warp_states[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     SoftmaxState<T> s{T(0), T(0), T(0)};
     for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) s = add_logit(s, logits.load<T>(row, v) * inv_temperature);
-    s = warp_merge(s);
-    if (lane == 0) warp_states[warp] = s;
-    __syncthreads();
-    if (warp == 0) {
-      s = lane < num_warps ? warp_states[lane] : SoftmaxState<T>{T(0), T(0), T(0)};
-      s = warp_merge(s);
-      if (lane == 0) {
-        const int64_t id = ids.load<int64_t>(row, 0);
-        CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
-        const T lse = s.max + log(s.sum);
-        const T mean_z = s.weighted / s.sum;
-        logps[row] = logits.load<T>(row, id) * inv_temperature - lse;
-        if (entropy) entropy[row] = lse - mean_z;
-        row_stats[2 * row] = lse;
-        row_stats[2 * row + 1] = mean_z;
-      }
+    s = block_merge(s, warp_states);
+    if (threadIdx.x == 0) {
+      const int64_t id = ids.load<int64_t>(row, 0);
+      CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
+      const T lse = s.max + log(s.sum);
+      const T mean_z = s.weighted / s.sum;
+      logps[row] = logits.load<T>(row, id) * inv_temperature - lse;
+      if (entropy) entropy[row] = lse - mean_z;
+      row_stats[2 * row] = lse;
+      row_stats[2 * row + 1] = mean_z;
     }
     __syncthreads();  // warp_states is reused by the next row
   }

@@ -76,7 +76,6 @@ __global__ void __launch_bounds__(1024) grpo_logits_pass_kernel(LogitsPassArgs a
   __shared__ SoftmaxState<T> warp_states[32];
   __shared__ T row_lse, row_logp, row_g;
   __shared__ int64_t row_id;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const LossParams& p = a.params;
   const LossInputs& in = a.inputs;
   const int64_t vocab = a.logits.vocab;
@@ -102,37 +101,31 @@ __global__ void __launch_bounds__(1024) grpo_logits_pass_kernel(LogitsPassArgs a
     }
     SoftmaxState<T> s{T(0), T(0), T(0)};
     for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) s = add_logit(s, load_as<T>(x + v) * inv_temperature);
-    s = warp_merge(s);
-    if (lane == 0) warp_states[warp] = s;
-    __syncthreads();
-    if (warp == 0) {
-      s = lane < num_warps ? warp_states[lane] : SoftmaxState<T>{T(0), T(0), T(0)};
-      s = warp_merge(s);
-      if (lane == 0) {
-        const int64_t id = a.ids.load<int64_t>(r, 0);
-        CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
-        const T lse = s.max + log(s.sum);
-        const T logp = load_as<T>(x + id) * inv_temperature - lse;
-        logps[r] = logp;
-        entropy[r] = lse - s.weighted / s.sum;
-        T g = T(0);
-        if (grad_row) {
-          if (a.token_grad.present()) {
-            g = a.token_grad.load<T>(r, 0);
-          } else {
-            const T l_old = p.has_old ? in.old_logps.load<T>(b, t) : logp;
-            const T l_ref = p.beta != 0.0 ? in.ref_logps.load<T>(b, t) : T(0);
-            const T isw = in.is_weights.present() ? in.is_weights.load<T>(b, t) : T(1);
-            g = row_weight[b] * m *
-                token_logp_grad<T>(consts, family, kl, p.bias_correction, p.has_old, logp, l_old, l_ref,
-                                   in.advantages.load<T>(b, t), isw);
-          }
+    s = block_merge(s, warp_states);
+    if (threadIdx.x == 0) {
+      const int64_t id = a.ids.load<int64_t>(r, 0);
+      CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
+      const T lse = s.max + log(s.sum);
+      const T logp = load_as<T>(x + id) * inv_temperature - lse;
+      logps[r] = logp;
+      entropy[r] = lse - s.weighted / s.sum;
+      T g = T(0);
+      if (grad_row) {
+        if (a.token_grad.present()) {
+          g = a.token_grad.load<T>(r, 0);
+        } else {
+          const T l_old = p.has_old ? in.old_logps.load<T>(b, t) : logp;
+          const T l_ref = p.beta != 0.0 ? in.ref_logps.load<T>(b, t) : T(0);
+          const T isw = in.is_weights.present() ? in.is_weights.load<T>(b, t) : T(1);
+          g = row_weight[b] * m *
+              token_logp_grad<T>(consts, family, kl, p.bias_correction, p.has_old, logp, l_old, l_ref,
+                                 in.advantages.load<T>(b, t), isw);
         }
-        row_lse = lse;
-        row_logp = logp;
-        row_g = g;
-        row_id = id;
       }
+      row_lse = lse;
+      row_logp = logp;
+      row_g = g;
+      row_id = id;
     }
     __syncthreads();
     if (grad_row) {
