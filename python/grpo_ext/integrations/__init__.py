@@ -1,0 +1,7 @@
+"""Integrations of grpo_ext with other training libraries.
+
+Each submodule imports its library when it is imported itself, never from ``import grpo_ext``:
+
+- :mod:`grpo_ext.integrations.trl`: TRL's own ``GRPOTrainer`` with its loss and log-prob passes computed by
+  grpo_ext (``GRPOExtTrainer`` or ``patch(trainer)``).
+"""

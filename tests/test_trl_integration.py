@@ -1,0 +1,422 @@
+"""grpo_ext.integrations.trl: TRL's own GRPOTrainer, unpatched and patched, gives the same loss, gradients, metrics.
+
+Every trainer here is a real ``trl.GRPOTrainer`` on a tiny random model saved to a temporary folder (TRL loads the
+policy, and the reference when ``beta != 0``, from that folder; nothing is downloaded). ``compute_loss`` runs on a
+batch built by hand, once with TRL's own code and once patched, on the same parameters, in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+# `make test` installs trl in its venv and sets this: there a missing or unsupported trl fails instead of skipping.
+REQUIRE_TRL = os.environ.get("GRPO_EXT_REQUIRE_TRL") == "1"
+if REQUIRE_TRL:
+    import trl
+else:
+    trl = pytest.importorskip("trl")
+
+import grpo_ext  # noqa: E402
+from grpo_ext.integrations import trl as grpo_trl  # noqa: E402
+from grpo_ext.trainer.demo import build_tokenizer  # noqa: E402
+
+try:
+    grpo_trl.check_trl_version()
+except RuntimeError as exc:  # pragma: no cover - CI pins the supported trl
+    if REQUIRE_TRL:
+        raise
+    pytest.skip(str(exc), allow_module_level=True)
+
+from datasets import Dataset  # noqa: E402  (a dependency of trl)
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+B, P, T = 8, 4, 6  # completions (2 prompts x G=4), prompt length, completion length
+LENGTHS = (6, 1, 3, 0, 6, 5, 2, 4)  # one empty row, one full row, one single-token row
+ADVANTAGES = (1.2, -0.8, 0.5, -1.5, 0.9, -0.3, 1.1, -0.6)  # both signs, so every clip condition can occur
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model gains nothing from threads; keeps the test cheap on shared cores
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def save_model(path, tokenizer, arch: str = "llama", **config_extra: Any) -> str:
+    """Saves a randomly initialized 2-layer causal LM (hidden 32) over the tokenizer's vocabulary; returns the path."""
+    import transformers
+
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=32, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    if arch == "llama":  # untied LM head, no bias
+        model_cls, config = (
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common, **config_extra),
+        )
+    elif arch == "qwen2_tied":  # LM head tied to the embeddings
+        model_cls, config = (
+            transformers.Qwen2ForCausalLM,
+            transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common, **config_extra),
+        )
+    elif arch == "phi":  # LM head with a bias
+        model_cls, config = transformers.PhiForCausalLM, transformers.PhiConfig(**common, **config_extra)
+    elif arch == "mixtral":  # MoE: TRL adds the router load-balancing loss
+        model_cls, config = transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+            router_aux_loss_coef=0.02, **common, **config_extra,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    torch.manual_seed(0)
+    model_cls(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, tokenizer) -> str:
+    return save_model(tmp_path_factory.mktemp("llama"), tokenizer)
+
+
+def digit_reward(prompts, completions, **columns) -> list[float]:
+    return [float(sum(ch == "1" for ch in c)) for c in completions]
+
+
+def make_trainer(model_dir: str, tokenizer, tmp_path, cls=None, **overrides: Any):
+    """A TRL trainer in train mode, as inside its loop: 2 accumulation steps, 4 micro-batches per generation."""
+    options = dict(
+        output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, seed=1, per_device_train_batch_size=B,
+        num_generations=4, max_completion_length=T, gradient_accumulation_steps=2, steps_per_generation=4,
+        save_strategy="no", logging_steps=1, disable_tqdm=True, bf16=False,  # TRL defaults to bf16 autocast
+    )  # fmt: skip
+    options.update(overrides)
+    dataset = Dataset.from_dict({"prompt": ["12>", "345>"]})
+    trainer = (cls or trl.GRPOTrainer)(
+        model=model_dir, reward_funcs=digit_reward, args=trl.GRPOConfig(**options), train_dataset=dataset,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2  # set by transformers' loop, read by TRL's loss
+    return trainer
+
+
+def make_inputs(trainer, *, seed: int = 0, old: bool = True, token_advantages: bool = False,
+                tool_mask: bool = False, is_ratio_shape: tuple[int, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """TRL's ``compute_loss`` batch by hand: left-padded prompts, ragged completions, ratios straddling the clips."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    prompt_ids = torch.randint(4, vocab, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # left padding
+    prompt_ids[0, :2] = trainer.processing_class.pad_token_id
+    completion_ids = torch.randint(4, vocab, (B, T), generator=g)
+    completion_mask = (torch.arange(T) < torch.tensor(LENGTHS)[:, None]).long()
+    advantages = torch.tensor(ADVANTAGES)
+    if token_advantages:
+        advantages = advantages[:, None] * (0.5 + torch.rand(B, T, generator=g))
+    inputs: dict[str, Any] = dict(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+        completion_mask=completion_mask, advantages=advantages, num_items_in_batch=completion_mask.sum() * 4,
+    )  # fmt: skip
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), T
+        )
+    # A per-row shift as well as per-token noise, so sequence-level ratios leave the clip range too.
+    drift = 0.3 * torch.randn(B, 1, generator=g) + 0.35 * torch.randn(B, T, generator=g)
+    if old:
+        inputs["old_per_token_logps"] = logps - drift
+    inputs["ref_per_token_logps"] = logps + 0.2 * torch.randn(B, T, generator=g)
+    if tool_mask:
+        inputs["tool_mask"] = (torch.rand(B, T, generator=g) > 0.3).long()
+    if is_ratio_shape is not None:
+        inputs["importance_sampling_ratio"] = 0.5 + torch.rand(*is_ratio_shape, generator=g)
+    return inputs
+
+
+@dataclasses.dataclass
+class Calls:
+    grpo_loss: int = 0
+    selective_log_softmax: int = 0
+
+
+@pytest.fixture
+def grpo_ext_calls(monkeypatch) -> Calls:
+    """Counts the grpo_ext ops the integration calls (so a patch that did nothing cannot pass a parity test)."""
+    calls = Calls()
+
+    def spy(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            setattr(calls, name, getattr(calls, name) + 1)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(grpo_ext.ops, "grpo_loss", spy("grpo_loss", grpo_ext.ops.grpo_loss))
+    monkeypatch.setattr(
+        grpo_ext.ops, "selective_log_softmax", spy("selective_log_softmax", grpo_ext.ops.selective_log_softmax)
+    )
+    return calls
+
+
+def loss_and_grads(trainer, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
+    """One ``compute_loss`` + backward from zero gradients: the loss, every parameter gradient, the metrics logged."""
+    mode = "train" if trainer.model.training else "eval"
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics[mode].clear()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    metrics = {name: values[-1] for name, values in trainer._metrics[mode].items()}
+    return loss.detach(), grads, metrics
+
+
+def assert_same(expected, actual, tol: float = 1e-5) -> None:
+    """Same loss, same gradient on every parameter, same metrics (relative to each tensor's scale)."""
+    (loss0, grads0, metrics0), (loss1, grads1, metrics1) = expected, actual
+    torch.testing.assert_close(loss1, loss0, rtol=tol, atol=tol * max(loss0.abs().item(), 1e-3))
+    assert grads1.keys() == grads0.keys()
+    assert any(g.abs().max() > 0 for g in grads0.values()), "no gradient reached the model: a vacuous comparison"
+    for name, g0 in grads0.items():
+        scale = max(g0.abs().max().item(), 1e-6)
+        torch.testing.assert_close(grads1[name], g0, rtol=tol, atol=tol * scale, msg=lambda m, n=name: f"{n}: {m}")
+    assert metrics1.keys() == metrics0.keys()
+    for name, value in metrics0.items():
+        assert metrics1[name] == pytest.approx(value, rel=tol, abs=tol), name
+
+
+def compare(trainer, inputs, calls: Calls, tol: float = 1e-5) -> dict[str, float]:
+    """TRL's compute_loss, then the patched one on the same parameters and inputs; returns TRL's metrics."""
+    expected = loss_and_grads(trainer, inputs)
+    assert calls.grpo_loss == 0 and calls.selective_log_softmax == 0
+    grpo_trl.patch(trainer)
+    actual = loss_and_grads(trainer, inputs)
+    assert calls.grpo_loss == 1 and calls.selective_log_softmax >= 1  # the patched run went through grpo_ext
+    assert_same(expected, actual, tol)
+    return expected[2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loss parity
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_patched_loss_and_gradients_match_trl(loss_type, beta, level, llama_dir, tokenizer, tmp_path, grpo_ext_calls):
+    trainer = make_trainer(
+        llama_dir, tokenizer, tmp_path, loss_type=loss_type, beta=beta, importance_sampling_level=level
+    )
+    assert trainer.args.use_bias_correction_kl  # TRL's default, which grpo_ext's default (False) must not replace
+    metrics = compare(trainer, make_inputs(trainer), grpo_ext_calls)
+    # The batch must exercise what is compared: clipping happens, and the KL is there when beta != 0.
+    if loss_type == "cispo":
+        assert metrics["cispo_clip_ratio"] > 0
+    elif loss_type in CLIP_FAMILY:
+        assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+    else:  # sapo: a soft gate, no clip metric
+        assert not any(name.startswith("clip_ratio") for name in metrics)
+    assert ("kl" in metrics) == (beta != 0) and metrics.get("kl", 1.0) > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A TRL option mapped onto a grpo_ext parameter: config overrides, trainer attributes, batch options."""
+
+    config: dict = dataclasses.field(default_factory=dict)
+    attrs: dict = dataclasses.field(default_factory=dict)
+    inputs: dict = dataclasses.field(default_factory=dict)
+    arch: str = "llama"
+    eval_mode: bool = False
+    tol: float = 1e-5
+
+
+CASES = {
+    "no_bias_correction": Case(config=dict(beta=0.04, use_bias_correction_kl=False, loss_type="grpo")),
+    "dapo_asymmetric_delta": Case(config=dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, delta=1.5)),
+    "cispo_cap_5": Case(config=dict(loss_type="cispo", epsilon_high=5.0)),
+    "sapo_temperatures": Case(config=dict(loss_type="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3)),
+    "dr_grpo_max_completion_length": Case(config=dict(loss_type="dr_grpo", max_completion_length=10)),
+    "on_policy": Case(config=dict(loss_type="dapo", beta=0.04), inputs=dict(old=False)),
+    "token_advantages": Case(config=dict(loss_type="grpo", beta=0.04), inputs=dict(token_advantages=True)),
+    "tool_mask": Case(config=dict(loss_type="bnpo", beta=0.04), inputs=dict(tool_mask=True)),
+    "vllm_is_token": Case(
+        config=dict(loss_type="dapo", beta=0.04),
+        attrs=dict(use_vllm=True, vllm_importance_sampling_correction=True),
+        inputs=dict(is_ratio_shape=(B, T)),
+    ),
+    "vllm_is_sequence": Case(
+        config=dict(loss_type="grpo", importance_sampling_level="sequence"),
+        attrs=dict(use_vllm=True, vllm_importance_sampling_correction=True),
+        inputs=dict(is_ratio_shape=(B, 1)),
+    ),
+    "off_policy_mask": Case(config=dict(loss_type="dapo", beta=0.04, off_policy_mask_threshold=0.02)),
+    "top_entropy_quantile": Case(config=dict(loss_type="grpo", top_entropy_quantile=0.5)),
+    "eval_dapo": Case(config=dict(loss_type="dapo", beta=0.04), eval_mode=True),
+    "eval_grpo": Case(config=dict(loss_type="grpo", importance_sampling_level="sequence"), eval_mode=True),
+    "moe_router_aux_loss": Case(config=dict(loss_type="grpo", beta=0.04), arch="mixtral"),
+    # TRL's default mixed precision: the LM head runs in bfloat16 in both, so only bf16 rounding differs
+    "bf16_autocast": Case(config=dict(loss_type="dapo", beta=0.04, bf16=True), tol=2e-2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_patched_trl_options_match(case, llama_dir, tokenizer, tmp_path, grpo_ext_calls):
+    model_dir = llama_dir if case.arch == "llama" else save_model(tmp_path / case.arch, tokenizer, case.arch)
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, **case.config)
+    for name, value in case.attrs.items():  # vLLM cannot run here: its batch fields and switches are set by hand
+        setattr(trainer, name, value)
+    if case.eval_mode:
+        trainer.model.eval()
+    inputs = make_inputs(trainer, **case.inputs)
+    metrics = compare(trainer, inputs, grpo_ext_calls, tol=case.tol)
+    if case.arch == "mixtral":
+        assert trainer.aux_loss_enabled and metrics["aux_loss"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the log-prob pass
+# ---------------------------------------------------------------------------------------------------------------
+
+
+LOG_PROB_CASES = {
+    "llama": ("llama", {}, {}, None),
+    "softcap_scale_temperature": (
+        "llama",
+        dict(final_logit_softcapping=3.0, logit_scale=0.7),
+        dict(temperature=0.7),
+        None,
+    ),
+    "phi_lm_head_bias": ("phi", {}, {}, None),
+    "qwen2_tied_embeddings": ("qwen2_tied", {}, {}, None),
+    "row_chunks": ("llama", {}, {}, 3),  # 3 rows per projection chunk: several chunks and a ragged last one
+}
+
+
+@pytest.mark.parametrize(("arch", "config_extra", "overrides", "chunk_rows"), list(LOG_PROB_CASES.values()),
+                         ids=list(LOG_PROB_CASES))  # fmt: skip
+def test_log_prob_pass_matches_trl(arch, config_extra, overrides, chunk_rows, tokenizer, tmp_path, monkeypatch,
+                                   grpo_ext_calls):  # fmt: skip
+    """Log-probs, entropy and the gradients through both (LM head weight and bias, backbone) equal TRL's."""
+    if chunk_rows is not None:
+        monkeypatch.setattr(grpo_trl, "LOGITS_CHUNK_ELEMENTS", chunk_rows * len(tokenizer))
+    model_dir = save_model(tmp_path / arch, tokenizer, arch, **config_extra)
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, **overrides)
+    inputs = make_inputs(trainer)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    g = torch.Generator().manual_seed(5)
+    w_logps, w_entropy = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        trainer.model.zero_grad(set_to_none=True)
+        logps, entropy, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, T, compute_entropy=True
+        )
+        ((logps * w_logps).sum() + (entropy * w_entropy).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        return logps.detach(), entropy.detach(), grads
+
+    logps0, entropy0, grads0 = run()
+    grpo_trl.patch(trainer)
+    logps1, entropy1, grads1 = run()
+    # forward chunks plus their recomputation in the backward
+    assert grpo_ext_calls.selective_log_softmax >= (2 * (B * (P + T - 1) // chunk_rows) if chunk_rows else 2)
+    torch.testing.assert_close(logps1, logps0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy1, entropy0, rtol=1e-5, atol=1e-5)
+    assert grads1.keys() == grads0.keys()
+    assert all(g.abs().max() > 0 for g in grads0.values() if g.dim() > 1 or arch == "phi")
+    if arch == "phi":
+        assert "lm_head.bias" in grads0
+    for name, g0 in grads0.items():
+        torch.testing.assert_close(grads1[name], g0, rtol=1e-5, atol=1e-5 * max(g0.abs().max().item(), 1e-6))
+    # the swap is scoped to the call: TRL's own function is back in place for everything else
+    assert trl.trainer.utils._ChunkedLogProbFunction is not grpo_trl._GrpoExtLogProbs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL's training loop, patch / unpatch, errors, import isolation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_subclass_trains_like_trl(llama_dir, tokenizer, tmp_path, grpo_ext_calls):
+    """Two optimizer steps of TRL's own loop (generation, old and reference log-probs, loss, logging) agree."""
+    options = dict(max_steps=2, loss_type="dapo", beta=0.04, learning_rate=1e-2, gradient_accumulation_steps=1,
+                   steps_per_generation=1, max_completion_length=4)  # fmt: skip
+    reference = make_trainer(llama_dir, tokenizer, tmp_path / "a", **options)
+    reference.train()
+    assert grpo_ext_calls.grpo_loss == 0
+    ours = make_trainer(llama_dir, tokenizer, tmp_path / "b", cls=grpo_trl.GRPOExtTrainer, **options)
+    assert grpo_trl.is_patched(ours) and not grpo_trl.is_patched(reference)
+    ours.train()
+    assert grpo_ext_calls.grpo_loss == 2 and grpo_ext_calls.selective_log_softmax >= 4  # 2 x (ref pass + policy)
+    logs0 = [row for row in reference.state.log_history if "loss" in row]
+    logs1 = [row for row in ours.state.log_history if "loss" in row]
+    assert len(logs0) == len(logs1) == 2
+    for row0, row1 in zip(logs0, logs1, strict=True):
+        for key in ("loss", "kl", "entropy", "grad_norm", "reward", "clip_ratio/region_mean"):
+            assert row1[key] == pytest.approx(row0[key], rel=1e-4, abs=1e-6), key
+    params0 = dict(reference.model.named_parameters())
+    for name, p in ours.model.named_parameters():
+        torch.testing.assert_close(p, params0[name], rtol=1e-4, atol=1e-6)
+
+
+def test_patch_is_idempotent_and_unpatch_restores_trl(llama_dir, tokenizer, tmp_path, grpo_ext_calls):
+    trainer = make_trainer(llama_dir, tokenizer, tmp_path, loss_type="grpo")
+    inputs = make_inputs(trainer)
+    assert grpo_trl.patch(grpo_trl.patch(trainer)) is trainer and grpo_trl.is_patched(trainer)
+    patched_loss = trainer.compute_loss(trainer.model, inputs)
+    assert grpo_ext_calls.grpo_loss == 1
+    grpo_trl.unpatch(trainer)
+    assert not grpo_trl.is_patched(trainer)
+    trl_loss = trainer.compute_loss(trainer.model, inputs)
+    assert grpo_ext_calls.grpo_loss == 1  # TRL's own code again
+    torch.testing.assert_close(patched_loss.detach(), trl_loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_settings_raise_naming_them(llama_dir, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match=r"GRPOConfig\.loss_type='vespo'"):
+        # raised before TRL loads anything: the model path does not even exist
+        grpo_trl.GRPOExtTrainer(
+            model=str(tmp_path / "missing"), reward_funcs=digit_reward,
+            args=trl.GRPOConfig(output_dir=str(tmp_path), loss_type="vespo", use_cpu=True, report_to="none"),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"GRPOConfig\.entropy_coef=0\.1"):
+        grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path, entropy_coef=0.1))
+    with pytest.raises(ValueError, match=r"use_adaptive_entropy=True"):
+        grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path, use_adaptive_entropy=True))
+    with pytest.raises(TypeError, match=r"trainer must be a trl\.GRPOTrainer, got object"):
+        grpo_trl.patch(object())
+    with pytest.raises(RuntimeError, match=r"supports trl 1\.16\.x .* found trl 1\.15\.0"):
+        grpo_trl.check_trl_version("1.15.0")
+    with pytest.raises(RuntimeError, match="found trl unknown"):
+        grpo_trl.check_trl_version("unknown")
+    hidden, weight = torch.randn(3, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match=r"outputs=.*'is_top1'"):
+        grpo_trl._GrpoExtLogProbs.apply(hidden, weight, None, torch.zeros(3, dtype=torch.long), 1.0, 8, None, 1.0,
+                                        ("log_probs", "is_top1"))  # fmt: skip
+
+
+def test_import_grpo_ext_does_not_import_trl():
+    code = "import sys, grpo_ext; assert 'trl' not in sys.modules and 'grpo_ext.integrations' not in sys.modules"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
