@@ -4,6 +4,10 @@ A run file holds GRPOConfig fields plus ``model_name_or_path`` (a local model fo
 with a ``prompt`` column and any others for the rewards) and ``reward_funcs`` (built-in names ``accuracy``,
 ``format``, ``graded_answer``, or ``package.module:function``). ``--key value`` overrides a key; values are read
 as YAML, so ``--learning_rate 1e-5``, ``--bf16 false`` and ``--reward_weights [1,0.5]`` work.
+
+Under ``torchrun`` (``torchrun --nproc_per_node=N -m grpo_ext.trainer.cli train ...``) each process joins the
+default process group (NCCL on GPUs, gloo on CPUs) and trains its share with DDP, or FSDP2 with ``--fsdp``;
+``per_device_train_batch_size`` is per process.
 """
 
 from __future__ import annotations
@@ -85,9 +89,9 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     Returns:
         The logged metrics (see :meth:`GRPOTrainer.train`).
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from . import distributed
     from .config import GRPOConfig
     from .trainer import GRPOTrainer
 
@@ -101,16 +105,22 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     if isinstance(reward_specs, str):
         reward_specs = [reward_specs]
     config = GRPOConfig.from_dict(options)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    model.to("cuda" if torch.cuda.is_available() else "cpu")
-    trainer = GRPOTrainer(
-        model, [resolve_reward(s) for s in reward_specs], load_jsonl(dataset_path), config, tokenizer=tokenizer
-    )
-    history = trainer.train(resume_from_checkpoint=resume)
-    print(f"metrics: {trainer.metrics_path}\ncurves: {trainer.plot_path if config.plot else '(plot off)'}")
+    created_group, device = distributed.init_from_env()  # a process group when launched by torchrun
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(model_path)
+        model.to(device)
+        trainer = GRPOTrainer(
+            model, [resolve_reward(s) for s in reward_specs], load_jsonl(dataset_path), config, tokenizer=tokenizer
+        )
+        history = trainer.train(resume_from_checkpoint=resume)
+        if trainer.is_main_process:
+            print(f"metrics: {trainer.metrics_path}\ncurves: {trainer.plot_path if config.plot else '(plot off)'}")
+    finally:
+        if created_group:
+            distributed.destroy()
     return history
 
 
@@ -123,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument(
         "--resume", nargs="?", const=True, default=None, help="resume from the latest checkpoint (or the one given)"
     )
+    train.add_argument("--fsdp", action="store_true", help="under torchrun: shard the model with FSDP2 (not DDP)")
     demo = sub.add_parser("demo", help="the embedded default: a tiny LLaMA learns to reverse digits")
     demo.add_argument("--num-threads", type=int, default=None)
     args, rest = parser.parse_known_args(argv)
@@ -139,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.config) as f:
         options = yaml.safe_load(f) or {}
     options.update(overrides)
+    if args.fsdp:
+        options["fsdp"] = True
     train_from_options(options, resume=args.resume)
     return 0
 

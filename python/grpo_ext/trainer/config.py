@@ -26,7 +26,9 @@ class GRPOConfig:
 
     One optimizer step consumes ``gradient_accumulation_steps`` micro-batches of ``per_device_train_batch_size``
     completions. One generation produces ``per_device_train_batch_size * steps_per_generation`` completions
-    (``num_generations`` per prompt), scored once and reused ``num_iterations`` times.
+    (``num_generations`` per prompt), scored once and reused ``num_iterations`` times. Under torch.distributed these
+    counts are per process: the global batch is ``world_size`` times larger, and results depend on the global batch
+    only, not on how many processes share it.
     """
 
     output_dir: str = "grpo_output"
@@ -70,6 +72,9 @@ class GRPOConfig:
     max_sampling_rounds: int = 4
     # Per-token log-probs: "torch" (log_softmax + gather in float32) or "grpo_ext" (selective_log_softmax kernel).
     logps_backend: str = "torch"
+
+    # Distributed (under torchrun): DDP by default; True shards the policy and the reference model with FSDP2
+    fsdp: bool = False
 
     # Optimization
     learning_rate: float = 1e-6
@@ -115,7 +120,7 @@ class GRPOConfig:
 
     @property
     def generation_batch_size(self) -> int:
-        """Completions produced by one generation."""
+        """Completions one process produces per generation (``world_size`` times more in all)."""
         return self.per_device_train_batch_size * self.steps_per_generation
 
     def _validate(self) -> None:
@@ -131,6 +136,8 @@ class GRPOConfig:
                 _fail(name, "must be an integer", value)
             if value < minimum:
                 _fail(name, f"must be >= {minimum}", value)
+        if not isinstance(self.fsdp, bool):
+            _fail("fsdp", "must be a boolean", self.fsdp)
         for name in ("max_prompt_length", "save_total_limit"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -1,0 +1,284 @@
+"""GRPOTrainer on torch.distributed (gloo on CPU): 2 ranks give the updates of 1 rank over the same global batch.
+
+One spawn of 2 processes runs every case (process start-up dominates the cost); the 1-rank runs happen in the test
+process itself, with no process group, so they are also the plain single-process trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from grpo_ext.trainer import GRPOConfig
+from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
+from grpo_ext.trainer.trainer import TIMING_METRICS, GRPOTrainer, RowSeededSampler, check_resume_batch
+
+WORLD = 2
+GLOBAL_BATCH = 16
+
+# Each case: GRPOConfig overrides of both runs, plus micro_rows, the rows of a global micro-batch (default
+# GLOBAL_BATCH / gradient_accumulation_steps): per_device_train_batch_size is micro_rows / world size.
+CASES = {
+    "grpo": dict(loss_type="grpo"),
+    "grpo_batch_std": dict(loss_type="grpo", scale_rewards="batch"),
+    # beta != 0: reference model and zero-std masking (the token count excludes masked rows); num_iterations=2
+    # queues a micro-batch, which checkpoint-1 holds.
+    "dapo_kl": dict(loss_type="dapo", beta=0.04, num_iterations=2, save_steps=1),
+    # 2 rows per rank and micro-batch with G=4: every group is split over the two ranks.
+    "dr_grpo_split_groups": dict(
+        loss_type="dr_grpo", gradient_accumulation_steps=2, steps_per_generation=4, micro_rows=4
+    ),
+    "bnpo_accumulated": dict(loss_type="bnpo", gradient_accumulation_steps=2),
+    "grpo_dynamic_sampling": dict(loss_type="grpo", dynamic_sampling=True, max_sampling_rounds=3),
+    # FSDP2 on CPU: the 2-rank run shards, the 1-rank run is the plain trainer.
+    "grpo_fsdp": dict(loss_type="grpo", fsdp=True, num_iterations=2, save_steps=1),
+}
+# Cases whose 2-rank run also resumes from its checkpoint-1 on 2 ranks (must end bit-identical).
+RESUMED = ("dapo_kl", "grpo_fsdp")
+
+
+def case_config(output_dir: Path, case: str, world_size: int, **extra) -> GRPOConfig:
+    # adam_epsilon: AdamW's update lr * g / (|g| + eps) amplifies a gradient element's float32 rounding near 0 by up to
+    # lr / eps; with the default 1e-8 that is 3e5, and two correct runs that differ only in the order of their sums
+    # (all-reduce vs one batch) end 4e-6 apart. With 1e-3 they agree to the last bits, so the comparison can be tight.
+    options = dict(
+        output_dir=str(output_dir), seed=5, max_steps=3, num_generations=4, max_completion_length=4,
+        max_prompt_length=None, learning_rate=3e-3, adam_epsilon=1e-3, lr_scheduler_type="constant",
+        report_to="none", disable_tqdm=True, log_completions=False, plot=False,
+    )  # fmt: skip
+    options.update(CASES[case])
+    options.update(extra)
+    micro_rows = options.pop("micro_rows", GLOBAL_BATCH // options.get("gradient_accumulation_steps", 1))
+    options.setdefault("per_device_train_batch_size", micro_rows // world_size)
+    if world_size == 1:
+        options["fsdp"] = False
+    return GRPOConfig(**options)
+
+
+def make_trainer(config: GRPOConfig) -> GRPOTrainer:
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0)
+    train_rows, _ = reversal_dataset(seed=0)
+    return GRPOTrainer(model, [reversal_reward], train_rows, config, tokenizer=tokenizer)
+
+
+def full_params(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    """Parameters as plain CPU tensors (FSDP's DTensor shards gathered: a collective)."""
+    out = {}
+    for name, value in trainer.model.state_dict().items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        out[name] = value.detach().cpu().clone()
+    return out
+
+
+def _worker(rank: int, store: str, out_dir: str) -> None:
+    """One rank of the 2-process run: every case, then the resumed runs; results saved per rank."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
+    )
+    try:
+        results = {}
+        for case in CASES:
+            run_dir = Path(out_dir) / case
+            trainer = make_trainer(case_config(run_dir, case, WORLD))
+            history = trainer.train()
+            results[case] = {"params": full_params(trainer), "history": history}
+            if case in RESUMED:
+                resumed = make_trainer(case_config(run_dir, case, WORLD, save_steps=0))
+                resumed.train(resume_from_checkpoint=str(run_dir / "checkpoint-1"))
+                results[case]["resumed_params"] = full_params(resumed)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return out, ranks
+
+
+def without_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMING_METRICS}
+
+
+def assert_same_params(actual: dict, expected: dict, exact: bool = False) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in actual.items():
+        if exact:
+            assert torch.equal(value, expected[name]), name
+        else:
+            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_match_one_rank(two_rank_runs, tmp_path, case):
+    out, ranks = two_rank_runs
+    single = make_trainer(case_config(tmp_path / "single", case, 1))
+    single_history = single.train()
+    expected = full_params(single)
+    initial = full_params(make_trainer(case_config(tmp_path / "init", case, 1)))
+    assert any(not torch.equal(expected[k], initial[k]) for k in expected)  # training moved the weights
+
+    # The ranks hold the same replica, and it is the 1-rank result up to float32 reduction order.
+    assert_same_params(ranks[1][case]["params"], ranks[0][case]["params"], exact=True)
+    assert_same_params(ranks[0][case]["params"], expected)
+
+    # The same rollouts (rewards, lengths are per-row facts), the same global metrics up to rounding.
+    two = ranks[0][case]["history"]
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for got, want in zip(two, single_history, strict=True):
+        got, want = without_timing(got), without_timing(want)
+        assert got.keys() == want.keys()
+        for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "num_tokens"):
+            assert got[key] == want[key], key
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    # Every rank returns the global metrics (only the clock-based ones are its own).
+    assert [without_timing(r) for r in ranks[1][case]["history"]] == [without_timing(r) for r in two]
+
+    # Rank 0 alone wrote the metrics: one line per step.
+    rows = [json.loads(line) for line in (out / case / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_checkpoint_resumes_on_the_same_and_on_another_world_size(two_rank_runs, tmp_path, case):
+    out, ranks = two_rank_runs
+    run_dir = out / case
+    # Written once, by rank 0, and no temporary folders left.
+    expected_folders = ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert sorted(p.name for p in run_dir.iterdir() if "checkpoint" in p.name) == expected_folders
+    state = torch.load(run_dir / "checkpoint-1" / "trainer_state.pt", weights_only=False)
+    assert state["world_size"] == WORLD and [len(q) for q in state["micro_batches_by_rank"]] == [1, 1]
+    config = json.loads((run_dir / "checkpoint-1" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]  # not FSDP's generated subclass
+
+    # 2 ranks -> 2 ranks: bit for bit.
+    assert_same_params(ranks[0][case]["resumed_params"], ranks[0][case]["params"], exact=True)
+    # 2 ranks -> 1 rank (the queued micro-batch re-cut): the uninterrupted 2-rank result up to rounding.
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir / "checkpoint-1", copy / "checkpoint-1")
+    resumed = make_trainer(case_config(copy, case, 1, save_steps=0))
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.global_step == 3
+    assert_same_params(full_params(resumed), ranks[0][case]["params"])
+
+
+def test_resume_with_another_global_batch_fails_naming_the_option(two_rank_runs, tmp_path):
+    out, _ = two_rank_runs
+    trainer = make_trainer(case_config(tmp_path, "dapo_kl", 1, per_device_train_batch_size=8))
+    with pytest.raises(ValueError, match=r"GRPOConfig\.per_device_train_batch_size must be 16 .* got 8"):
+        trainer.load_checkpoint(out / "dapo_kl" / "checkpoint-1")
+    with pytest.raises(ValueError, match=r"world_size=3 .* 16\) is not divisible by 3"):
+        check_resume_batch(16, 3, trainer.config)
+
+
+def test_fsdp_needs_a_process_group(tmp_path):
+    with pytest.raises(ValueError, match=r"GRPOConfig\.fsdp=True needs torch\.distributed"):
+        make_trainer(case_config(tmp_path, "grpo", 2, fsdp=True))
+    with pytest.raises(ValueError, match=r"GRPOConfig\.fsdp must be a boolean"):
+        GRPOConfig(fsdp="yes")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-row sampling
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_rows_completion_does_not_depend_on_its_batch(tmp_path):
+    trainer = make_trainer(case_config(tmp_path, "grpo", 1))
+    prompts = ["123>", "45>", "6>", "789>"]
+    seeds = [11, 22, 33, 44]
+    _, _, together, together_mask, _ = trainer.generate(prompts, 1, row_seeds=seeds)
+    for i in (3, 1):
+        _, _, alone, alone_mask, _ = trainer.generate([prompts[i]], 1, row_seeds=[seeds[i]])
+        n = int(alone_mask.sum())
+        assert int(together_mask[i].sum()) == n
+        assert torch.equal(together[i, :n], alone[0, :n])
+    _, _, other, other_mask, _ = trainer.generate(prompts, 1, row_seeds=[s + 1 for s in seeds])
+    assert not torch.equal(other * other_mask, together * together_mask)  # the seed matters
+    with pytest.raises(ValueError, match="row_seeds has 3 seeds for 4 rows"):
+        trainer.generate(prompts, 1, row_seeds=seeds[:3])
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8)]
+)
+def test_row_seeded_sampler_draws_the_warped_softmax(temperature, top_k, top_p):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    expected = torch.softmax(logits / temperature, dim=0)
+    if top_k:
+        expected[expected.argsort(descending=True)[top_k:]] = 0
+    if top_p < 1:
+        order = expected.argsort(descending=True)
+        before = expected[order].cumsum(0) - expected[order]  # mass of the tokens ranked above
+        expected[order[before >= top_p]] = 0
+    expected /= expected.sum()
+    draws = 200_000
+    uniforms = 1.0 - torch.rand(draws, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sampler = RowSeededSampler(uniforms, prompt_width=3, temperature=temperature, top_k=top_k, top_p=top_p)
+    out = sampler(torch.zeros(draws, 3, dtype=torch.long), logits.expand(draws, -1).clone())
+    assert ((out == 0).sum(dim=1) == 1).all() and (out.isneginf().sum(dim=1) == 5).all()
+    freq = torch.bincount(out.argmax(dim=1), minlength=6).double() / draws
+    assert (freq[expected == 0] == 0).all()
+    torch.testing.assert_close(freq, expected.double(), atol=4e-3, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the README's command: torchrun on the CLI
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_torchrun_cli_matches_one_process(tmp_path):
+    tokenizer = build_tokenizer()
+    build_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    train_rows, _ = reversal_dataset(seed=0)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows[:64]))
+    (tmp_path / "run.yaml").write_text(
+        f"model_name_or_path: {tmp_path / 'model'}\ndataset: {tmp_path / 'data.jsonl'}\nreward_funcs: [graded_answer]\n"
+        "num_generations: 4\nmax_completion_length: 4\nmax_steps: 2\nlearning_rate: 0.001\nreport_to: none\n"
+        "disable_tqdm: true\nplot: false\nlog_completions: false\nsave_steps: 2\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    runs = {"two": (2, 4), "one": (1, 8)}  # (processes, per-process batch): the same global batch of 8
+    for name, (procs, per_device) in runs.items():
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+            "-m", "grpo_ext.trainer.cli", "train", "--config", str(tmp_path / "run.yaml"),
+            "--output_dir", str(tmp_path / name), "--per_device_train_batch_size", str(per_device),
+        ]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    metrics = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in runs
+    }
+    assert [r["step"] for r in metrics["two"]] == [1, 2]
+    for two, one in zip(metrics["two"], metrics["one"], strict=True):
+        assert two["reward"] == one["reward"] and two["num_tokens"] == one["num_tokens"]
+        assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    assert (tmp_path / "two" / "checkpoint-2" / "model.safetensors").is_file()
