@@ -86,3 +86,12 @@ def cast_kwargs(device: str | torch.device, dtype: torch.dtype, kwargs: dict) ->
             value = value.to(device, dtype) if value.is_floating_point() else value.to(device)
         out[key] = value
     return out
+
+
+@pytest.fixture
+def one_thread():
+    """Runs the test with torch on one thread (tiny models gain nothing from more), then restores the count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -104,12 +104,8 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# the tiny models gain nothing from threads; one keeps the tests cheap on shared cores (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

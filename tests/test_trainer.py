@@ -24,12 +24,8 @@ TRL_METRICS = (
 )  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model gains nothing from threads; keeps the test cheap on shared cores
-    yield
-    torch.set_num_threads(previous)
+# the tiny models gain nothing from threads; one keeps the tests cheap on shared cores (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_config(tmp_path, **overrides) -> GRPOConfig:

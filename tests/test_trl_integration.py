@@ -44,12 +44,8 @@ LENGTHS = (6, 1, 3, 0, 6, 5, 2, 4)  # one empty row, one full row, one single-to
 ADVANTAGES = (1.2, -0.8, 0.5, -1.5, 0.9, -0.3, 1.1, -0.6)  # both signs, so every clip condition can occur
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model gains nothing from threads; keeps the test cheap on shared cores
-    yield
-    torch.set_num_threads(previous)
+# the tiny models gain nothing from threads; one keeps the tests cheap on shared cores (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -643,46 +643,31 @@ class _LogitsLossFunction(torch.autograd.Function):
         return _scale_grad(grad, grad_loss), None, None, None, None, None, None
 
 
-@torch.library.custom_op("grpo_ext::grpo_loss_from_logits", mutates_args=())
-def _grpo_loss_from_logits_op(
-    logits: Tensor,
-    ids: Tensor,
-    advantages: Tensor,
-    completion_mask: Tensor,
-    old_logps: Tensor | None,
-    ref_logps: Tensor | None,
-    is_weights: Tensor | None,
-    sample_mask: Tensor | None,
-    num_items_value: float | None,
-    num_items_tensor: Tensor | None,
-    loss_type: str,
-    epsilon: float,
-    epsilon_high: float,
-    delta: float | None,
-    beta: float,
-    kl_estimator: str,
-    kl_clamp: float | None,
-    use_bias_correction_kl: bool,
-    importance_sampling_level: str,
-    max_completion_length: int,
-    sapo_temperature_pos: float,
-    sapo_temperature_neg: float,
-    loss_scale: float,
-    temperature: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The fused loss as one opaque op for torch.compile: (loss, metrics vector, mean entropy, d loss / d logits)."""
-    options = _LossOptions(old_logps, ref_logps, is_weights, sample_mask, num_items_value, num_items_tensor,
-                           loss_type, epsilon, epsilon_high, delta, beta, kl_estimator, kl_clamp,
-                           use_bias_correction_kl, importance_sampling_level, max_completion_length,
-                           sapo_temperature_pos, sapo_temperature_neg, loss_scale)  # fmt: skip
-    loss, metrics, entropy, grad = _logits_loss_forward(
-        logits, ids, advantages, completion_mask, options, temperature, True, False
-    )
-    return loss, metrics, entropy, grad
+# The loss options as they follow the tensors in the two composite ops' schemas (the order of _LossOptions).
+_LOSS_OPTIONS_SCHEMA = (
+    "Tensor? old_logps, Tensor? ref_logps, Tensor? is_weights, Tensor? sample_mask, float? num_items_value, "
+    "Tensor? num_items_tensor, str loss_type, float epsilon, float epsilon_high, float? delta, float beta, "
+    "str kl_estimator, float? kl_clamp, bool use_bias_correction_kl, str importance_sampling_level, "
+    "int max_completion_length, float sapo_temperature_pos, float sapo_temperature_neg, float loss_scale"
+)
+
+# The fused loss as one opaque op for torch.compile: (loss, metrics vector, mean entropy, d loss / d logits).
+torch.library.define(
+    "grpo_ext::grpo_loss_from_logits",
+    f"(Tensor logits, Tensor ids, Tensor advantages, Tensor completion_mask, {_LOSS_OPTIONS_SCHEMA}, "
+    "float temperature) -> (Tensor, Tensor, Tensor, Tensor)",
+)
 
 
-@_grpo_loss_from_logits_op.register_fake
-def _(logits, ids, advantages, completion_mask, *args):
+@torch.library.impl("grpo_ext::grpo_loss_from_logits", "CompositeExplicitAutograd")
+def _grpo_loss_from_logits_impl(logits, ids, advantages, completion_mask, *options_and_temperature):
+    *options, temperature = options_and_temperature
+    return _logits_loss_forward(logits, ids, advantages, completion_mask, _LossOptions(*options), temperature, True,
+                                False)  # fmt: skip
+
+
+@torch.library.register_fake("grpo_ext::grpo_loss_from_logits")
+def _grpo_loss_from_logits_fake(logits, ids, advantages, completion_mask, *args):
     dtype = _accumulate_dtype(logits.dtype)
     return (
         logits.new_empty((), dtype=dtype),
@@ -703,7 +688,9 @@ def _logits_op_backward(ctx, grad_loss, *unused):
     return (grad * grad_loss.to(grad.dtype),) + (None,) * (ctx.num_inputs - 1)
 
 
-_grpo_loss_from_logits_op.register_autograd(_logits_op_backward, setup_context=_logits_op_setup_context)
+torch.library.register_autograd(
+    "grpo_ext::grpo_loss_from_logits", _logits_op_backward, setup_context=_logits_op_setup_context
+)
 
 
 def grpo_loss_from_logits(
@@ -762,7 +749,7 @@ def grpo_loss_from_logits(
             logits, flat_ids, advantages, completion_mask, options, temperature, False, False
         )
     elif torch.compiler.is_compiling():
-        loss, metrics, entropy, _ = _grpo_loss_from_logits_op(logits, flat_ids, advantages, completion_mask,
+        loss, metrics, entropy, _ = torch.ops.grpo_ext.grpo_loss_from_logits(logits, flat_ids, advantages, completion_mask,
                                                               *options, temperature)  # fmt: skip
     else:
         loss, metrics, entropy = _LogitsLossFunction.apply(
@@ -885,43 +872,19 @@ class _HiddenLossFunction(torch.autograd.Function):
         return scaled + (None,) * 6
 
 
-@torch.library.custom_op("grpo_ext::grpo_loss_from_hidden", mutates_args=())
-def _grpo_loss_from_hidden_op(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    ids: Tensor,
-    advantages: Tensor,
-    completion_mask: Tensor,
-    old_logps: Tensor | None,
-    ref_logps: Tensor | None,
-    is_weights: Tensor | None,
-    sample_mask: Tensor | None,
-    num_items_value: float | None,
-    num_items_tensor: Tensor | None,
-    loss_type: str,
-    epsilon: float,
-    epsilon_high: float,
-    delta: float | None,
-    beta: float,
-    kl_estimator: str,
-    kl_clamp: float | None,
-    use_bias_correction_kl: bool,
-    importance_sampling_level: str,
-    max_completion_length: int,
-    sapo_temperature_pos: float,
-    sapo_temperature_neg: float,
-    loss_scale: float,
-    temperature: float,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The chunked loss as one opaque op for torch.compile; every gradient computed (bias' empty without bias)."""
-    options = _LossOptions(old_logps, ref_logps, is_weights, sample_mask, num_items_value, num_items_tensor,
-                           loss_type, epsilon, epsilon_high, delta, beta, kl_estimator, kl_clamp,
-                           use_bias_correction_kl, importance_sampling_level, max_completion_length,
-                           sapo_temperature_pos, sapo_temperature_neg, loss_scale)  # fmt: skip
+# The chunked loss as one opaque op for torch.compile; every gradient computed (bias' empty without bias).
+torch.library.define(
+    "grpo_ext::grpo_loss_from_hidden",
+    f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor advantages, Tensor completion_mask, "
+    f"{_LOSS_OPTIONS_SCHEMA}, float temperature, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.impl("grpo_ext::grpo_loss_from_hidden", "CompositeExplicitAutograd")
+def _grpo_loss_from_hidden_impl(hidden, weight, bias, ids, advantages, completion_mask, *rest):
+    *options, temperature, chunk_size = rest
     loss, metrics, entropy, grad_hidden, grad_weight, grad_bias = _hidden_loss_forward(
-        hidden, weight, bias, ids, advantages, completion_mask, options, temperature, chunk_size,
+        hidden, weight, bias, ids, advantages, completion_mask, _LossOptions(*options), temperature, chunk_size,
         (True, True, bias is not None),
     )  # fmt: skip
     if grad_bias is None:
@@ -929,8 +892,8 @@ def _grpo_loss_from_hidden_op(
     return loss, metrics, entropy, grad_hidden, grad_weight, grad_bias
 
 
-@_grpo_loss_from_hidden_op.register_fake
-def _(hidden, weight, bias, *args):
+@torch.library.register_fake("grpo_ext::grpo_loss_from_hidden")
+def _grpo_loss_from_hidden_fake(hidden, weight, bias, *args):
     dtype = _accumulate_dtype(hidden.dtype)
     return (
         hidden.new_empty((), dtype=dtype),
@@ -956,7 +919,9 @@ def _hidden_op_backward(ctx, grad_loss, *unused):
     return grads + (None,) * (ctx.num_inputs - 3)
 
 
-_grpo_loss_from_hidden_op.register_autograd(_hidden_op_backward, setup_context=_hidden_op_setup_context)
+torch.library.register_autograd(
+    "grpo_ext::grpo_loss_from_hidden", _hidden_op_backward, setup_context=_hidden_op_setup_context
+)
 
 
 def grpo_loss_from_hidden(
@@ -1034,7 +999,7 @@ def grpo_loss_from_hidden(
             chunk_size, (False, False, False),
         )  # fmt: skip
     elif torch.compiler.is_compiling():
-        loss, metrics, entropy, *_ = _grpo_loss_from_hidden_op(flat_hidden, weight, lm_head_bias, flat_ids,
+        loss, metrics, entropy, *_ = torch.ops.grpo_ext.grpo_loss_from_hidden(flat_hidden, weight, lm_head_bias, flat_ids,
                                                                advantages, completion_mask, *options, temperature,
                                                                chunk_size)  # fmt: skip
     else:
