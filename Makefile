@@ -71,11 +71,15 @@ wheel: env
 	rm -rf dist && $(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
 	ls -l dist
 
-# A fresh environment with the same torch, the wheel, and a smoke test run outside the source tree.
+# A fresh environment holding only the wheel, smoke-tested outside the source tree. Torch (and the rest) is seen
+# through a .pth line naming the build venv's site-packages instead of being installed a second time: a second
+# CUDA torch (~5 GB) filled CI's disk. That line appends to sys.path after the smoke venv's own site-packages, so
+# the wheel's grpo_ext is found first, and smoke_wheel.py checks that it was the one imported.
 wheel-smoke: wheel
 	rm -rf $(VENV)-smoke && python3 -m venv $(VENV)-smoke
-	$(VENV)-smoke/bin/pip install -q "$$($(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')"
-	$(VENV)-smoke/bin/pip install -q --no-deps dist/*.whl
+	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])' \
+	    > "$$($(VENV)-smoke/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/_build_env.pth"
+	$(VENV)-smoke/bin/python -m pip install -q --no-deps dist/*.whl
 	cd /tmp && $(CURDIR)/$(VENV)-smoke/bin/python $(CURDIR)/tests/smoke_wheel.py
 
 bench: build

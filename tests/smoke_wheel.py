@@ -1,6 +1,7 @@
 """Smoke test of an installed grpo_ext wheel (run outside the source tree): import, one op, build_info()."""
 
 import json
+import sys
 
 import torch
 
@@ -8,7 +9,8 @@ import grpo_ext
 
 info = grpo_ext.build_info()
 print(json.dumps(info))
-assert "site-packages" in grpo_ext.__file__, grpo_ext.__file__
+# The wheel in this environment, not the build venv's editable install seen through the .pth line.
+assert grpo_ext.__file__.startswith(sys.prefix), (grpo_ext.__file__, sys.prefix)
 rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
 adv = grpo_ext.group_advantages(rewards, 4).advantages
 expected = grpo_ext.reference.group_advantages(rewards.double(), 4).advantages
