@@ -11,8 +11,8 @@ import torch
 
 import grpo_ext
 from grpo_ext.trainer import GRPOConfig
+from grpo_ext.trainer.cli import load_yaml, parse_overrides
 from grpo_ext.trainer.cli import main as cli_main
-from grpo_ext.trainer.cli import parse_overrides
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward, run_demo
 from grpo_ext.trainer.rewards import graded_answer_reward
 from grpo_ext.trainer.trainer import TIMING_METRICS, GRPOTrainer
@@ -262,12 +262,16 @@ def test_num_iterations_two_clips_and_one_does_not(tmp_path):
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, loss_type):
     """Two micro-batches of 16 accumulated give the update of one batch of 32 (num_items_in_batch for dapo)."""
-    big = make_trainer(small_config(tmp_path / "big", max_steps=1, per_device_train_batch_size=32, loss_type=loss_type))
+    # No warmup, so that the one step moves the weights; adam_epsilon well above the (tiny) second moment, so that
+    # the update follows the gradient's value and not only its sign (with 1e-8 Adam's first step is lr * sign(g)).
+    options = dict(max_steps=1, warmup_steps=0, adam_epsilon=1e-3, loss_type=loss_type)
+    big = make_trainer(small_config(tmp_path / "big", per_device_train_batch_size=32, **options))
+    initial = {name: value.clone() for name, value in big.model.state_dict().items()}
     big.train()
-    accumulated = make_trainer(
-        small_config(tmp_path / "acc", max_steps=1, gradient_accumulation_steps=2, loss_type=loss_type)
-    )
+    accumulated = make_trainer(small_config(tmp_path / "acc", gradient_accumulation_steps=2, **options))
     accumulated.train()
+    moved = max((big.model.state_dict()[name] - value).abs().max().item() for name, value in initial.items())
+    assert moved > 1e-4  # the comparison below compares updates, not two copies of the initial weights
     big_rows = read_metrics(tmp_path / "big" / "run" / "metrics.jsonl")
     acc_rows = read_metrics(tmp_path / "acc" / "run" / "metrics.jsonl")
     assert acc_rows[0]["reward"] == big_rows[0]["reward"]  # the same rollouts
@@ -287,7 +291,7 @@ def test_cli_train_on_a_local_model_folder_and_jsonl(tmp_path):
         f"model_name_or_path: {tmp_path / 'model'}\ndataset: {tmp_path / 'data.jsonl'}\n"
         "reward_funcs: [graded_answer, accuracy]\nreward_weights: [1.0, 0.5]\nnum_generations: 4\n"
         "per_device_train_batch_size: 8\nmax_completion_length: 4\nmax_steps: 5\nreport_to: none\n"
-        "disable_tqdm: true\nplot: false\nsave_steps: 2\n"
+        "disable_tqdm: true\nplot: false\nsave_steps: 2\nadam_epsilon: 1e-6\n"
     )
     out = tmp_path / "out"
     argv = ["train", "--config", str(tmp_path / "run.yaml"), "--output_dir", str(out), "--learning_rate", "1e-3"]
@@ -309,6 +313,14 @@ def test_parse_overrides_reads_yaml_values():
     assert parse_overrides(["--learning_rate", "1e-5", "--bf16", "false", "--reward-weights", "[1, 0.5]",
                             "--output_dir=x"]) == {"learning_rate": 1e-5, "bf16": False, "reward_weights": [1, 0.5],
                                                    "output_dir": "x"}  # fmt: skip
+
+
+def test_run_files_read_exponent_floats_as_numbers():
+    # PyYAML alone (YAML 1.1) leaves "1e-3" a string, which GRPOConfig would refuse in a run file.
+    assert load_yaml("learning_rate: 1e-3\nadam_epsilon: -2.5E+1\nwarmup_steps: 10\nname: '1e-3'\nlr: [1e-3]") == {
+        "learning_rate": 1e-3, "adam_epsilon": -25.0, "warmup_steps": 10, "name": "1e-3", "lr": [1e-3]
+    }  # fmt: skip
+    assert isinstance(load_yaml("warmup_steps: 10")["warmup_steps"], int)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,10 +23,30 @@ from typing import Any
 RUN_KEYS = ("model_name_or_path", "dataset", "reward_funcs")
 
 
-def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
-    """``["--lr", "1e-5", "--flag", "true"]`` -> ``{"lr": 1e-05, "flag": True}`` (values parsed as YAML)."""
+def load_yaml(text: str) -> Any:
+    """YAML, with ``1e-5`` read as a number.
+
+    PyYAML follows YAML 1.1, where a float needs a dot, so ``1e-5`` would stay the string ``"1e-5"`` (and a
+    ``learning_rate: 1e-5`` line in a run file would be refused). YAML 1.2 reads it as a float; so do we.
+    """
+    import re
+
     import yaml
 
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    # Only forms with an exponent: plain integers keep resolving as ints (the int resolver runs first anyway).
+    _Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return yaml.load(text, Loader=_Loader)
+
+
+def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
+    """``["--lr", "1e-5", "--flag", "true"]`` -> ``{"lr": 1e-05, "flag": True}`` (values parsed as YAML)."""
     overrides: dict[str, Any] = {}
     i = 0
     while i < len(tokens):
@@ -42,14 +62,7 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
             i += 2
         else:
             raise SystemExit(f"grpo-ext: --{key} needs a value")
-        value = yaml.safe_load(raw)
-        # YAML reads "1e-5" as a string (it wants a dot); such values are numbers here.
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        overrides[key] = value
+        overrides[key] = load_yaml(raw)
     return overrides
 
 
@@ -145,10 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_demo(num_threads=args.num_threads, **overrides)
         return 0 if result.learned else 1
 
-    import yaml
-
     with open(args.config) as f:
-        options = yaml.safe_load(f) or {}
+        options = load_yaml(f.read()) or {}
     options.update(overrides)
     if args.fsdp:
         options["fsdp"] = True
