@@ -150,6 +150,28 @@ def test_masked_rows_never_read_and_get_zero_gradient(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_masked_rows_may_hold_padding_ids_and_unmasked_nan_propagates(device):
+    logits, ids, adv, mask, old, _ = make_problem(seed=15)
+    padded = ids.clone()
+    padded[~mask] = -100  # a common padding id; masked rows are never read, so it is never looked up
+    expected, expected_grad = run(reference, logits, ids, adv, mask, old_logps=old)
+    got, grad = run(grpo_ext, logits.float().to(device), padded.to(device), adv.float().to(device), mask.to(device),
+                    old_logps=old.float().to(device))  # fmt: skip
+    assert_close(got.loss, expected.loss, rtol=2e-5, atol=2e-6)
+    assert_close(grad, expected_grad, rtol=1e-4, atol=1e-7)
+    if device == "cpu":  # in a row that counts it is an error (on CUDA a device-side assert, fatal to the context)
+        padded[mask] = -100
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            run(grpo_ext, logits.float(), padded, adv.float(), mask)
+    poisoned = logits.clone()
+    poisoned[1, 0, 3] = float("nan")  # an unmasked row: the loss is NaN, as the reference's (never silently finite)
+    assert torch.isnan(run(reference, poisoned, ids, adv, mask, old_logps=old)[0].loss)
+    got, _ = run(grpo_ext, poisoned.float().to(device), ids.to(device), adv.float().to(device), mask.to(device),
+                 old_logps=old.float().to(device))  # fmt: skip
+    assert torch.isnan(got.loss)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_strided_and_flat_layouts(device):
     logits, ids, adv, mask, old, _ = make_problem(seed=11)
     expected, expected_grad = run(reference, logits, ids, adv, mask, old_logps=old)

@@ -75,6 +75,44 @@ def test_batched_shape_non_contiguous_and_infinite_logits(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_confident_tokens_keep_relative_precision_at_large_logits(device):
+    # Logits near 30 and tokens with p -> 1: log p down to ~-4e-6, entropy down to ~1e-4. Computing z_id - lse with
+    # lse rounded to float (ulp(30) ~ 4e-6), or the entropy from sum p * z, would lose most of both (errors of tens
+    # of percent); relative to the max the error is float32's own, as torch.log_softmax's in float32. The rule: the
+    # largest relative error at most twice that of torch in float32 (the bf16 rule of flash-attention, in fp32).
+    g = torch.Generator().manual_seed(4)
+    vocab = 1000
+    logits = 30.0 + 0.5 * torch.randn(8, vocab, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (8,), generator=g)
+    logits[torch.arange(8), ids] += torch.linspace(14.0, 20.0, 8, dtype=torch.float64)
+    expected = reference.selective_log_softmax(logits, ids, return_entropy=True)
+    assert expected.logps.abs().max() < 3e-3 and expected.entropy.max() < 3e-2  # confident, as intended
+    torch_logp = torch.log_softmax(logits.float(), -1)
+    torch_out = (torch_logp.gather(-1, ids[:, None])[:, 0], -(torch_logp.exp() * torch_logp).sum(-1))
+    got = grpo_ext.selective_log_softmax(logits.float().to(device), ids.to(device), return_entropy=True)
+    for name, ours, theirs, truth in zip(
+        ("logps", "entropy"), (got.logps, got.entropy), torch_out, (expected.logps, expected.entropy), strict=True
+    ):
+        err = ((ours.double().cpu() - truth) / truth).abs().max().item()
+        torch_err = ((theirs.double() - truth) / truth).abs().max().item()
+        assert err <= 2 * torch_err, (name, err, torch_err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_logit_makes_its_row_nan_like_torch(device):
+    logits, ids = make_logits(4, 37, seed=8)
+    logits[2, 5] = float("nan")  # not the row's first entry, which a NaN-skipping max would catch anyway
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0]
+    assert torch.isnan(expected[2]) and torch.isfinite(expected[[0, 1, 3]]).all()
+    x = logits.float().to(device).requires_grad_(True)
+    got = grpo_ext.selective_log_softmax(x, ids.to(device), return_entropy=True)
+    assert torch.isnan(got.logps[2]) and torch.isnan(got.entropy[2])
+    assert_close(got.logps[[0, 1, 3]].double(), expected[[0, 1, 3]], rtol=2e-5, atol=2e-5)
+    got.logps.sum().backward()
+    assert torch.isnan(x.grad[2]).all() and torch.isfinite(x.grad[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_deterministic(device):
     logits, ids = make_logits(16, 5000, seed=7)
     x = logits.float().to(device)

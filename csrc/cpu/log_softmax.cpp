@@ -42,7 +42,9 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
       for (int64_t v = 0; v < vocab; ++v) {
         // exp(d) underflows to 0 below -88 in float; a -inf logit must add exactly nothing (not 0 * -inf)
         const T d = z[v] - z_max;
-        const bool counts = d > T(-100);
+        // !(d <= -100), not d > -100: a NaN logit must count, and make the row NaN as torch.log_softmax does
+        // (lane_max skips NaN, so nothing else would notice it).
+        const bool counts = !(d <= T(-100));
         const T e = math_exp(counts ? d : T(-100));
         exps[v] = counts ? e : T(0);
         weighted[v] = counts ? e * d : T(0);
@@ -98,7 +100,8 @@ void backward_impl(const at::Tensor& grad_logps, const std::optional<at::Tensor>
       for (int64_t v = 0; v < vocab; ++v) {
         const T z = x[v] * inv_temperature;
         const T d = z - lse;
-        const bool counts = d > T(-100);  // p = 0 for a -inf logit, and so is its gradient (not 0 * -inf)
+        // p = 0 for a -inf logit, and so is its gradient (not 0 * -inf); NaN (a NaN row) stays NaN
+        const bool counts = !(d <= T(-100));
         const T p = math_exp(counts ? d : T(-100));
         const T g = (-gl * p - gh * p * (z - mean_z)) * inv_temperature;
         out_row[v] = Out(counts ? g : T(0));

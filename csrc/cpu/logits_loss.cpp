@@ -56,7 +56,11 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   const LossInputs& in = plan.loss.inputs;
   const LogitsRows& logits = plan.logits;
   const int64_t vocab = logits.vocab;
-  for (int64_t r = 0; r < logits.rows; ++r) {  // before any write: a bad id must not leave half-written logits
+  // Before any write: a bad id must not leave half-written logits. Masked rows are never read, so their ids
+  // (padding such as -100) are not checked, as on CUDA.
+  for (int64_t r = 0; r < logits.rows; ++r) {
+    const int64_t n = plan.row_offset + r;
+    if (in.mask_at<T>(n / in.seq_len, n % in.seq_len) == T(0)) continue;
     const int64_t id = plan.ids.load<int64_t>(r, 0);
     TORCH_CHECK(id >= 0 && id < vocab, "ids[", r, "]=", id, " is outside the vocabulary [0, ", vocab, ")");
   }
@@ -89,7 +93,8 @@ void logits_pass_impl(LogitsPassPlan& plan) {
       const T z_max = lane_max(z.data(), vocab);
       for (int64_t v = 0; v < vocab; ++v) {
         const T d = z[v] - z_max;
-        const bool counts = d > T(-100);  // exp underflows to 0 anyway; a -inf logit adds exactly nothing
+        // exp underflows to 0 anyway; a -inf logit adds exactly nothing; a NaN one counts and makes the row NaN
+        const bool counts = !(d <= T(-100));
         const T e = math_exp(counts ? d : T(-100));
         exps[v] = counts ? e : T(0);
         weighted[v] = counts ? e * d : T(0);

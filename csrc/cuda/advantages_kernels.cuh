@@ -38,8 +38,10 @@ __device__ __forceinline__ void warp_nan_moments(Load load, int64_t n, int64_t d
   *count = cnt;
 }
 
+// Launched with up to 1024 threads (one warp per group); without the bound the float64 instantiation uses 72
+// registers per thread and cannot launch 1024 threads (sm_90: at most 896).
 template <typename T>
-__global__ void group_advantages_kernel(AdvantageParams p, StridedMatrix rewards, StridedMatrix weights, int64_t batch,
+__global__ void __launch_bounds__(1024) group_advantages_kernel(AdvantageParams p, StridedMatrix rewards, StridedMatrix weights, int64_t batch,
                                         T* __restrict__ adv, T* __restrict__ group_mean, T* __restrict__ group_std,
                                         bool* __restrict__ zero_std) {
   __shared__ T scratch[2 * 32];
@@ -128,7 +130,7 @@ __global__ void group_advantages_kernel(AdvantageParams p, StridedMatrix rewards
 
 // One block per group: the group's step statistics, then every token's suffix sum of normalized step rewards.
 template <typename T>
-__global__ void process_advantages_kernel(StridedMatrix rewards, StridedMatrix step_end, int64_t batch,
+__global__ void __launch_bounds__(256) process_advantages_kernel(StridedMatrix rewards, StridedMatrix step_end, int64_t batch,
                                           int64_t num_steps, int64_t group_size, int64_t seq_len, T eps,
                                           int64_t std_ddof, T* __restrict__ out) {
   __shared__ T scratch[2 * 32];

@@ -1,5 +1,5 @@
 // CUDA kernels of selective_log_softmax (spec section 2), on raw pointers and a stream (no torch types).
-// Forward: one block per row reads the row once, keeping an online (max, sum of exp, sum of exp * z) per thread,
+// Forward: one block per row reads the row once, keeping an online (max, sum of exp, sum of exp * (z - max)) per thread,
 // merged over the block in a fixed order. Backward: one block per row recomputes the softmax from the saved
 // logsumexp and writes the gradient.
 #pragma once
@@ -13,7 +13,9 @@
 
 namespace grpo_ext {
 
-// Online softmax statistics relative to `max`: sum = sum_v exp(z_v - max), weighted = sum_v exp(z_v - max) * z_v.
+// Online softmax statistics relative to `max`: sum = sum_v exp(z_v - max), weighted = sum_v exp(z_v - max) *
+// (z_v - max). Relative to the max, not sum e * z: with |z| ~ 30 the latter loses ~1e-6 absolute to rounding in
+// entropy = log(sum) - weighted / sum, which is most of a confident token's entropy.
 template <typename T>
 struct SoftmaxState {
   T max, sum, weighted;
@@ -25,18 +27,21 @@ __device__ __forceinline__ SoftmaxState<T> merge_states(SoftmaxState<T> a, Softm
   if (a.sum == T(0)) return b;
   const T m = a.max > b.max ? a.max : b.max;
   const T ea = exp(a.max - m), eb = exp(b.max - m);
-  return {m, a.sum * ea + b.sum * eb, a.weighted * ea + b.weighted * eb};
+  // Re-base each side's weighted sum on the new max: sum e * (z - m) = weighted + sum * (old_max - m).
+  return {m, a.sum * ea + b.sum * eb,
+          (a.weighted + a.sum * (a.max - m)) * ea + (b.weighted + b.sum * (b.max - m)) * eb};
 }
 
 template <typename T>
 __device__ __forceinline__ SoftmaxState<T> add_logit(SoftmaxState<T> s, T z) {
   if (z == -INFINITY) return s;  // exp(-inf) adds nothing (a NaN goes on and makes the row NaN)
-  if (s.sum == T(0) || z > s.max) {
-    const T scale = s.sum == T(0) ? T(0) : exp(s.max - z);
-    return {z, s.sum * scale + T(1), s.weighted * scale + z};
+  if (s.sum == T(0)) return {z, T(1), T(0)};
+  if (z > s.max) {  // z becomes the max; the new term is exp(0) * 0
+    const T scale = exp(s.max - z);
+    return {z, s.sum * scale + T(1), (s.weighted + s.sum * (s.max - z)) * scale};
   }
-  const T e = exp(z - s.max);
-  return {s.max, s.sum + e, s.weighted + e * z};
+  const T d = z - s.max, e = exp(d);
+  return {s.max, s.sum + e, s.weighted + e * d};
 }
 
 template <typename T>
@@ -65,8 +70,9 @@ __device__ __forceinline__ SoftmaxState<T> block_merge(SoftmaxState<T> s, Softma
   return s;
 }
 
+// Up to 1024 threads per block (softmax_threads); the bound keeps every instantiation launchable at that size.
 template <typename T>
-__global__ void selective_log_softmax_forward_kernel(StridedMatrix logits, StridedMatrix ids, int64_t rows,
+__global__ void __launch_bounds__(1024) selective_log_softmax_forward_kernel(StridedMatrix logits, StridedMatrix ids, int64_t rows,
                                                      int64_t vocab, T inv_temperature, T* __restrict__ logps,
                                                      T* __restrict__ entropy, T* __restrict__ row_stats) {
   __shared__ SoftmaxState<T> warp_states[32];
@@ -77,12 +83,13 @@ __global__ void selective_log_softmax_forward_kernel(StridedMatrix logits, Strid
     if (threadIdx.x == 0) {
       const int64_t id = ids.load<int64_t>(row, 0);
       CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
-      const T lse = s.max + log(s.sum);
-      const T mean_z = s.weighted / s.sum;
-      logps[row] = logits.load<T>(row, id) * inv_temperature - lse;
-      if (entropy) entropy[row] = lse - mean_z;
-      row_stats[2 * row] = lse;
-      row_stats[2 * row + 1] = mean_z;
+      // (z_id - max) - log(sum), not z_id - lse: rounding lse (~30) costs ~2e-6 absolute, all of a confident
+      // token's log-prob (~-1e-6).
+      const T log_sum = log(s.sum), mean_shift = s.weighted / s.sum;
+      logps[row] = (logits.load<T>(row, id) * inv_temperature - s.max) - log_sum;
+      if (entropy) entropy[row] = log_sum - mean_shift;
+      row_stats[2 * row] = s.max + log_sum;          // lse
+      row_stats[2 * row + 1] = s.max + mean_shift;  // E_p[z]
     }
     __syncthreads();  // warp_states is reused by the next row
   }
@@ -103,7 +110,7 @@ __device__ __forceinline__ __half to_out<__half, float>(float v) {
 }
 
 template <typename T, typename Out>
-__global__ void selective_log_softmax_backward_kernel(StridedMatrix logits, StridedMatrix ids,
+__global__ void __launch_bounds__(1024) selective_log_softmax_backward_kernel(StridedMatrix logits, StridedMatrix ids,
                                                       StridedMatrix grad_logps, StridedMatrix grad_entropy,
                                                       const T* __restrict__ row_stats, int64_t rows, int64_t vocab,
                                                       T inv_temperature, Out* __restrict__ grad_logits) {

@@ -34,7 +34,7 @@ __device__ __forceinline__ float load_as<float, __half>(const __half* p) {
 // row_weight[b] = global scale * (1 / max(n_b, 1) for grpo/sapo, else 1). One block: a warp per row for n_b (a
 // fixed shuffle tree), then a fixed block tree over the rows for the mask total.
 template <typename T>
-__global__ void logits_row_weights_kernel(LossParams p, LossInputs in, int64_t max_completion_length,
+__global__ void __launch_bounds__(1024) logits_row_weights_kernel(LossParams p, LossInputs in, int64_t max_completion_length,
                                           bool has_num_items, T num_items_value, const T* __restrict__ num_items_device,
                                           T loss_scale, T* __restrict__ row_weight) {
   __shared__ T scratch[32];
@@ -74,7 +74,7 @@ template <typename T, typename In>
 __global__ void __launch_bounds__(1024) grpo_logits_pass_kernel(LogitsPassArgs a, T inv_temperature, const T* __restrict__ row_weight,
                                         In* grad, T* __restrict__ logps, T* __restrict__ entropy) {
   __shared__ SoftmaxState<T> warp_states[32];
-  __shared__ T row_lse, row_logp, row_g;
+  __shared__ T row_max, row_log_sum, row_logp, row_g;
   __shared__ int64_t row_id;
   const LossParams& p = a.params;
   const LossInputs& in = a.inputs;
@@ -105,10 +105,11 @@ __global__ void __launch_bounds__(1024) grpo_logits_pass_kernel(LogitsPassArgs a
     if (threadIdx.x == 0) {
       const int64_t id = a.ids.load<int64_t>(r, 0);
       CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
-      const T lse = s.max + log(s.sum);
-      const T logp = load_as<T>(x + id) * inv_temperature - lse;
+      // Relative to the max (see selective_log_softmax_forward_kernel): exact for confident tokens.
+      const T log_sum = log(s.sum);
+      const T logp = (load_as<T>(x + id) * inv_temperature - s.max) - log_sum;
       logps[r] = logp;
-      entropy[r] = lse - s.weighted / s.sum;
+      entropy[r] = log_sum - s.weighted / s.sum;
       T g = T(0);
       if (grad_row) {
         if (a.token_grad.present()) {
@@ -122,20 +123,21 @@ __global__ void __launch_bounds__(1024) grpo_logits_pass_kernel(LogitsPassArgs a
                                  in.advantages.load<T>(b, t), isw);
         }
       }
-      row_lse = lse;
+      row_max = s.max;
+      row_log_sum = log_sum;
       row_logp = logp;
       row_g = g;
       row_id = id;
     }
     __syncthreads();
     if (grad_row) {
-      const T lse = row_lse, g = row_g;
+      const T z_max = row_max, log_sum = row_log_sum, g = row_g;
       const int64_t id = row_id;
       // d/dz_v of g * logp = g * (onehot - p_v); the chosen entry as -expm1(logp), exact where p -> 1.
       const T chosen = -g * expm1(row_logp);
       for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
         const T z = load_as<T>(x + v) * inv_temperature;
-        const T value = v == id ? chosen : -g * exp(z - lse);
+        const T value = v == id ? chosen : -g * exp((z - z_max) - log_sum);
         grad_row[v] = to_out<In, T>(value * inv_temperature);
       }
     }
@@ -146,7 +148,7 @@ __global__ void __launch_bounds__(1024) grpo_logits_pass_kernel(LogitsPassArgs a
 // x *= factor[0] over the rows of a [R, V] (row-strided) gradient, unless the factor is exactly 1: every block
 // reads the factor and returns at once, so a backward with grad_output == 1 costs a launch and no pass over memory.
 template <typename T, typename Out>
-__global__ void scale_rows_kernel(LogitsRows rows, const T* __restrict__ factor) {
+__global__ void __launch_bounds__(256) scale_rows_kernel(LogitsRows rows, const T* __restrict__ factor) {
   const T f = factor[0];
   if (f == T(1)) return;
   Out* base = static_cast<Out*>(const_cast<void*>(rows.data));

@@ -15,8 +15,9 @@
 
 namespace grpo_ext {
 
+// Up to 512 threads per block (loss_threads_per_row).
 template <typename T>
-__global__ void grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict__ grad, T* __restrict__ partials) {
+__global__ void __launch_bounds__(512) grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict__ grad, T* __restrict__ partials) {
   __shared__ T scratch[(kNumRowSlots + 1) * 32];
   const int64_t n_cols = in.seq_len;
   const bool need_count = per_row_normalized(p.loss_type) || p.sequence_level;
@@ -94,7 +95,7 @@ __global__ void grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict
 }
 
 template <typename T>
-__global__ void grpo_loss_finalize_kernel(LossParams p, const T* __restrict__ partials, int64_t batch,
+__global__ void __launch_bounds__(256) grpo_loss_finalize_kernel(LossParams p, const T* __restrict__ partials, int64_t batch,
                                           int64_t max_completion_length, bool has_num_items, T num_items_value,
                                           const T* __restrict__ num_items_device, T loss_scale, T* loss_out,
                                           T* metrics_out, T* grad_scale_out) {
@@ -125,7 +126,7 @@ __device__ __forceinline__ __half convert_out<__half>(float v) { return __float2
 
 // grad_logps = grad_raw * (grad_loss * grad_scale), written in the logps dtype.
 template <typename T, typename Out>
-__global__ void grpo_loss_backward_kernel(const T* __restrict__ grad_raw, const T* __restrict__ grad_loss,
+__global__ void __launch_bounds__(256) grpo_loss_backward_kernel(const T* __restrict__ grad_raw, const T* __restrict__ grad_loss,
                                           const T* __restrict__ grad_scale, Out* __restrict__ out, int64_t n) {
   const T factor = grad_loss[0] * grad_scale[0];
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -133,7 +134,7 @@ __global__ void grpo_loss_backward_kernel(const T* __restrict__ grad_raw, const 
   }
 }
 template <>
-__global__ void grpo_loss_backward_kernel<double, double>(const double* __restrict__ grad_raw,
+__global__ void __launch_bounds__(256) grpo_loss_backward_kernel<double, double>(const double* __restrict__ grad_raw,
                                                           const double* __restrict__ grad_loss,
                                                           const double* __restrict__ grad_scale,
                                                           double* __restrict__ out, int64_t n) {
