@@ -14,8 +14,6 @@
 namespace grpo_ext {
 namespace {
 
-using cpu::lane_max;
-using cpu::lane_sum;
 using cpu::row_values;
 
 template <typename T>
@@ -38,24 +36,11 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
       const T* x = row_values(plan.logits, row, vocab, buffer.data());
       T* z = buffer.data();
       for (int64_t v = 0; v < vocab; ++v) z[v] = x[v] * inv_temperature;
-      const T z_max = lane_max(z, vocab);
-      for (int64_t v = 0; v < vocab; ++v) {
-        // exp(d) underflows to 0 below -88 in float; a -inf logit must add exactly nothing (not 0 * -inf)
-        const T d = z[v] - z_max;
-        // !(d <= -100), not d > -100: a NaN logit must count, and make the row NaN as torch.log_softmax does
-        // (lane_max skips NaN, so nothing else would notice it).
-        const bool counts = !(d <= T(-100));
-        const T e = math_exp(counts ? d : T(-100));
-        exps[v] = counts ? e : T(0);
-        weighted[v] = counts ? e * d : T(0);
-      }
-      const double sum = lane_sum(exps.data(), vocab);
-      const double lse = double(z_max) + std::log(sum);
-      const double mean_z = double(z_max) + lane_sum(weighted.data(), vocab) / sum;  // E_p[z]
-      logps[row] = T(double(z[id]) - lse);
-      if (entropy) entropy[row] = T(lse - mean_z);
-      stats[row * kSoftmaxStats] = T(lse);
-      stats[row * kSoftmaxStats + 1] = T(mean_z);
+      const cpu::RowSoftmax s = cpu::row_softmax(z, vocab, exps.data(), weighted.data());
+      logps[row] = T(double(z[id]) - s.lse);
+      if (entropy) entropy[row] = T(s.lse - s.mean_z);
+      stats[row * kSoftmaxStats] = T(s.lse);
+      stats[row * kSoftmaxStats + 1] = T(s.mean_z);
     }
   });
   const int64_t bad = bad_row.load();

@@ -14,8 +14,6 @@
 namespace grpo_ext {
 namespace {
 
-using cpu::lane_max;
-using cpu::lane_sum;
 
 // z = logits row r / temperature, as T.
 template <typename T, typename In>
@@ -90,21 +88,11 @@ void logits_pass_impl(LogitsPassPlan& plan) {
         continue;
       }
       load_scaled_row<T, In>(logits, r, inv_temperature, z.data());
-      const T z_max = lane_max(z.data(), vocab);
-      for (int64_t v = 0; v < vocab; ++v) {
-        const T d = z[v] - z_max;
-        // exp underflows to 0 anyway; a -inf logit adds exactly nothing; a NaN one counts and makes the row NaN
-        const bool counts = !(d <= T(-100));
-        const T e = math_exp(counts ? d : T(-100));
-        exps[v] = counts ? e : T(0);
-        weighted[v] = counts ? e * d : T(0);
-      }
-      const double sum = lane_sum(exps.data(), vocab);
-      const double lse = double(z_max) + std::log(sum);
+      const cpu::RowSoftmax s = cpu::row_softmax(z.data(), vocab, exps.data(), weighted.data());
       const int64_t id = plan.ids.load<int64_t>(r, 0);
-      const T logp = T(double(z[id]) - lse);
+      const T logp = T(double(z[id]) - s.lse);
       logps[r] = logp;
-      entropy[r] = T(lse - (double(z_max) + lane_sum(weighted.data(), vocab) / sum));
+      entropy[r] = T(s.lse - s.mean_z);
       if (!grad_row) continue;
       T g;
       if (plan.token_grad.present()) {
@@ -118,7 +106,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
                                in.advantages.load<T>(b, t), isw);
       }
       // d/dz_v of g * logp = g * (onehot - p_v); the chosen entry as -expm1(logp), exact where p -> 1.
-      const T scale = T(-double(g) / sum) * inv_temperature;
+      const T scale = T(-double(g) / s.sum) * inv_temperature;
       for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale);
       grad_row[id] = In(g * -math_expm1(logp) * inv_temperature);
     }

@@ -1,9 +1,11 @@
 // CPU helpers shared by the row-wise kernels: a strided input row as contiguous values, and a reproducible sum.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "../common.h"
+#include "../loss_math.h"
 
 namespace grpo_ext {
 namespace cpu {
@@ -73,6 +75,32 @@ T lane_max(const T* x, int64_t n) {
   for (int j = 1; j < kLanes; ++j) best = lanes[j] > best ? lanes[j] : best;
   for (; t < n; ++t) best = x[t] > best ? x[t] : best;
   return best;
+}
+
+// Softmax statistics of one scaled logits row, finished in double.
+struct RowSoftmax {
+  double sum;     // sum_v exp(z_v - max)
+  double lse;     // log sum_v exp(z_v)
+  double mean_z;  // E_p[z]; the entropy is lse - mean_z
+};
+
+// Two vectorized passes over z[0..n) (n >= 1): the max, then exps[v] = exp(z_v - max), which the caller may reuse
+// for the gradient (p_v = exps[v] / sum). `weighted` is scratch of n values.
+template <typename T>
+RowSoftmax row_softmax(const T* z, int64_t n, T* exps, T* weighted) {
+  const T z_max = lane_max(z, n);
+  for (int64_t v = 0; v < n; ++v) {
+    const T d = z[v] - z_max;
+    // exp underflows to 0 below -88 in float anyway; a -inf logit adds exactly nothing (not 0 * -inf). The test is
+    // !(d <= -100), not d > -100: a NaN logit must count and make the row NaN, as in torch.log_softmax (lane_max
+    // skips NaN, so nothing else would notice it).
+    const bool counts = !(d <= T(-100));
+    const T e = math_exp(counts ? d : T(-100));
+    exps[v] = counts ? e : T(0);
+    weighted[v] = counts ? e * d : T(0);
+  }
+  const double sum = lane_sum(exps, n);
+  return {sum, double(z_max) + std::log(sum), double(z_max) + lane_sum(weighted, n) / sum};
 }
 
 }  // namespace cpu

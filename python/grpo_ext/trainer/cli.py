@@ -13,8 +13,10 @@ default process group (NCCL on GPUs, gloo on CPUs) and trains its share with DDP
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,26 +25,31 @@ from typing import Any
 RUN_KEYS = ("model_name_or_path", "dataset", "reward_funcs")
 
 
+@functools.cache
+def _yaml_loader() -> type:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    # Only forms with an exponent: plain integers keep resolving as ints (the int resolver runs first anyway).
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
 def load_yaml(text: str) -> Any:
     """YAML, with ``1e-5`` read as a number.
 
     PyYAML follows YAML 1.1, where a float needs a dot, so ``1e-5`` would stay the string ``"1e-5"`` (and a
     ``learning_rate: 1e-5`` line in a run file would be refused). YAML 1.2 reads it as a float; so do we.
     """
-    import re
-
     import yaml
 
-    class _Loader(yaml.SafeLoader):
-        pass
-
-    # Only forms with an exponent: plain integers keep resolving as ints (the int resolver runs first anyway).
-    _Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
-        list("-+0123456789."),
-    )
-    return yaml.load(text, Loader=_Loader)
+    return yaml.load(text, Loader=_yaml_loader())
 
 
 def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
