@@ -18,8 +18,10 @@ GRPO_EXT_CUDA ?= AUTO
 
 ifeq ($(strip $(PYTHON_ENV)),system)
 PY := python3
+CLANG_FORMAT := clang-format
 else
 PY := $(CURDIR)/$(VENV)/bin/python
+CLANG_FORMAT := $(CURDIR)/$(VENV)/bin/clang-format
 endif
 
 # The toolkit's own bin first: the nvcc on PATH may be a wrapper script (build-findings.md).
@@ -29,7 +31,7 @@ ifneq ($(CUDA_HOME),)
 export CUDACXX := $(CUDA_HOME)/bin/nvcc
 endif
 
-.PHONY: help env build test lint wheel wheel-smoke bench demo clean
+.PHONY: help env build test lint format wheel wheel-smoke bench demo clean
 
 help:
 	@echo "make test         create the environment, build grpo_ext, run the tests"
@@ -37,7 +39,8 @@ help:
 	@echo "make demo         GRPO on an embedded tiny model: learns to reverse digits in under 3 minutes on 2 CPU cores"
 	@echo "make wheel        build a wheel into dist/"
 	@echo "make wheel-smoke  install that wheel into a fresh venv and smoke-test it"
-	@echo "make lint         ruff"
+	@echo "make lint         ruff (Python) and clang-format (csrc/)"
+	@echo "make format       clang-format csrc/ in place"
 
 # This rule runs only when the marker is missing (a fresh venv, as in CI): after changing the list, delete
 # $(VENV)/.installed (or the venv) so that `make test` installs it again. trl is pinned: grpo_ext.integrations.trl
@@ -46,7 +49,8 @@ $(VENV)/.installed:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.26" ninja \
-	    "pytest>=8" "hypothesis>=6" numpy ruff transformers tqdm matplotlib pyyaml tensorboard "trl==1.16.0"
+	    "pytest>=8" "hypothesis>=6" numpy ruff "clang-format==19.1.7" transformers tqdm matplotlib pyyaml tensorboard \
+	    "trl==1.16.0"
 	touch $@
 
 ifeq ($(strip $(PYTHON_ENV)),system)
@@ -64,8 +68,15 @@ build: env
 test: build
 	GRPO_EXT_REQUIRE_TRL=$(if $(filter system,$(strip $(PYTHON_ENV))),0,1) $(PY) -m pytest -q
 
+# ruff for Python; clang-format (.clang-format, pinned above) for every C++/CUDA source of csrc/.
+CXX_SOURCES = $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.inc')
 lint: env
 	$(PY) -m ruff check python tests benchmarks
+	$(CLANG_FORMAT) --dry-run -Werror $(CXX_SOURCES)
+
+# Rewrites csrc/ in the project's C++ style (what `make lint` checks).
+format: env
+	$(CLANG_FORMAT) -i $(CXX_SOURCES)
 
 wheel: env
 	rm -rf dist && $(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .

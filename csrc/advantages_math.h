@@ -1,5 +1,5 @@
-// Group statistics of spec section 1 (group_advantages) and the process-supervision advantages, written once for
-// the CPU and CUDA kernels. NaN marks an unscored reward; no NaN ever leaves these functions.
+// Group statistics of docs/math.md section 1 (group_advantages) and the process-supervision advantages, written once
+// for the CPU and CUDA kernels. NaN marks an unscored reward; no NaN ever leaves these functions.
 #pragma once
 
 #include "common.h"
@@ -45,7 +45,7 @@ GRPO_HD T combine_rewards(const StridedMatrix& rewards, const StridedMatrix& wei
   return any ? total : T(NAN);
 }
 
-// A_i from the combined reward, its baseline and the scale (spec section 1). `baseline_valid` is false for a
+// A_i from the combined reward, its baseline and the scale (docs/math.md section 1). `baseline_valid` is false for a
 // leave-one-out row with no other scored member.
 template <typename T>
 GRPO_HD T advantage_from(T reward, T baseline, bool baseline_valid, T sigma, const AdvantageParams& p) {

@@ -5,6 +5,14 @@
 
 #include <string>
 
+#include "plan/loss_options.h"
+
+// The pass ops' arguments after `logits`: the ids they score, where they start in the [B, T] problem, the loss
+// inputs, per-token gradients for the second pass of sequence-level losses, the options and the temperature.
+#define GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA                                           \
+  "Tensor ids, int row_offset, Tensor advantages, Tensor completion_mask, Tensor? " \
+  "token_grad, " GRPO_LOSS_OPTIONS_SCHEMA "float temperature, bool compute_grad"
+
 #ifndef GRPO_EXT_VERSION
 #define GRPO_EXT_VERSION "0.0.0"
 #endif
@@ -18,15 +26,6 @@
 #define GRPO_EXT_CUDA_VERSION ""
 #endif
 
-// The arguments of grpo_logits_pass after `logits` (the loss op's, plus the chunk's row offset, per-token
-// gradients for the second pass of sequence-level losses, and the temperature).
-#define GRPO_LOGITS_PASS_SCHEMA_ARGS                                                                              \
-  "Tensor ids, int row_offset, Tensor advantages, Tensor completion_mask, Tensor? old_logps, Tensor? ref_logps, " \
-  "Tensor? is_weights, Tensor? sample_mask, float? num_items_in_batch, Tensor? num_items_tensor, "               \
-  "Tensor? token_grad, str loss_type, float epsilon_low, float epsilon_high, float? delta, float beta, "          \
-  "str kl_estimator, float? kl_clamp, bool use_bias_correction_kl, int max_completion_length, "                  \
-  "float sapo_temperature_pos, float sapo_temperature_neg, float loss_scale, float temperature, bool compute_grad"
-
 TORCH_LIBRARY(grpo_ext, m) {
   m.def(
       "group_advantages(Tensor rewards, Tensor? reward_weights, int group_size, str scale_rewards, str baseline, "
@@ -34,13 +33,9 @@ TORCH_LIBRARY(grpo_ext, m) {
   m.def(
       "process_advantages(Tensor step_rewards, Tensor step_end, int group_size, int seq_len, float eps, "
       "int std_ddof) -> Tensor");
-  m.def(
-      "grpo_loss_forward(Tensor logps, Tensor advantages, Tensor completion_mask, Tensor? old_logps, "
-      "Tensor? ref_logps, Tensor? is_weights, Tensor? sample_mask, float? num_items_in_batch, "
-      "Tensor? num_items_tensor, str loss_type, float epsilon_low, float epsilon_high, float? delta, float beta, "
-      "str kl_estimator, float? kl_clamp, bool use_bias_correction_kl, str importance_sampling_level, "
-      "int max_completion_length, float sapo_temperature_pos, float sapo_temperature_neg, float loss_scale, "
-      "bool compute_grad) -> (Tensor loss, Tensor metrics, Tensor grad_raw, Tensor grad_scale)");
+  // The loss options (GRPO_LOSS_OPTIONS_SCHEMA) come from their one definition in plan/loss_options.h.
+  m.def("grpo_loss_forward(Tensor logps, Tensor advantages, Tensor completion_mask, " GRPO_LOSS_OPTIONS_SCHEMA
+        "bool compute_grad) -> (Tensor loss, Tensor metrics, Tensor grad_raw, Tensor grad_scale)");
   m.def("grpo_loss_backward(Tensor grad_loss, Tensor grad_raw, Tensor grad_scale, ScalarType out_dtype) -> Tensor");
   m.def(
       "selective_log_softmax_forward(Tensor logits, Tensor ids, float temperature, bool return_entropy) -> "
@@ -48,12 +43,13 @@ TORCH_LIBRARY(grpo_ext, m) {
   m.def(
       "selective_log_softmax_backward(Tensor grad_logps, Tensor? grad_entropy, Tensor logits, Tensor ids, "
       "Tensor row_stats, float temperature) -> Tensor");
-  // The loss from logits (token-level gradient in the same pass; see cuda/logits_loss_kernels.cuh). The `_` op
-  // writes the gradient over the logits instead of into a new tensor.
-  m.def("grpo_logits_pass(Tensor logits, " GRPO_LOGITS_PASS_SCHEMA_ARGS
+  // grpo_loss_from_logits' fused pass over rows of logits (token-level gradient in the same pass; see
+  // cuda/grpo_loss_from_logits.cuh). The `_` op writes the gradient over the logits instead of a new tensor.
+  m.def("grpo_loss_from_logits_pass(Tensor logits, " GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA
         ") -> (Tensor logps, Tensor entropy, Tensor grad_logits)");
-  m.def("grpo_logits_pass_(Tensor(a!) logits, " GRPO_LOGITS_PASS_SCHEMA_ARGS ") -> (Tensor logps, Tensor entropy)");
-  // grad *= factor, skipped on the device when factor == 1 (the backward of the logits losses).
+  m.def("grpo_loss_from_logits_pass_(Tensor(a!) logits, " GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA
+        ") -> (Tensor logps, Tensor entropy)");
+  // grad *= factor, skipped on the device when factor == 1 (the backward of the logits and hidden-state losses).
   m.def("scale_grad_(Tensor(a!) grad, Tensor factor) -> ()");
 }
 
@@ -77,4 +73,6 @@ PYBIND11_MODULE(_C, m) {
 #endif
     return info;
   });
+  // The loss options' schema fragment, for the schemas of the composite ops defined in Python.
+  m.attr("LOSS_OPTIONS_SCHEMA") = GRPO_LOSS_OPTIONS_SCHEMA;
 }

@@ -8,6 +8,7 @@ import torch
 import grpo_ext
 from conftest import HAS_CUDA, make_loss_batch
 from grpo_ext import reference
+from grpo_ext.ops.options import LossOptions
 
 IMPLEMENTATIONS = [grpo_ext, reference]
 
@@ -111,12 +112,8 @@ def test_native_ops_check_their_inputs():
     with pytest.raises(RuntimeError, match="group_size must be >= 1"):
         torch.ops.grpo_ext.group_advantages(torch.rand(8), None, 0, "group", "mean", "sum_then_normalize", 1e-4, 1)
     with pytest.raises(RuntimeError, match="loss_type must be one of"):
-        torch.ops.grpo_ext.grpo_loss_forward(
-            torch.rand(2, 3), torch.rand(2), torch.ones(2, 3), None, None, None, None, None, None, "ppo", 0.2, 0.2,
-            None, 0.0, "k3", None, False, "token", 3, 1.0, 1.05, 1.0, False,
-        )  # fmt: skip
+        options = LossOptions(loss_type="ppo", epsilon_high=0.2, max_completion_length=3).op_args()
+        torch.ops.grpo_ext.grpo_loss_forward(torch.rand(2, 3), torch.rand(2), torch.ones(2, 3), *options, False)
     with pytest.raises(RuntimeError, match="completion_mask must have shape"):
-        torch.ops.grpo_ext.grpo_loss_forward(
-            torch.rand(2, 3), torch.rand(2), torch.ones(2, 4), None, None, None, None, None, None, "grpo", 0.2, 0.2,
-            None, 0.0, "k3", None, False, "token", 3, 1.0, 1.05, 1.0, False,
-        )  # fmt: skip
+        options = LossOptions(epsilon_high=0.2, max_completion_length=3).op_args()
+        torch.ops.grpo_ext.grpo_loss_forward(torch.rand(2, 3), torch.rand(2), torch.ones(2, 4), *options, False)

@@ -11,9 +11,9 @@ import torch
 import grpo_ext
 from conftest import DEVICES, assert_close, make_loss_batch
 from grpo_ext import reference
+from grpo_ext.ops.options import IMPORTANCE_SAMPLING_LEVELS as LEVELS
+from grpo_ext.ops.options import LOSS_TYPES
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
-LEVELS = ["token", "sequence"]
 # (beta, kl_estimator, kl_clamp, use_bias_correction_kl)
 KL_CONFIGS = {
     "no_kl": (0.0, "k3", None, False),

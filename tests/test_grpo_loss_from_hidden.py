@@ -8,8 +8,7 @@ import torch
 import grpo_ext
 from conftest import DEVICES, assert_close, cast_kwargs
 from grpo_ext import reference
-
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
+from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 
 
 def make_problem(batch: int = 4, length: int = 5, size: int = 16, vocab: int = 37, *, seed: int = 0):
@@ -118,8 +117,9 @@ def test_opcheck_and_compile(device):
     hidden, weight, bias, ids, adv, mask, old = (t.to(device) for t in (hidden, weight, bias, ids, adv, mask, old))
     flat = hidden.reshape(6, 8).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    op_args = (flat, w, bias, ids.reshape(-1), adv, mask, old, None, None, None, None, None, "grpo", 0.2, 0.2, None,
-               0.0, "k3", None, False, "sequence", 3, 1.0, 1.05, 1.0, 0.9, 4)  # fmt: skip
+    options = LossOptions(old_logps=old, epsilon_high=0.2, importance_sampling_level="sequence",
+                          max_completion_length=3)  # fmt: skip
+    op_args = (flat, w, bias, ids.reshape(-1), adv, mask, *options.op_args(), 0.9, 4)
     torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_hidden.default, op_args)
 
     def fn(h, weight):

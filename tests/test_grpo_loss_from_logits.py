@@ -1,4 +1,4 @@
-"""grpo_ext.grpo_loss_from_logits (spec sections 2-7) against the materialized float64 reference."""
+"""grpo_ext.grpo_loss_from_logits (docs/math.md sections 2-7) against the materialized float64 reference."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import torch
 import grpo_ext
 from conftest import DEVICES, assert_close, cast_kwargs
 from grpo_ext import reference
-
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
+from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 
 
 def make_problem(batch: int = 4, length: int = 6, vocab: int = 50, *, seed: int = 0, per_token_adv: bool = False):
@@ -225,13 +224,14 @@ def test_opcheck_and_compile(device):
         (None, False),
         (torch.randn(6, dtype=torch.float64, device=device), True),
     ):
-        args = (x, flat_ids, 0, adv, mask, old, ref, None, None, None, None, token_grad, "grpo", 0.2, 0.2, None, 0.1,
-                "k3", None, False, 3, 1.0, 1.05, 1.0, 0.9, compute_grad)  # fmt: skip
-        torch.library.opcheck(torch.ops.grpo_ext.grpo_logits_pass.default, args)
-        torch.library.opcheck(torch.ops.grpo_ext.grpo_logits_pass_.default, (x.clone(), *args[1:]))
+        options = LossOptions(old_logps=old, ref_logps=ref, epsilon_high=0.2, beta=0.1, max_completion_length=3)
+        args = (x, flat_ids, 0, adv, mask, token_grad, *options.op_args(), 0.9, compute_grad)
+        torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass.default, args)
+        torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass_.default, (x.clone(), *args[1:]))
     torch.library.opcheck(torch.ops.grpo_ext.scale_grad_.default, (x.clone(), torch.tensor(2.0, device=device)))
-    op_args = (x.requires_grad_(True), flat_ids, adv, mask, old, ref, None, None, None, None, "dapo", 0.2, 0.28, None,
-               0.1, "k3", None, False, "token", 3, 1.0, 1.05, 1.0, 0.9)  # fmt: skip
+    options = LossOptions(old_logps=old, ref_logps=ref, loss_type="dapo", epsilon_high=0.28, beta=0.1,
+                          max_completion_length=3)  # fmt: skip
+    op_args = (x.requires_grad_(True), flat_ids, adv, mask, *options.op_args(), 0.9)
     torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits.default, op_args)
 
     def fn(t):

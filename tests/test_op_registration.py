@@ -8,21 +8,22 @@ import torch
 import grpo_ext
 from conftest import DEVICES, HAS_CUDA, assert_close, make_loss_batch
 from grpo_ext.ops import OP_NAMES
+from grpo_ext.ops.options import LossOptions
 
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
 def _loss_forward_args(batch, **overrides):
-    args = dict(
-        logps=batch.logps.clone().requires_grad_(True), advantages=batch.advantages, completion_mask=batch.mask,
+    options = dict(
         old_logps=batch.old_logps, ref_logps=batch.ref_logps, is_weights=batch.is_weights,
-        sample_mask=batch.sample_mask, num_items_in_batch=None, num_items_tensor=None, loss_type="grpo",
-        epsilon_low=0.2, epsilon_high=0.28, delta=1.5, beta=0.04, kl_estimator="k3", kl_clamp=10.0,
-        use_bias_correction_kl=False, importance_sampling_level="token", max_completion_length=batch.logps.shape[1],
-        sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, loss_scale=1.0, compute_grad=True,
+        sample_mask=batch.sample_mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.28, delta=1.5, beta=0.04,
+        kl_estimator="k3", kl_clamp=10.0, use_bias_correction_kl=False, importance_sampling_level="token",
+        max_completion_length=batch.logps.shape[1], sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+        loss_scale=1.0,
     )  # fmt: skip
-    args.update(overrides)
-    return tuple(args.values())
+    options.update(overrides)
+    logps = batch.logps.clone().requires_grad_(True)
+    return (logps, batch.advantages, batch.mask, *LossOptions(**options).op_args(), True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -108,3 +109,21 @@ def test_build_info():
     assert info["cuda_kernels_registered"] == info["cuda_compiled"]
     if HAS_CUDA:
         assert info["cuda_compiled"], "a GPU is visible but the CUDA kernels were not compiled"
+
+
+def test_loss_options_defined_once():
+    """The native schema's options (csrc/plan/loss_options.h) are LossOptions' fields, in order, and every public loss
+    function (kernels and reference) takes exactly them as keywords, with LossOptions' defaults."""
+    import inspect
+
+    from grpo_ext.ops.options import NATIVE_OPTION_NAMES, LossOptions
+
+    schema_names = tuple(arg.split()[-1] for arg in grpo_ext._C.LOSS_OPTIONS_SCHEMA.strip(", ").split(", "))
+    assert schema_names == NATIVE_OPTION_NAMES
+    for impl in (grpo_ext, grpo_ext.reference):
+        for function in (impl.grpo_loss, impl.grpo_loss_from_logits, impl.grpo_loss_from_hidden):
+            keywords = {name: p.default for name, p in inspect.signature(function).parameters.items()
+                        if p.kind is inspect.Parameter.KEYWORD_ONLY and name in LossOptions._fields}  # fmt: skip
+            assert keywords == LossOptions._field_defaults, function
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        grpo_ext.grpo_loss(torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), epsilon_low=0.2)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import grpo_ext
 from conftest import DEVICES, assert_close, make_loss_batch
 from grpo_ext import reference
+from grpo_ext.ops.options import LOSS_TYPES
 
 
 def _policy_equals_reference(device: str, seed: int = 0):
@@ -79,7 +80,6 @@ def test_zero_std_groups_masked_in_training(device):
     assert_close(out.loss, sub.loss, rtol=1e-6, atol=1e-7)
 
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

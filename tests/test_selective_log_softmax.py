@@ -1,4 +1,4 @@
-"""grpo_ext.selective_log_softmax (spec section 2) against the materialized float64 log_softmax reference."""
+"""grpo_ext.selective_log_softmax (docs/math.md section 2) against the materialized float64 log_softmax reference."""
 
 from __future__ import annotations
 

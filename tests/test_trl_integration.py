@@ -26,6 +26,7 @@ else:
 
 import grpo_ext  # noqa: E402
 from grpo_ext.integrations import trl as grpo_trl  # noqa: E402
+from grpo_ext.ops.options import LOSS_TYPES  # noqa: E402
 from grpo_ext.trainer.demo import build_tokenizer  # noqa: E402
 
 try:
@@ -37,7 +38,6 @@ except RuntimeError as exc:  # pragma: no cover - CI pins the supported trl
 
 from datasets import Dataset  # noqa: E402  (a dependency of trl)
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 B, P, T = 8, 4, 6  # completions (2 prompts x G=4), prompt length, completion length
 LENGTHS = (6, 1, 3, 0, 6, 5, 2, 4)  # one empty row, one full row, one single-token row
@@ -314,7 +314,7 @@ def test_log_prob_pass_matches_trl(arch, config_extra, overrides, chunk_rows, to
                                    grpo_ext_calls):  # fmt: skip
     """Log-probs, entropy and the gradients through both (LM head weight and bias, backbone) equal TRL's."""
     if chunk_rows is not None:
-        monkeypatch.setattr(grpo_trl, "LOGITS_CHUNK_ELEMENTS", chunk_rows * len(tokenizer))
+        monkeypatch.setattr(grpo_trl.log_probs, "chunk_rows", lambda rows, vocab, element_size: chunk_rows)
     model_dir = save_model(tmp_path / arch, tokenizer, arch, **config_extra)
     trainer = make_trainer(model_dir, tokenizer, tmp_path, **overrides)
     inputs = make_inputs(trainer)

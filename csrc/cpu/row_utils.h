@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "../common.h"
-#include "../loss_math.h"
+#include "../grpo_loss_math.h"
 
 namespace grpo_ext {
 namespace cpu {
@@ -23,14 +23,14 @@ const T* row_values(const StridedMatrix& m, int64_t row, int64_t n, T* buffer) {
     return buffer;
   }
   switch (m.dtype) {  // one switch per row; each loop below vectorizes
-#define GRPO_CONVERT_ROW(tag, ctype, expr)                                          \
-  case DType::tag: {                                                              \
-    const ctype* src = static_cast<const ctype*>(m.data) + row * m.row_stride;   \
-    for (int64_t t = 0; t < n; ++t) {                                             \
-      const ctype x = src[t * m.col_stride];                                      \
-      buffer[t] = static_cast<T>(expr);                                           \
-    }                                                                             \
-    return buffer;                                                                \
+#define GRPO_CONVERT_ROW(tag, ctype, expr)                                     \
+  case DType::tag: {                                                           \
+    const ctype* src = static_cast<const ctype*>(m.data) + row * m.row_stride; \
+    for (int64_t t = 0; t < n; ++t) {                                          \
+      const ctype x = src[t * m.col_stride];                                   \
+      buffer[t] = static_cast<T>(expr);                                        \
+    }                                                                          \
+    return buffer;                                                             \
   }
     GRPO_CONVERT_ROW(kFloat32, float, x)
     GRPO_CONVERT_ROW(kFloat64, double, x)

@@ -42,6 +42,8 @@ __device__ __forceinline__ void block_sum(T (&v)[N], T* scratch) {
   __syncthreads();  // the scratch may be reused right after
 }
 
-inline int round_up_to_warp(int64_t n) { return static_cast<int>(((n + 31) / 32) * 32); }
+inline int round_up_to_warp(int64_t n) {
+  return static_cast<int>(((n + 31) / 32) * 32);
+}
 
 }  // namespace grpo_ext

@@ -1,16 +1,14 @@
 """grpo_ext: fused GRPO kernels for PyTorch.
 
-The math of every op is ``spec/grpo-math.md`` (the project's contract); :mod:`grpo_ext.reference` is that page in
-plain PyTorch. The ops run hand-written CPU and CUDA kernels registered as ``torch.ops.grpo_ext.*``.
+The math of every op is docs/math.md (the project's contract); :mod:`grpo_ext.reference` is that page in plain
+PyTorch. The ops run hand-written CPU and CUDA kernels registered as ``torch.ops.grpo_ext.*``; docs/architecture.md
+maps each op to its files.
 """
 
 import torch
 
-from . import _C, reference
+from . import _C, ops, reference  # ops before reference: the reference imports ops.options
 from .ops import (
-    GroupAdvantages,
-    GRPOLossOutput,
-    SelectiveLogSoftmax,
     group_advantages,
     grpo_loss,
     grpo_loss_from_hidden,
@@ -18,8 +16,10 @@ from .ops import (
     process_advantages,
     selective_log_softmax,
 )
+from .results import GroupAdvantages, GRPOLossOutput, SelectiveLogSoftmax
 
-__version__ = "0.1.0"
+# The version is pyproject.toml's, compiled into the native module by CMake (SKBUILD_PROJECT_VERSION).
+__version__: str = _C.build_info()["version"]
 
 
 def build_info() -> dict:
@@ -38,7 +38,6 @@ def build_info() -> dict:
     return info
 
 
-from . import ops  # noqa: E402
 from .trainer import GRPOConfig  # noqa: E402  (light: no transformers until GRPOTrainer is used)
 
 

@@ -7,12 +7,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
-# Loss types whose denominator is the number of tokens in the (accumulated) batch: they take num_items_in_batch.
-TOKEN_LEVEL_LOSS_TYPES = ("dapo", "cispo")
-SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from ..ops.options import (  # the value sets of the loss options, defined once
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    SCALE_REWARDS,
+)
+
 LR_SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
 
 

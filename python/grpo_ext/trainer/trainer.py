@@ -23,8 +23,9 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import grpo_ext
 
+from ..ops.options import TOKEN_LEVEL_LOSS_TYPES
 from . import distributed as dist_utils
-from .config import TOKEN_LEVEL_LOSS_TYPES, GRPOConfig
+from .config import GRPOConfig
 
 RewardFunc = Callable[..., list]
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")

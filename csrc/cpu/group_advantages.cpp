@@ -1,0 +1,131 @@
+// CPU kernel of group_advantages: groups in parallel, each group in a fixed order.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../plan/group_advantages.h"
+
+namespace grpo_ext {
+namespace {
+
+// NaN-aware mean and std of values[0..n) (NaN = unscored).
+template <typename T>
+void nan_moments(const T* values, int64_t n, int64_t ddof, T* mean, T* std_out, T* count_out) {
+  T sum = T(0), count = T(0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (values[i] == values[i]) {
+      sum += values[i];
+      count += T(1);
+    }
+  }
+  const T mu = safe_mean(sum, count);
+  T sum_sq = T(0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (values[i] == values[i]) sum_sq += (values[i] - mu) * (values[i] - mu);
+  }
+  *mean = mu;
+  *std_out = std_from_sum_sq(sum_sq, count, ddof);
+  *count_out = count;
+}
+
+template <typename T>
+void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
+  const AdvantageParams& p = plan.params;
+  const int64_t g_size = p.group_size, k = p.num_rewards;
+  const bool gdpo = p.aggregation == Aggregation::kNormalizeThenSum;
+  std::vector<T> combined(static_cast<size_t>(plan.batch));
+  T* adv = plan.advantages.data_ptr<T>();
+  T* g_mean = plan.group_mean.data_ptr<T>();
+  T* g_std = plan.group_std.data_ptr<T>();
+  bool* g_zero = plan.zero_std.data_ptr<bool>();
+
+  // Phase 1: the combined reward R of every row and each group's own statistics of R.
+  const int64_t grain = std::max<int64_t>(1, 4096 / g_size);  // small batches stay on one thread
+  at::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> column(static_cast<size_t>(g_size));
+    for (int64_t g = begin; g < end; ++g) {
+      T* r_group = combined.data() + g * g_size;
+      if (gdpo) {  // z-score each reward function inside the group, then nansum with the weights
+        for (int64_t i = 0; i < g_size; ++i) r_group[i] = T(0);
+        for (int64_t j = 0; j < k; ++j) {
+          for (int64_t i = 0; i < g_size; ++i) column[i] = plan.rewards.load<T>(g * g_size + i, j);
+          T mu, sigma, count;
+          nan_moments(column.data(), g_size, p.std_ddof, &mu, &sigma, &count);
+          const T w = plan.weights.present() ? plan.weights.load<T>(0, j) : T(1);
+          for (int64_t i = 0; i < g_size; ++i) {
+            if (column[i] == column[i]) r_group[i] += w * (column[i] - mu) / (sigma + T(p.eps));
+          }
+        }
+      } else if (k == 1 && !plan.weights.present()) {  // one reward function: R is the reward itself
+        const StridedMatrix& r = plan.rewards;
+        if (r.dtype == (sizeof(T) == 4 ? DType::kFloat32 : DType::kFloat64)) {
+          const T* src = static_cast<const T*>(r.data);
+          for (int64_t i = 0; i < g_size; ++i) r_group[i] = src[(g * g_size + i) * r.row_stride];
+        } else {
+          for (int64_t i = 0; i < g_size; ++i) r_group[i] = r.load<T>(g * g_size + i, 0);
+        }
+      } else {
+        for (int64_t i = 0; i < g_size; ++i)
+          r_group[i] = combine_rewards<T>(plan.rewards, plan.weights, g * g_size + i, k);
+      }
+      T mu, sigma, count;
+      nan_moments(r_group, g_size, p.std_ddof, &mu, &sigma, &count);
+      g_mean[g] = mu;
+      g_std[g] = sigma;
+      g_zero[g] = count >= T(2) && sigma <= T(kZeroStdTolerance);
+    }
+  });
+
+  // Phase 2: batch statistics when the scale (or GDPO's final z-score) is batch-wide; a fixed sequential order.
+  T batch_mean = T(0), batch_std = T(0), batch_count = T(0);
+  if (gdpo || p.scale == ScaleRewards::kBatch) {
+    nan_moments(combined.data(), plan.batch, p.std_ddof, &batch_mean, &batch_std, &batch_count);
+  }
+
+  // Phase 3: advantages.
+  at::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const T* r_group = combined.data() + g * g_size;
+      if (gdpo) {
+        for (int64_t i = 0; i < g_size; ++i) {
+          adv[g * g_size + i] = (r_group[i] - batch_mean) / (batch_std + T(p.eps));
+        }
+        continue;
+      }
+      T sum = T(0), count = T(0);
+      for (int64_t i = 0; i < g_size; ++i) {
+        if (r_group[i] == r_group[i]) {
+          sum += r_group[i];
+          count += T(1);
+        }
+      }
+      const T sigma = p.scale == ScaleRewards::kBatch ? batch_std : g_std[g];
+      for (int64_t i = 0; i < g_size; ++i) {
+        bool valid;
+        const T b = baseline_for(r_group[i], sum, count, p, &valid);
+        adv[g * g_size + i] = advantage_from(r_group[i], b, valid, sigma, p);
+      }
+    }
+  });
+}
+
+GroupAdvantagesResult group_advantages_cpu(GRPO_GROUP_ADVANTAGES_PARAMS) {
+  GroupAdvantagesPlan plan = plan_group_advantages(GRPO_GROUP_ADVANTAGES_ARGS);
+  if (plan.advantages.scalar_type() == at::kDouble) {
+    group_advantages_cpu_impl<double>(plan);
+  } else {
+    group_advantages_cpu_impl<float>(plan);
+  }
+  return plan.result();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("group_advantages", &group_advantages_cpu);
+}
+
+}  // namespace grpo_ext

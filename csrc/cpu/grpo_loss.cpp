@@ -1,0 +1,223 @@
+// CPU kernels of the fused GRPO loss: rows in parallel (at::parallel_for), each row in a fixed sequential order,
+// row partials summed in row order, so results are bitwise reproducible whatever the thread count.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "../plan/grpo_loss.h"
+#include "row_utils.h"
+
+namespace grpo_ext {
+namespace {
+
+using cpu::lane_sum;
+using cpu::row_values;
+
+// Per-thread scratch: rows of inputs that need converting, and the per-token contributions that are summed.
+template <typename T>
+struct RowScratch {
+  std::vector<T> mask, logps, old_logps, ref_logps, advantages, is_weights;
+  std::vector<T> contributions;  // kNumRowSlots + 1 rows of n: loss, mask, kl, low, high, region, cispo, dP/drho
+  std::vector<T> grad;           // the gradient's destination when none is wanted
+  int64_t n;
+  explicit RowScratch(int64_t n_cols)
+      : mask(n_cols),
+        logps(n_cols),
+        old_logps(n_cols),
+        ref_logps(n_cols),
+        advantages(n_cols),
+        is_weights(n_cols),
+        contributions((kNumRowSlots + 1) * n_cols),
+        grad(n_cols),
+        n(n_cols) {}
+  T* slot(int s) { return contributions.data() + s * n; }
+};
+
+// dst = src where m != 0, else 0: garbage under the mask (NaN, -inf) never reaches the arithmetic. The load comes
+// first and unconditionally, which is what lets the compiler vectorize the select.
+template <typename T>
+void sanitize_row(int64_t n, const T* __restrict__ m, const T* __restrict__ src, T* __restrict__ dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T value = src[t];
+    dst[t] = m[t] != T(0) ? value : T(0);
+  }
+}
+
+// The token loop, compiled twice: for baseline x86-64 (SSE2, 4 floats a vector) and for AVX2 (8), chosen at run
+// time. No FMA in either, so both round alike and a result does not depend on the machine's vector width beyond
+// the order of additions inside a vector (which is fixed per instruction set).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GRPO_EXT_CPU_AVX2 1
+namespace isa_avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#include "grpo_loss_tokens.inc"
+#pragma GCC pop_options
+}  // namespace isa_avx2
+#endif
+namespace isa_baseline {
+#include "grpo_loss_tokens.inc"
+}  // namespace isa_baseline
+
+inline bool cpu_has_avx2() {
+#ifdef GRPO_EXT_CPU_AVX2
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// One row: its loss/metric partials and, if requested, the raw gradient (before the global scale).
+template <typename T>
+void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInputs& in, int64_t row,
+              RowScratch<T>& scratch, double* partials, T* grad_row) {
+  const int64_t n_cols = in.seq_len;
+  const bool want_kl = p.beta != 0.0;
+  // m_eff = mask * sample_mask: a dropped row reads nothing else.
+  const T row_keep = in.sample_mask.present() ? in.sample_mask.load<T>(row, 0) : T(1);
+  if (row_keep == T(0)) {
+    if (grad_row) std::fill(grad_row, grad_row + n_cols, T(0));
+    for (int s = 0; s < kNumRowSlots; ++s) partials[s] = 0.0;
+    if (p.row_share_metrics) {  // every row counts in the row shares; a row without tokens has ratio 1
+      T low, high, cispo;
+      clip_flags<T>(consts, T(1), in.advantages.load<T>(row, 0), &low, &high, &cispo);
+      partials[kSlotLow] = low;
+      partials[kSlotHigh] = high;
+      partials[kSlotRegion] = low + high;
+      partials[kSlotCispo] = cispo;
+    }
+    return;
+  }
+  // m_eff, then every input as a contiguous row with zeros under the mask.
+  const T* mask_in = row_values(in.mask, row, n_cols, scratch.mask.data());
+  T* mask = scratch.mask.data();
+  for (int64_t t = 0; t < n_cols; ++t) mask[t] = mask_in[t] * row_keep;
+  auto clean = [&](const StridedMatrix& m, std::vector<T>& buffer) -> const T* {
+    const T* values = row_values(m, row, n_cols, buffer.data());
+    sanitize_row(n_cols, mask, values, buffer.data());
+    return buffer.data();
+  };
+  const T* logps = clean(in.logps, scratch.logps);
+  // Absent inputs: on-policy old = logps (rho = 1 exactly); no KL reads logps in place of ref; weights of 1.
+  const T* old_logps = p.has_old ? clean(in.old_logps, scratch.old_logps) : logps;
+  const T* ref_logps = want_kl ? clean(in.ref_logps, scratch.ref_logps) : logps;
+  const T* advantages = clean(in.advantages, scratch.advantages);
+  const T* is_weights;
+  if (in.is_weights.present()) {
+    is_weights = clean(in.is_weights, scratch.is_weights);
+  } else {
+    std::fill(scratch.is_weights.begin(), scratch.is_weights.end(), T(1));
+    is_weights = scratch.is_weights.data();
+  }
+
+  const bool need_count = per_row_normalized(p.loss_type) || p.sequence_level;
+  const double count = need_count ? lane_sum(mask, n_cols) : 0.0;
+  double log_ratio_sum = 0.0;
+  if (p.sequence_level) {  // sum_t m * (l - l_old), through a scratch row so that both loops vectorize
+    T* log_ratio = scratch.slot(kNumRowSlots);
+    for (int64_t t = 0; t < n_cols; ++t) log_ratio[t] = mask[t] * (logps[t] - old_logps[t]);
+    log_ratio_sum = lane_sum(log_ratio, n_cols);
+  }
+  const double count_clamped = count > 1.0 ? count : 1.0;
+  const T seq_ratio = p.sequence_level ? math_exp(T(log_ratio_sum / count_clamped)) : T(1);
+  const T row_factor = per_row_normalized(p.loss_type) ? T(1.0 / count_clamped) : T(1);
+
+  dispatch_token_terms<T>(policy_family(p.loss_type), kl_kind(p), p.bias_correction, [&](auto terms) {
+    T* grad_out = grad_row ? grad_row : scratch.grad.data();  // one store path keeps the loop branch-free
+    auto run = [&](auto sequence_level) {
+      constexpr bool kSequence = decltype(sequence_level)::value;
+      auto args =
+          std::make_tuple(terms, consts, n_cols, mask, logps, old_logps, ref_logps, advantages, is_weights, seq_ratio,
+                          row_factor, scratch.slot(kSlotLoss), scratch.slot(kSlotMask), scratch.slot(kSlotKL),
+                          scratch.slot(kSlotLow), scratch.slot(kSlotHigh), scratch.slot(kSlotRegion),
+                          scratch.slot(kSlotCispo), scratch.slot(kNumRowSlots), grad_out);
+#ifdef GRPO_EXT_CPU_AVX2
+      if (cpu_has_avx2()) {
+        std::apply([](auto&&... a) { isa_avx2::loss_row_tokens<T, kSequence>(a...); }, args);
+        return;
+      }
+#endif
+      std::apply([](auto&&... a) { isa_baseline::loss_row_tokens<T, kSequence>(a...); }, args);
+    };
+    if (p.sequence_level) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
+    }
+  });
+  for (int s = 0; s < kNumRowSlots; ++s) partials[s] = lane_sum(scratch.slot(s), n_cols);
+  if (p.row_share_metrics) {  // one condition per row, every row counted
+    T low, high, cispo;
+    clip_flags<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), &low, &high, &cispo);
+    partials[kSlotLow] = low;
+    partials[kSlotHigh] = high;
+    partials[kSlotRegion] = low + high;
+    partials[kSlotCispo] = cispo;
+  }
+  if (grad_row && p.sequence_level) {
+    // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1), times sum_t w * dP/drho
+    const double drho_sum = lane_sum(scratch.slot(kNumRowSlots), n_cols);
+    const T through_ratio = T(drho_sum * double(seq_ratio) / count_clamped);
+    for (int64_t t = 0; t < n_cols; ++t) grad_row[t] += through_ratio * mask[t];
+  }
+}
+
+template <typename T>
+void loss_forward_cpu_impl(LossForwardPlan& plan) {
+  const LossInputs& in = plan.inputs;
+  const LossParams& p = plan.params;
+  std::vector<double> partials(static_cast<size_t>(in.batch) * kNumRowSlots);
+  T* grad = p.compute_grad ? plan.grad_raw.data_ptr<T>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(in.seq_len, 1));
+  const TokenConsts<T> consts(p);
+  at::parallel_for(0, in.batch, grain, [&](int64_t begin, int64_t end) {
+    RowScratch<T> scratch(in.seq_len);
+    for (int64_t row = begin; row < end; ++row) {
+      loss_row<T>(p, consts, in, row, scratch, partials.data() + row * kNumRowSlots,
+                  grad ? grad + row * in.seq_len : nullptr);
+    }
+  });
+  double totals[kNumRowSlots] = {0, 0, 0, 0, 0, 0, 0};
+  for (int64_t row = 0; row < in.batch; ++row) {
+    for (int s = 0; s < kNumRowSlots; ++s) totals[s] += partials[row * kNumRowSlots + s];
+  }
+  double loss, metrics[kNumMetrics], grad_scale;
+  finalize_loss<double>(p, totals, in.batch, plan.max_completion_length, plan.has_num_items, plan.num_items,
+                        plan.loss_scale, &loss, metrics, &grad_scale);
+  plan.loss.fill_(loss);
+  plan.grad_scale.fill_(grad_scale);
+  T* metrics_out = plan.metrics.data_ptr<T>();
+  for (int s = 0; s < kNumMetrics; ++s) metrics_out[s] = T(metrics[s]);
+}
+
+LossForwardResult grpo_loss_forward_cpu(GRPO_LOSS_FORWARD_PARAMS) {
+  LossForwardPlan plan = plan_grpo_loss(GRPO_LOSS_FORWARD_ARGS);
+  if (plan.loss.scalar_type() == at::kDouble) {
+    loss_forward_cpu_impl<double>(plan);
+  } else {
+    loss_forward_cpu_impl<float>(plan);
+  }
+  return plan.result();
+}
+
+at::Tensor grpo_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& grad_raw, const at::Tensor& grad_scale,
+                                  at::ScalarType out_dtype) {
+  check_loss_backward(grad_loss, grad_raw, grad_scale, out_dtype);
+  // The whole backward is one scale: the forward already holds d loss / d logps up to a scalar.
+  const at::Tensor factor = grad_loss.reshape({}).to(grad_raw.scalar_type()) * grad_scale;
+  return (grad_raw * factor).to(out_dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("grpo_loss_forward", &grpo_loss_forward_cpu);
+  m.impl("grpo_loss_backward", &grpo_loss_backward_cpu);
+}
+
+}  // namespace grpo_ext

@@ -1,0 +1,151 @@
+// CPU kernel of the fused GRPO loss from logits (grpo_loss_from_logits_pass, grpo_loss_from_logits_pass_): rows in
+// parallel, each row converted once into a float buffer, its softmax statistics taken, and its gradient written from
+// that buffer (over the logits themselves in the in-place op). Masked rows are never read.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "../plan/grpo_loss_from_logits.h"
+#include "row_utils.h"
+
+namespace grpo_ext {
+namespace {
+
+// z = logits row r / temperature, as T.
+template <typename T, typename In>
+void load_scaled_row(const LogitsRows& logits, int64_t r, T inv_temperature, T* z) {
+  const In* x = static_cast<const In*>(logits.data) + logits.offset(r);
+  for (int64_t v = 0; v < logits.vocab; ++v) z[v] = static_cast<T>(static_cast<float>(x[v])) * inv_temperature;
+}
+template <>
+void load_scaled_row<double, double>(const LogitsRows& logits, int64_t r, double inv_temperature, double* z) {
+  const double* x = static_cast<const double*>(logits.data) + logits.offset(r);
+  for (int64_t v = 0; v < logits.vocab; ++v) z[v] = x[v] * inv_temperature;
+}
+
+// Per-row gradient weights (docs/math.md section 5's denominators) from the masks alone.
+template <typename T>
+std::vector<T> row_weights(const LogitsPassPlan& plan) {
+  const LossInputs& in = plan.loss.inputs;
+  std::vector<double> counts(in.batch);
+  double total = 0.0;
+  for (int64_t b = 0; b < in.batch; ++b) {
+    double c = 0.0;
+    for (int64_t t = 0; t < in.seq_len; ++t) c += in.mask_at<double>(b, t);
+    counts[b] = c;
+    total += c;
+  }
+  const double scale = global_loss_scale<double>(plan.loss.params, in.batch, plan.loss.max_completion_length, total,
+                                                 plan.loss.has_num_items, plan.loss.num_items, plan.loss.loss_scale);
+  std::vector<T> weights(in.batch);
+  for (int64_t b = 0; b < in.batch; ++b) {
+    weights[b] = T(logits_row_weight<double>(plan.loss.params.loss_type, counts[b], scale));
+  }
+  return weights;
+}
+
+template <typename T, typename In>
+void logits_pass_impl(LogitsPassPlan& plan) {
+  const LossParams& p = plan.loss.params;
+  const LossInputs& in = plan.loss.inputs;
+  const LogitsRows& logits = plan.logits;
+  const int64_t vocab = logits.vocab;
+  // Before any write: a bad id must not leave half-written logits. Masked rows are never read, so their ids
+  // (padding such as -100) are not checked, as on CUDA.
+  for (int64_t r = 0; r < logits.rows; ++r) {
+    const int64_t n = plan.row_offset + r;
+    if (in.mask_at<T>(n / in.seq_len, n % in.seq_len) == T(0)) continue;
+    const int64_t id = plan.ids.load<int64_t>(r, 0);
+    TORCH_CHECK(id >= 0 && id < vocab, "ids[", r, "]=", id, " is outside the vocabulary [0, ", vocab, ")");
+  }
+  const bool want_grad = plan.compute_grad && plan.grad_data != nullptr;
+  const bool grad_in_logits = want_grad && plan.grad_data == logits.data;
+  const std::vector<T> weights =
+      want_grad && !plan.token_grad.present() ? row_weights<T>(plan) : std::vector<T>(in.batch, T(0));
+  const TokenConsts<T> consts(p);
+  const PolicyFamily family = policy_family(p.loss_type);
+  const KLKind kl = kl_kind(p);
+  const bool want_kl = p.beta != 0.0;
+  const T inv_temperature = T(1.0 / plan.temperature);
+  T* logps = plan.logps.data_ptr<T>();
+  T* entropy = plan.entropy.data_ptr<T>();
+  In* grad = static_cast<In*>(plan.grad_data);
+  const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
+  at::parallel_for(0, logits.rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> z(vocab), exps(vocab), weighted(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = plan.row_offset + r, b = n / in.seq_len, t = n % in.seq_len;
+      const T m = in.mask_at<T>(b, t);
+      In* grad_row = want_grad ? (grad_in_logits ? grad + logits.offset(r) : grad + r * vocab) : nullptr;
+      if (m == T(0)) {  // never read; a zero gradient
+        logps[r] = T(0);
+        entropy[r] = T(0);
+        if (grad_row) std::fill(grad_row, grad_row + vocab, In(0));
+        continue;
+      }
+      load_scaled_row<T, In>(logits, r, inv_temperature, z.data());
+      const cpu::RowSoftmax s = cpu::row_softmax(z.data(), vocab, exps.data(), weighted.data());
+      const int64_t id = plan.ids.load<int64_t>(r, 0);
+      const T logp = T(double(z[id]) - s.lse);
+      logps[r] = logp;
+      entropy[r] = T(s.lse - s.mean_z);
+      if (!grad_row) continue;
+      T g;
+      if (plan.token_grad.present()) {
+        g = plan.token_grad.load<T>(r, 0);
+      } else {
+        const T l_old = p.has_old ? in.old_logps.load<T>(b, t) : logp;
+        const T l_ref = want_kl ? in.ref_logps.load<T>(b, t) : T(0);
+        const T isw = in.is_weights.present() ? in.is_weights.load<T>(b, t) : T(1);
+        g = weights[b] * m *
+            token_logp_grad<T>(consts, family, kl, p.bias_correction, p.has_old, logp, l_old, l_ref,
+                               in.advantages.load<T>(b, t), isw);
+      }
+      // d/dz_v of g * logp = g * (onehot - p_v); the chosen entry as -expm1(logp), exact where p -> 1.
+      const T scale = T(-double(g) / s.sum) * inv_temperature;
+      for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale);
+      grad_row[id] = In(g * -math_expm1(logp) * inv_temperature);
+    }
+  });
+}
+
+LogitsPassResult run_logits_pass(LogitsPassPlan& plan) {
+  switch (plan.logits.dtype) {
+    case DType::kFloat64: logits_pass_impl<double, double>(plan); break;
+    case DType::kFloat32: logits_pass_impl<float, float>(plan); break;
+    case DType::kBFloat16: logits_pass_impl<float, at::BFloat16>(plan); break;
+    case DType::kFloat16: logits_pass_impl<float, at::Half>(plan); break;
+    default: TORCH_CHECK(false, "logits must be float32, float64, bfloat16 or float16");
+  }
+  return plan.result();
+}
+
+LogitsPassResult grpo_loss_from_logits_pass_cpu(GRPO_LOSS_FROM_LOGITS_PASS_PARAMS) {
+  LogitsPassPlan plan = plan_grpo_loss_from_logits(GRPO_LOSS_FROM_LOGITS_PASS_ARGS, /*inplace=*/false);
+  return run_logits_pass(plan);
+}
+
+std::tuple<at::Tensor, at::Tensor> grpo_loss_from_logits_pass_inplace_cpu(GRPO_LOSS_FROM_LOGITS_PASS_PARAMS) {
+  check_inplace_logits(logits);
+  LogitsPassPlan plan = plan_grpo_loss_from_logits(GRPO_LOSS_FROM_LOGITS_PASS_ARGS, /*inplace=*/true);
+  run_logits_pass(plan);
+  return {plan.logps, plan.entropy};
+}
+
+// grad *= factor unless factor is exactly 1 (reading a CPU scalar costs no device sync).
+void scale_grad_cpu(at::Tensor& grad, const at::Tensor& factor) {
+  TORCH_CHECK(factor.numel() == 1, "factor must have one element, got shape ", factor.sizes());
+  if (factor.item<double>() != 1.0) grad.mul_(factor.reshape({}).to(grad.scalar_type()));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("grpo_loss_from_logits_pass", &grpo_loss_from_logits_pass_cpu);
+  m.impl("grpo_loss_from_logits_pass_", &grpo_loss_from_logits_pass_inplace_cpu);
+  m.impl("scale_grad_", &scale_grad_cpu);
+}
+
+}  // namespace grpo_ext

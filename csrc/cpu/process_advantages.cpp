@@ -1,0 +1,68 @@
+// CPU kernel of process_advantages: groups in parallel, each group in a fixed order.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../plan/process_advantages.h"
+
+namespace grpo_ext {
+namespace {
+
+template <typename T>
+void process_advantages_cpu_impl(ProcessAdvantagesPlan& plan) {
+  const int64_t g_size = plan.group_size, steps = plan.num_steps, seq_len = plan.seq_len;
+  T* out = plan.advantages.data_ptr<T>();
+  const int64_t num_groups = plan.batch / g_size;
+  auto valid = [&](int64_t row, int64_t j, T* reward) {
+    const T r = plan.rewards.load<T>(row, j);
+    *reward = r;
+    return r == r && plan.step_end.load<int64_t>(row, j) >= 0;
+  };
+  at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      T sum = T(0), count = T(0), r;
+      for (int64_t row = g * g_size; row < (g + 1) * g_size; ++row)
+        for (int64_t j = 0; j < steps; ++j)
+          if (valid(row, j, &r)) {
+            sum += r;
+            count += T(1);
+          }
+      const T mu = safe_mean(sum, count);
+      T sum_sq = T(0);
+      for (int64_t row = g * g_size; row < (g + 1) * g_size; ++row)
+        for (int64_t j = 0; j < steps; ++j)
+          if (valid(row, j, &r)) sum_sq += (r - mu) * (r - mu);
+      const T denom = std_from_sum_sq(sum_sq, count, plan.std_ddof) + T(plan.eps);
+      for (int64_t row = g * g_size; row < (g + 1) * g_size; ++row) {
+        T* out_row = out + row * seq_len;
+        for (int64_t t = 0; t < seq_len; ++t) out_row[t] = T(0);
+        // A[i,t] = sum of rt[i,j] over steps ending at or after t: add each step to the prefix it covers.
+        for (int64_t j = 0; j < steps; ++j) {
+          if (!valid(row, j, &r)) continue;
+          const int64_t last = std::min<int64_t>(plan.step_end.load<int64_t>(row, j), seq_len - 1);
+          const T rt = (r - mu) / denom;
+          for (int64_t t = 0; t <= last; ++t) out_row[t] += rt;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor process_advantages_cpu(GRPO_PROCESS_ADVANTAGES_PARAMS) {
+  ProcessAdvantagesPlan plan = plan_process_advantages(GRPO_PROCESS_ADVANTAGES_ARGS);
+  if (plan.advantages.scalar_type() == at::kDouble) {
+    process_advantages_cpu_impl<double>(plan);
+  } else {
+    process_advantages_cpu_impl<float>(plan);
+  }
+  return plan.advantages;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("process_advantages", &process_advantages_cpu);
+}
+
+}  // namespace grpo_ext

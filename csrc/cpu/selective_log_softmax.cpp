@@ -1,0 +1,128 @@
+// CPU kernels of selective_log_softmax (docs/math.md section 2): rows in parallel, each row read in two vectorized
+// passes (max, then the exponential sums); the backward recomputes the softmax from the saved logsumexp.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "../grpo_loss_math.h"
+#include "../plan/selective_log_softmax.h"
+#include "row_utils.h"
+
+namespace grpo_ext {
+namespace {
+
+using cpu::row_values;
+
+template <typename T>
+void forward_impl(SelectiveLogSoftmaxPlan& plan) {
+  const int64_t vocab = plan.vocab;
+  const T inv_temperature = T(1.0 / plan.temperature);
+  T* logps = plan.logps.data_ptr<T>();
+  T* entropy = plan.return_entropy ? plan.entropy.data_ptr<T>() : nullptr;
+  T* stats = plan.row_stats.data_ptr<T>();
+  std::atomic<int64_t> bad_row{-1};
+  const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
+  at::parallel_for(0, plan.rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> buffer(vocab), exps(vocab), weighted(vocab);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t id = plan.ids.load<int64_t>(row, 0);
+      if (id < 0 || id >= vocab) {
+        bad_row.store(row);
+        continue;
+      }
+      const T* x = row_values(plan.logits, row, vocab, buffer.data());
+      T* z = buffer.data();
+      for (int64_t v = 0; v < vocab; ++v) z[v] = x[v] * inv_temperature;
+      const cpu::RowSoftmax s = cpu::row_softmax(z, vocab, exps.data(), weighted.data());
+      logps[row] = T(double(z[id]) - s.lse);
+      if (entropy) entropy[row] = T(s.lse - s.mean_z);
+      stats[row * kSoftmaxStats] = T(s.lse);
+      stats[row * kSoftmaxStats + 1] = T(s.mean_z);
+    }
+  });
+  const int64_t bad = bad_row.load();
+  TORCH_CHECK(bad < 0, "ids[", bad, "]=", plan.ids.load<int64_t>(bad, 0), " is outside the vocabulary [0, ", vocab,
+              ")");
+}
+
+SelectiveLogSoftmaxResult selective_log_softmax_forward_cpu(const at::Tensor& logits, const at::Tensor& ids,
+                                                            double temperature, bool return_entropy) {
+  SelectiveLogSoftmaxPlan plan = plan_selective_log_softmax(logits, ids, temperature, return_entropy);
+  if (plan.logps.scalar_type() == at::kDouble) {
+    forward_impl<double>(plan);
+  } else {
+    forward_impl<float>(plan);
+  }
+  return {plan.logps, plan.entropy, plan.row_stats};
+}
+
+// d/dz of g_l * logp + g_H * H: g_l * (onehot(id) - p) - g_H * p * (z - E_p[z]); then / temperature.
+template <typename T, typename Out>
+void backward_impl(const at::Tensor& grad_logps, const std::optional<at::Tensor>& grad_entropy,
+                   const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& row_stats, double temperature,
+                   at::Tensor& grad_logits) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const StridedMatrix x_view = matrix_view(logits, rows, vocab, "logits", false);
+  const StridedMatrix id_view = matrix_view(ids, rows, 1, "ids", true);
+  const StridedMatrix gl_view = matrix_view(grad_logps, rows, 1, "grad_logps", true);
+  StridedMatrix gh_view;
+  if (grad_entropy.has_value()) gh_view = matrix_view(*grad_entropy, rows, 1, "grad_entropy", true);
+  const T* stats = row_stats.data_ptr<T>();
+  Out* out = grad_logits.data_ptr<Out>();
+  const T inv_temperature = T(1.0 / temperature);
+  const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> buffer(vocab);
+    for (int64_t row = begin; row < end; ++row) {
+      const T* x = row_values(x_view, row, vocab, buffer.data());
+      const T lse = stats[row * kSoftmaxStats], mean_z = stats[row * kSoftmaxStats + 1];
+      const T gl = gl_view.load<T>(row, 0);
+      const T gh = gh_view.present() ? gh_view.load<T>(row, 0) : T(0);
+      Out* out_row = out + row * vocab;
+      for (int64_t v = 0; v < vocab; ++v) {
+        const T z = x[v] * inv_temperature;
+        const T d = z - lse;
+        // p = 0 for a -inf logit, and so is its gradient (not 0 * -inf); NaN (a NaN row) stays NaN
+        const bool counts = !(d <= T(-100));
+        const T p = math_exp(counts ? d : T(-100));
+        const T g = (-gl * p - gh * p * (z - mean_z)) * inv_temperature;
+        out_row[v] = Out(counts ? g : T(0));
+      }
+      const int64_t id = id_view.load<int64_t>(row, 0);
+      if (id >= 0 && id < vocab) {  // the chosen token's entry, computed whole so it is rounded once
+        const T z = x[id] * inv_temperature;
+        const T p = math_exp(z - lse);
+        out_row[id] = Out((gl * (T(1) - p) - gh * p * (z - mean_z)) * inv_temperature);
+      }
+    }
+  });
+}
+
+at::Tensor selective_log_softmax_backward_cpu(const at::Tensor& grad_logps,
+                                              const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+                                              const at::Tensor& ids, const at::Tensor& row_stats, double temperature) {
+  check_selective_log_softmax_backward(grad_logps, grad_entropy, logits, ids, row_stats, temperature);
+  at::Tensor grad_logits = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  if (logits.scalar_type() == at::kDouble) {
+    backward_impl<double, double>(grad_logps, grad_entropy, logits, ids, row_stats, temperature, grad_logits);
+  } else if (logits.scalar_type() == at::kFloat) {
+    backward_impl<float, float>(grad_logps, grad_entropy, logits, ids, row_stats, temperature, grad_logits);
+  } else if (logits.scalar_type() == at::kBFloat16) {
+    backward_impl<float, at::BFloat16>(grad_logps, grad_entropy, logits, ids, row_stats, temperature, grad_logits);
+  } else {
+    backward_impl<float, at::Half>(grad_logps, grad_entropy, logits, ids, row_stats, temperature, grad_logits);
+  }
+  return grad_logits;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("selective_log_softmax_forward", &selective_log_softmax_forward_cpu);
+  m.impl("selective_log_softmax_backward", &selective_log_softmax_backward_cpu);
+}
+
+}  // namespace grpo_ext

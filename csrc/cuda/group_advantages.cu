@@ -1,0 +1,38 @@
+// CUDA binding of group_advantages: validate, allocate, launch on the current stream.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../plan/group_advantages.h"
+#include "group_advantages.cuh"
+
+namespace grpo_ext {
+namespace {
+
+GroupAdvantagesResult group_advantages_cuda(GRPO_GROUP_ADVANTAGES_PARAMS) {
+  TORCH_CHECK(rewards.is_cuda(), "rewards must be a CUDA tensor for the CUDA kernel");
+  const c10::cuda::CUDAGuard guard(rewards.device());
+  GroupAdvantagesPlan plan = plan_group_advantages(GRPO_GROUP_ADVANTAGES_ARGS);
+  if (plan.batch == 0) return plan.result();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (plan.advantages.scalar_type() == at::kDouble) {
+    launch_group_advantages<double>(plan.params, plan.rewards, plan.weights, plan.batch,
+                                    plan.advantages.data_ptr<double>(), plan.group_mean.data_ptr<double>(),
+                                    plan.group_std.data_ptr<double>(), plan.zero_std.data_ptr<bool>(), stream);
+  } else {
+    launch_group_advantages<float>(plan.params, plan.rewards, plan.weights, plan.batch,
+                                   plan.advantages.data_ptr<float>(), plan.group_mean.data_ptr<float>(),
+                                   plan.group_std.data_ptr<float>(), plan.zero_std.data_ptr<bool>(), stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return plan.result();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grpo_ext, CUDA, m) {
+  m.impl("group_advantages", &group_advantages_cuda);
+}
+
+}  // namespace grpo_ext

@@ -1,0 +1,162 @@
+// CUDA kernels of selective_log_softmax (docs/math.md section 2), on raw pointers and a stream (no torch types).
+// Forward: one block per row reads the row once, keeping an online (max, sum of exp, sum of exp * (z - max)) per
+// thread, merged over the block in a fixed order. Backward: one block per row recomputes the softmax from the saved
+// logsumexp and writes the gradient.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "../common.h"
+#include "reduce.cuh"
+
+namespace grpo_ext {
+
+// Online softmax statistics relative to `max`: sum = sum_v exp(z_v - max), weighted = sum_v exp(z_v - max) *
+// (z_v - max). Relative to the max, not sum e * z: with |z| ~ 30 the latter loses ~1e-6 absolute to rounding in
+// entropy = log(sum) - weighted / sum, which is most of a confident token's entropy.
+template <typename T>
+struct SoftmaxState {
+  T max, sum, weighted;
+};
+
+template <typename T>
+__device__ __forceinline__ SoftmaxState<T> merge_states(SoftmaxState<T> a, SoftmaxState<T> b) {
+  if (b.sum == T(0)) return a;  // an empty state (no finite logit yet)
+  if (a.sum == T(0)) return b;
+  const T m = a.max > b.max ? a.max : b.max;
+  const T ea = exp(a.max - m), eb = exp(b.max - m);
+  // Re-base each side's weighted sum on the new max: sum e * (z - m) = weighted + sum * (old_max - m).
+  return {m, a.sum * ea + b.sum * eb,
+          (a.weighted + a.sum * (a.max - m)) * ea + (b.weighted + b.sum * (b.max - m)) * eb};
+}
+
+template <typename T>
+__device__ __forceinline__ SoftmaxState<T> add_logit(SoftmaxState<T> s, T z) {
+  if (z == -INFINITY) return s;  // exp(-inf) adds nothing (a NaN goes on and makes the row NaN)
+  if (s.sum == T(0)) return {z, T(1), T(0)};
+  if (z > s.max) {  // z becomes the max; the new term is exp(0) * 0
+    const T scale = exp(s.max - z);
+    return {z, s.sum * scale + T(1), (s.weighted + s.sum * (s.max - z)) * scale};
+  }
+  const T d = z - s.max, e = exp(d);
+  return {s.max, s.sum + e, s.weighted + e * d};
+}
+
+template <typename T>
+__device__ __forceinline__ SoftmaxState<T> warp_merge(SoftmaxState<T> s) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    SoftmaxState<T> other{__shfl_down_sync(kFullWarp, s.max, offset), __shfl_down_sync(kFullWarp, s.sum, offset),
+                          __shfl_down_sync(kFullWarp, s.weighted, offset)};
+    s = merge_states(s, other);
+  }
+  return s;
+}
+
+// Merges every thread's state over the block (blockDim.x a multiple of 32) in a fixed order; the merged state is
+// returned to thread 0 (other threads get partial states). `warp_states` is 32 entries of shared memory.
+template <typename T>
+__device__ __forceinline__ SoftmaxState<T> block_merge(SoftmaxState<T> s, SoftmaxState<T>* warp_states) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  s = warp_merge(s);
+  if (lane == 0) warp_states[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < num_warps ? warp_states[lane] : SoftmaxState<T>{T(0), T(0), T(0)};
+    s = warp_merge(s);
+  }
+  return s;
+}
+
+// Up to 1024 threads per block (softmax_threads); the bound keeps every instantiation launchable at that size.
+template <typename T>
+__global__ void __launch_bounds__(1024)
+    selective_log_softmax_forward_kernel(StridedMatrix logits, StridedMatrix ids, int64_t rows, int64_t vocab,
+                                         T inv_temperature, T* __restrict__ logps, T* __restrict__ entropy,
+                                         T* __restrict__ row_stats) {
+  __shared__ SoftmaxState<T> warp_states[32];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    SoftmaxState<T> s{T(0), T(0), T(0)};
+    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x)
+      s = add_logit(s, logits.load<T>(row, v) * inv_temperature);
+    s = block_merge(s, warp_states);
+    if (threadIdx.x == 0) {
+      const int64_t id = ids.load<int64_t>(row, 0);
+      CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
+      // (z_id - max) - log(sum), not z_id - lse: rounding lse (~30) costs ~2e-6 absolute, all of a confident
+      // token's log-prob (~-1e-6).
+      const T log_sum = log(s.sum), mean_shift = s.weighted / s.sum;
+      logps[row] = (logits.load<T>(row, id) * inv_temperature - s.max) - log_sum;
+      if (entropy) entropy[row] = log_sum - mean_shift;
+      row_stats[2 * row] = s.max + log_sum;         // lse
+      row_stats[2 * row + 1] = s.max + mean_shift;  // E_p[z]
+    }
+    __syncthreads();  // warp_states is reused by the next row
+  }
+}
+
+// The gradient in the logits' dtype, rounded once (to nearest even).
+template <typename Out, typename T>
+__device__ __forceinline__ Out to_out(T v) {
+  return static_cast<Out>(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half to_out<__half, float>(float v) {
+  return __float2half_rn(v);
+}
+
+template <typename T, typename Out>
+__global__ void __launch_bounds__(1024)
+    selective_log_softmax_backward_kernel(StridedMatrix logits, StridedMatrix ids, StridedMatrix grad_logps,
+                                          StridedMatrix grad_entropy, const T* __restrict__ row_stats, int64_t rows,
+                                          int64_t vocab, T inv_temperature, Out* __restrict__ grad_logits) {
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T lse = row_stats[2 * row], mean_z = row_stats[2 * row + 1];
+    const T gl = grad_logps.load<T>(row, 0);
+    const T gh = grad_entropy.present() ? grad_entropy.load<T>(row, 0) : T(0);
+    const int64_t id = ids.load<int64_t>(row, 0);
+    Out* out = grad_logits + row * vocab;
+    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+      const T z = logits.load<T>(row, v) * inv_temperature;
+      const T p = exp(z - lse);
+      const T onehot = v == id ? gl : T(0);
+      const T spread = p > T(0) ? p * (z - mean_z) : T(0);  // a -inf logit: p = 0, and not 0 * -inf
+      out[v] = to_out<Out, T>((onehot - gl * p - gh * spread) * inv_temperature);
+    }
+  }
+}
+inline int softmax_threads(int64_t vocab) {
+  const int64_t want = (vocab + 3) / 4;
+  return round_up_to_warp(want < 32 ? 32 : (want > 1024 ? 1024 : want));
+}
+
+template <typename T>
+void launch_selective_log_softmax_forward(const StridedMatrix& logits, const StridedMatrix& ids, int64_t rows,
+                                          int64_t vocab, T inv_temperature, T* logps, T* entropy, T* row_stats,
+                                          cudaStream_t stream) {
+  if (rows == 0) return;
+  const int64_t max_blocks = int64_t(1) << 30;
+  selective_log_softmax_forward_kernel<T>
+      <<<static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream>>>(
+          logits, ids, rows, vocab, inv_temperature, logps, entropy, row_stats);
+}
+
+template <typename T, typename Out>
+void launch_selective_log_softmax_backward(const StridedMatrix& logits, const StridedMatrix& ids,
+                                           const StridedMatrix& grad_logps, const StridedMatrix& grad_entropy,
+                                           const T* row_stats, int64_t rows, int64_t vocab, T inv_temperature,
+                                           Out* grad_logits, cudaStream_t stream) {
+  if (rows == 0) return;
+  const int64_t max_blocks = int64_t(1) << 30;
+  selective_log_softmax_backward_kernel<T, Out>
+      <<<static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream>>>(
+          logits, ids, grad_logps, grad_entropy, row_stats, rows, vocab, inv_temperature, grad_logits);
+}
+
+}  // namespace grpo_ext

@@ -1,0 +1,276 @@
+// The per-token GRPO loss math of docs/math.md sections 3-5 and 7, written once for the CPU and CUDA kernels.
+// Every derivative reproduces torch autograd's conventions exactly: torch.minimum splits the gradient half/half at a
+// tie (ties are the common case: rho inside the clip range makes both branches equal), torch.clamp passes the
+// gradient at its bounds.
+#pragma once
+
+#include "common.h"
+#include "fast_math.h"
+
+namespace grpo_ext {
+
+// Slots of the per-row partial sums that the kernels reduce into the loss and metrics.
+enum RowSlot : int { kSlotLoss = 0, kSlotMask, kSlotKL, kSlotLow, kSlotHigh, kSlotRegion, kSlotCispo, kNumRowSlots };
+// Order of the metrics vector returned by the forward op.
+enum MetricSlot : int { kMetricKL = 0, kMetricLow, kMetricHigh, kMetricRegion, kMetricCispo, kNumMetrics };
+
+struct LossParams {
+  LossType loss_type = LossType::kGRPO;
+  KLEstimator kl_estimator = KLEstimator::kK3;
+  double epsilon_low = 0.2;
+  double epsilon_high = 0.2;  // for cispo: the absolute cap on rho
+  bool has_delta = false;
+  double delta = 0.0;
+  double beta = 0.0;
+  bool has_kl_clamp = false;
+  double kl_clamp = 0.0;
+  bool bias_correction = false;
+  bool sequence_level = false;
+  bool row_share_metrics = false;  // sequence level with one advantage per row: clip shares are shares of rows
+  bool has_old = false;
+  double sapo_tau_pos = 1.0;
+  double sapo_tau_neg = 1.05;
+  bool compute_grad = true;
+};
+
+// The loss op's inputs as strided views; absent optional inputs have data == nullptr.
+struct LossInputs {
+  StridedMatrix logps, old_logps, ref_logps, advantages, is_weights, mask, sample_mask;
+  int64_t batch = 0;
+  int64_t seq_len = 0;
+
+  // m_eff = completion_mask * sample_mask (docs/math.md section 3).
+  template <typename T>
+  GRPO_HD T mask_at(int64_t row, int64_t col) const {
+    T m = mask.load<T>(row, col);
+    if (sample_mask.present()) m *= sample_mask.load<T>(row, 0);
+    return m;
+  }
+};
+
+// Only 'grpo' and 'sapo' normalize each row by its own length.
+GRPO_HD bool per_row_normalized(LossType t) {
+  return t == LossType::kGRPO || t == LossType::kSAPO;
+}
+
+// The policy term's shape, and the KL estimator (kNone when beta == 0): the two choices that change the per-token
+// code. Kernels dispatch on them once, so the token loop is straight-line code (vectorized on the CPU).
+enum class PolicyFamily : int32_t { kClip = 0, kCispo, kSapo };
+enum class KLKind : int32_t { kNone = 0, kK1, kK2, kK3 };
+
+GRPO_HD PolicyFamily policy_family(LossType t) {
+  return t == LossType::kCISPO ? PolicyFamily::kCispo
+                               : (t == LossType::kSAPO ? PolicyFamily::kSapo : PolicyFamily::kClip);
+}
+GRPO_HD KLKind kl_kind(const LossParams& p) {
+  if (p.beta == 0.0) return KLKind::kNone;
+  return p.kl_estimator == KLEstimator::kK1 ? KLKind::kK1
+                                            : (p.kl_estimator == KLEstimator::kK2 ? KLKind::kK2 : KLKind::kK3);
+}
+
+// The hyperparameters in the compute type, converted once per kernel rather than per token.
+// An unset delta or KL clamp is an infinite bound, which leaves every finite value (and its gradient) alone: the
+// token code needs no branch for them.
+template <typename T>
+struct TokenConsts {
+  T clip_low, clip_high, cispo_cap, delta, beta, kl_clamp, tau_pos, tau_neg;
+  GRPO_HD explicit TokenConsts(const LossParams& p)
+      : clip_low(T(1) - T(p.epsilon_low)),
+        clip_high(T(1) + T(p.epsilon_high)),
+        cispo_cap(T(p.epsilon_high)),
+        delta(p.has_delta ? T(p.delta) : T(INFINITY)),
+        beta(T(p.beta)),
+        kl_clamp(p.has_kl_clamp ? T(p.kl_clamp) : T(INFINITY)),
+        tau_pos(T(p.sapo_tau_pos)),
+        tau_neg(T(p.sapo_tau_neg)) {}
+};
+
+template <typename T>
+struct TokenTerms {
+  T loss;                      // P = L * is_weight + beta * KL
+  T kl;                        // KL term as logged (times rho when bias-corrected)
+  T dloss_drho;                // dP/drho, holding l fixed
+  T dloss_dl;                  // dP/dl through every path except rho
+  T low, high, cispo_clipped;  // clip-metric conditions (docs/math.md section 7) as 0/1; they test the uncapped rho
+};
+
+// d/dx of torch.minimum(a, b) given da/dx and db/dx.
+template <typename T>
+GRPO_HD T minimum_grad(T a, T b, T da, T db) {
+  return a < b ? da : (a > b ? db : (da + db) * T(0.5));
+}
+
+// Clip-metric conditions (docs/math.md section 7) as 0/1; they test the uncapped rho.
+template <typename T>
+GRPO_HD void clip_flags(const TokenConsts<T>& c, T rho, T adv, T* low, T* high, T* cispo_clipped) {
+  *low = ((rho < c.clip_low) & (adv < T(0))) ? T(1) : T(0);
+  *high = ((rho > c.clip_high) & (adv > T(0))) ? T(1) : T(0);
+  *cispo_clipped = ((rho > c.cispo_cap) & (adv > T(0))) ? T(1) : T(0);
+}
+
+// Per-token loss, KL, their derivatives and the clip conditions for one policy family and KL estimator; only
+// selects depend on the data, so the CPU compiler vectorizes a loop over this.
+template <typename T, PolicyFamily kFamily, KLKind kKL, bool kBias>
+GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv, T is_weight, T rho) {
+  TokenTerms<T> out;
+  T policy, dpolicy_drho = T(0), dpolicy_dl = T(0);
+  if constexpr (kFamily == PolicyFamily::kCispo) {
+    const T w = rho < c.cispo_cap ? rho : c.cispo_cap;  // a stop-gradient weight
+    policy = -w * adv * l;
+    dpolicy_dl = -w * adv;
+  } else if constexpr (kFamily == PolicyFamily::kSapo) {
+    const T tau = adv > T(0) ? c.tau_pos : c.tau_neg;
+    const T s = T(1) / (T(1) + math_exp(-tau * (rho - T(1))));
+    policy = -(T(4) / tau) * s * adv;
+    dpolicy_drho = -T(4) * s * (T(1) - s) * adv;
+  } else {  // clip family: -min(rho_c * A, clamp(rho, lo, hi) * A), rho_c = min(rho, delta) when delta is set
+    const bool capped = rho > c.delta;
+    const T rho_c = capped ? c.delta : rho;
+    const T drho_c = capped ? T(0) : T(1);
+    const T rho_clip = rho < c.clip_low ? c.clip_low : (rho > c.clip_high ? c.clip_high : rho);
+    const T drho_clip = ((rho >= c.clip_low) & (rho <= c.clip_high)) ? T(1) : T(0);
+    const T a = rho_c * adv, b = rho_clip * adv;
+    policy = -(a < b ? a : b);
+    dpolicy_drho = -minimum_grad(a, b, drho_c * adv, drho_clip * adv);
+  }
+  out.loss = policy * is_weight;
+  out.dloss_drho = dpolicy_drho * is_weight;
+  out.dloss_dl = dpolicy_dl * is_weight;
+  out.kl = T(0);
+
+  if constexpr (kKL != KLKind::kNone) {
+    T r = l_ref - l;
+    const bool inside = (r >= -c.kl_clamp) & (r <= c.kl_clamp);  // torch.clamp passes the gradient at its bounds
+    r = r < -c.kl_clamp ? -c.kl_clamp : (r > c.kl_clamp ? c.kl_clamp : r);
+    T kl, dkl_dr;
+    if constexpr (kKL == KLKind::kK1) {
+      kl = -r;
+      dkl_dr = T(-1);
+    } else if constexpr (kKL == KLKind::kK2) {
+      kl = T(0.5) * r * r;
+      dkl_dr = r;
+    } else {  // k3: exp(r) - r - 1, through expm1 so that small r keeps its precision
+      const T em1 = math_expm1(r);
+      kl = em1 - r;
+      dkl_dr = em1;
+    }
+    const T dkl_dl = inside ? -dkl_dr : T(0);
+    if constexpr (kBias) {  // bias correction (DeepSeek-V3.2): KL * rho, rho carrying its gradient
+      out.kl = rho * kl;
+      out.dloss_drho += c.beta * kl;
+      out.dloss_dl += c.beta * (rho * dkl_dl);
+    } else {
+      out.kl = kl;
+      out.dloss_dl += c.beta * dkl_dl;
+    }
+    out.loss += c.beta * out.kl;
+  }
+
+  clip_flags(c, rho, adv, &out.low, &out.high, &out.cispo_clipped);
+  return out;
+}
+
+// token_terms_t as a callable type, so that one dispatch hands a loop the right instantiation.
+template <typename T, PolicyFamily kFamily, KLKind kKL, bool kBias>
+struct TokenTermsFn {
+  GRPO_HD TokenTerms<T> operator()(const TokenConsts<T>& c, T l, T l_ref, T adv, T is_weight, T rho) const {
+    return token_terms_t<T, kFamily, kKL, kBias>(c, l, l_ref, adv, is_weight, rho);
+  }
+};
+
+template <typename T, PolicyFamily kFamily, bool kBias, typename Fn>
+GRPO_HD void dispatch_kl(KLKind kl, Fn&& fn) {
+  switch (kl) {
+    case KLKind::kNone: fn(TokenTermsFn<T, kFamily, KLKind::kNone, false>{}); break;
+    case KLKind::kK1: fn(TokenTermsFn<T, kFamily, KLKind::kK1, kBias>{}); break;
+    case KLKind::kK2: fn(TokenTermsFn<T, kFamily, KLKind::kK2, kBias>{}); break;
+    case KLKind::kK3: fn(TokenTermsFn<T, kFamily, KLKind::kK3, kBias>{}); break;
+  }
+}
+
+template <typename T, PolicyFamily kFamily, typename Fn>
+GRPO_HD void dispatch_bias(KLKind kl, bool bias_correction, Fn&& fn) {
+  if (bias_correction) {
+    dispatch_kl<T, kFamily, true>(kl, fn);
+  } else {
+    dispatch_kl<T, kFamily, false>(kl, fn);
+  }
+}
+
+// Runs fn(TokenTermsFn<T, family, kl, bias>{}) for the runtime choice: one switch per row or kernel, not per token.
+template <typename T, typename Fn>
+GRPO_HD void dispatch_token_terms(PolicyFamily family, KLKind kl, bool bias_correction, Fn&& fn) {
+  switch (family) {
+    case PolicyFamily::kClip: dispatch_bias<T, PolicyFamily::kClip>(kl, bias_correction, fn); break;
+    case PolicyFamily::kCispo: dispatch_bias<T, PolicyFamily::kCispo>(kl, bias_correction, fn); break;
+    case PolicyFamily::kSapo: dispatch_bias<T, PolicyFamily::kSapo>(kl, bias_correction, fn); break;
+  }
+}
+
+// The same for a choice made at run time (a per-token switch: fine where memory bandwidth is the limit).
+template <typename T>
+GRPO_HD TokenTerms<T> token_terms(const TokenConsts<T>& c, PolicyFamily family, KLKind kl, bool bias_correction, T l,
+                                  T l_ref, T adv, T is_weight, T rho) {
+  TokenTerms<T> out;
+  dispatch_token_terms<T>(family, kl, bias_correction,
+                          [&](auto terms) { out = terms(c, l, l_ref, adv, is_weight, rho); });
+  return out;
+}
+
+// The global factor applied to the sum of row partials (and, in backward, to the raw gradient).
+template <typename T>
+GRPO_HD T global_loss_scale(const LossParams& p, int64_t batch, int64_t max_completion_length, T mask_total,
+                            bool has_num_items, T num_items, T loss_scale) {
+  const T count = mask_total > T(1) ? mask_total : T(1);
+  T denom;
+  switch (p.loss_type) {
+    case LossType::kBNPO: denom = count; break;
+    case LossType::kDrGRPO: denom = T(batch) * T(max_completion_length); break;
+    case LossType::kDAPO:
+    case LossType::kCISPO: denom = has_num_items ? num_items : count; break;
+    default: denom = T(batch); break;  // grpo, sapo, luspo
+  }
+  return loss_scale / denom;
+}
+
+// Batch totals of the row partials (summed by the caller in a fixed order) -> loss, metrics and the gradient scale.
+template <typename T>
+GRPO_HD void finalize_loss(const LossParams& p, const T* totals, int64_t batch, int64_t max_completion_length,
+                           bool has_num_items, T num_items, T loss_scale, T* loss_out, T* metrics_out,
+                           T* grad_scale_out) {
+  const T mask_total = totals[kSlotMask];
+  const T scale = global_loss_scale(p, batch, max_completion_length, mask_total, has_num_items, num_items, loss_scale);
+  *loss_out = totals[kSlotLoss] * scale;
+  *grad_scale_out = scale;
+  const T token_count = mask_total > T(1) ? mask_total : T(1);
+  const T share_denom = p.row_share_metrics ? T(batch) : token_count;
+  metrics_out[kMetricKL] = totals[kSlotKL] / token_count;
+  metrics_out[kMetricLow] = totals[kSlotLow] / share_denom;
+  metrics_out[kMetricHigh] = totals[kSlotHigh] / share_denom;
+  metrics_out[kMetricRegion] = totals[kSlotRegion] / share_denom;
+  metrics_out[kMetricCispo] = totals[kSlotCispo] / share_denom;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The logits kernels: for the token-level losses, d loss / d logp of token (b, t) is
+//   row_weight[b] * m[b, t] * (dP/dl + dP/drho * rho),  row_weight[b] = global scale * (1 / max(n_b, 1) or 1),
+// and every factor but the token's own log-prob is known from the masks before any logits row is read. That is
+// what lets one pass over a row compute the log-prob and write the gradient.
+// ---------------------------------------------------------------------------------------------------------------
+
+// Row b's share of the gradient scale, given n_b and the global scale.
+template <typename T>
+GRPO_HD T logits_row_weight(LossType t, T count, T global_scale) {
+  return per_row_normalized(t) ? global_scale / (count > T(1) ? count : T(1)) : global_scale;
+}
+
+// dP/dl + dP/drho * rho for one token (the caller multiplies by its weight); rho = 1 when on-policy.
+template <typename T>
+GRPO_HD T token_logp_grad(const TokenConsts<T>& c, PolicyFamily family, KLKind kl, bool bias_correction, bool has_old,
+                          T l, T l_old, T l_ref, T adv, T is_weight) {
+  const T rho = has_old ? math_exp(l - l_old) : T(1);
+  const TokenTerms<T> tt = token_terms<T>(c, family, kl, bias_correction, l, l_ref, adv, is_weight, rho);
+  return tt.dloss_dl + tt.dloss_drho * rho;
+}
+
+}  // namespace grpo_ext

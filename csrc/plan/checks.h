@@ -1,0 +1,93 @@
+// Host-side checks shared by every op's planning header: dtype tags, TORCH_CHECKs that name the argument, and
+// torch tensor -> StridedMatrix views. Kernels never see a torch type.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/string_view.h>
+
+#include <string>
+
+#include "../common.h"
+
+namespace grpo_ext {
+
+inline bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+inline DType dtype_tag(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBool: return DType::kBool;
+    case at::kByte: return DType::kUInt8;
+    case at::kChar: return DType::kInt8;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", t);
+  }
+  return DType::kFloat32;
+}
+
+inline void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(is_float_type(t.scalar_type()), name,
+              " must be a floating-point tensor (float32, float64, bfloat16 or float16), got ", t.scalar_type());
+}
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& like, const char* name, const char* like_name) {
+  TORCH_CHECK(t.device() == like.device(), name, " must be on the same device as ", like_name, " (", like.device(),
+              "), got ", t.device());
+}
+
+// A [rows, cols] view of `t`, which may be [rows, cols], [rows, 1] or [rows] (the last two broadcast over cols).
+inline StridedMatrix matrix_view(const at::Tensor& t, int64_t rows, int64_t cols, const char* name,
+                                 bool allow_row_vector) {
+  StridedMatrix v;
+  v.data = t.data_ptr();
+  v.dtype = dtype_tag(t.scalar_type(), name);
+  if (t.dim() == 2 && t.size(0) == rows && t.size(1) == cols) {
+    v.row_stride = t.stride(0);
+    v.col_stride = cols == 1 ? 0 : t.stride(1);
+    return v;
+  }
+  TORCH_CHECK(allow_row_vector, name, " must have shape [", rows, ", ", cols, "], got ", t.sizes());
+  const bool row_vector = (t.dim() == 1 && t.size(0) == rows) || (t.dim() == 2 && t.size(0) == rows && t.size(1) == 1);
+  TORCH_CHECK(row_vector, name, " must have shape [", rows, "], [", rows, ", 1] or [", rows, ", ", cols, "], got ",
+              t.sizes());
+  v.row_stride = t.stride(0);
+  v.col_stride = 0;
+  return v;
+}
+
+inline std::string to_string(c10::string_view s) {
+  return std::string(s.data(), s.size());
+}
+
+// One accepted string of a string option and the value it parses to.
+template <typename E>
+struct Choice {
+  const char* name;
+  E value;
+};
+
+// `value` parsed against `choices`; anything else is an error naming the option and what it accepts.
+template <typename E, size_t N>
+E parse_choice(const char* option, c10::string_view value, const Choice<E> (&choices)[N]) {
+  const std::string v = to_string(value);
+  std::string accepted;
+  for (const Choice<E>& c : choices) {
+    if (v == c.name) return c.value;
+    accepted += (accepted.empty() ? "" : ", ") + std::string(c.name);
+  }
+  TORCH_CHECK(false, option, " must be one of ", accepted, "; got '", v, "'");
+  return choices[0].value;
+}
+
+// Statistics are float64 for float64 inputs and float32 otherwise (docs/math.md: float32 accumulation at least).
+inline at::ScalarType accumulate_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace grpo_ext

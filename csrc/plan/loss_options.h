@@ -1,0 +1,200 @@
+// The loss options of every loss op (grpo_loss and the logits pass) and their host planning: the ONE definition of
+// their names, schema types and C++ types (GRPO_LOSS_OPTIONS), from which the schemas in ops.cpp, the bindings'
+// parameter lists and LossOptionArgs are generated; parsing and checks of the values; the shared [B, T] loss plan.
+// Adding an option: one line in GRPO_LOSS_OPTIONS here and one field in python/grpo_ext/ops/options.py
+// (docs/architecture.md). The math of each option: docs/math.md sections 3-7.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include "../grpo_loss_math.h"
+#include "checks.h"
+
+// X(schema type, C++ parameter type, name), in the order the ops take them after their tensors and masks. The
+// Python LossOptions (python/grpo_ext/ops/options.py) has the same names in the same order; num_items_in_batch is
+// a number there or a tensor, split here into a float and a one-element tensor.
+#define GRPO_LOSS_OPTIONS(X)                                       \
+  X("Tensor?", const std::optional<at::Tensor>&, old_logps)        \
+  X("Tensor?", const std::optional<at::Tensor>&, ref_logps)        \
+  X("Tensor?", const std::optional<at::Tensor>&, is_weights)       \
+  X("Tensor?", const std::optional<at::Tensor>&, sample_mask)      \
+  X("str", c10::string_view, loss_type)                            \
+  X("float", double, epsilon)                                      \
+  X("float", double, epsilon_high)                                 \
+  X("float?", std::optional<double>, delta)                        \
+  X("float", double, beta)                                         \
+  X("str", c10::string_view, kl_estimator)                         \
+  X("float?", std::optional<double>, kl_clamp)                     \
+  X("bool", bool, use_bias_correction_kl)                          \
+  X("str", c10::string_view, importance_sampling_level)            \
+  X("int", int64_t, max_completion_length)                         \
+  X("float?", std::optional<double>, num_items_in_batch)           \
+  X("Tensor?", const std::optional<at::Tensor>&, num_items_tensor) \
+  X("float", double, sapo_temperature_pos)                         \
+  X("float", double, sapo_temperature_neg)                         \
+  X("float", double, loss_scale)
+
+#define GRPO_OPTION_SCHEMA(schema_type, cpp_type, name) schema_type " " #name ", "
+#define GRPO_OPTION_PARAM(schema_type, cpp_type, name) cpp_type name,
+#define GRPO_OPTION_VALUE(schema_type, cpp_type, name) name,
+#define GRPO_OPTION_FIELD(schema_type, cpp_type, name) std::remove_cvref_t<cpp_type> name;
+
+// "Tensor? old_logps, ..., float loss_scale, " for a schema; the parameters of a binding (each followed by a
+// comma); and the same parameters gathered into one LossOptionArgs value.
+#define GRPO_LOSS_OPTIONS_SCHEMA GRPO_LOSS_OPTIONS(GRPO_OPTION_SCHEMA)
+#define GRPO_LOSS_OPTION_PARAMS GRPO_LOSS_OPTIONS(GRPO_OPTION_PARAM)
+#define GRPO_LOSS_OPTION_VALUES          \
+  ::grpo_ext::LossOptionArgs {           \
+    GRPO_LOSS_OPTIONS(GRPO_OPTION_VALUE) \
+  }
+
+namespace grpo_ext {
+
+// The options as the op received them (strings not parsed yet); valid for the duration of the op call.
+struct LossOptionArgs {
+  GRPO_LOSS_OPTIONS(GRPO_OPTION_FIELD)
+};
+
+inline LossType parse_loss_type(c10::string_view s) {
+  static constexpr Choice<LossType> kChoices[] = {{"grpo", LossType::kGRPO},      {"bnpo", LossType::kBNPO},
+                                                  {"dr_grpo", LossType::kDrGRPO}, {"dapo", LossType::kDAPO},
+                                                  {"luspo", LossType::kLUSPO},    {"cispo", LossType::kCISPO},
+                                                  {"sapo", LossType::kSAPO}};
+  return parse_choice("loss_type", s, kChoices);
+}
+
+inline KLEstimator parse_kl_estimator(c10::string_view s) {
+  static constexpr Choice<KLEstimator> kChoices[] = {
+      {"k1", KLEstimator::kK1}, {"k2", KLEstimator::kK2}, {"k3", KLEstimator::kK3}};
+  return parse_choice("kl_estimator", s, kChoices);
+}
+
+inline bool parse_sequence_level(c10::string_view s) {
+  static constexpr Choice<bool> kChoices[] = {{"token", false}, {"sequence", true}};
+  return parse_choice("importance_sampling_level", s, kChoices);
+}
+
+using LossForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+struct LossForwardPlan {
+  LossParams params;
+  LossInputs inputs;
+  int64_t max_completion_length = 1;
+  bool has_num_items = false;
+  double num_items = 0.0;       // used when has_num_items and num_items_device is empty
+  at::Tensor num_items_device;  // 1-element accumulate-type tensor on the op's device, or undefined
+  double loss_scale = 1.0;
+  at::Tensor loss, metrics, grad_raw, grad_scale;
+  LossForwardResult result() const { return {loss, metrics, grad_raw, grad_scale}; }
+};
+
+// The loss inputs of a [batch, seq_len] problem, checked and viewed; `logps` may be null (the logits op computes
+// them), `like` gives the device (named `like_name` in errors) and `acc` the statistics dtype.
+inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at::Tensor* logps, const at::Tensor& like,
+                                        at::ScalarType acc, const at::Tensor& advantages,
+                                        const at::Tensor& completion_mask, const LossOptionArgs& o, bool compute_grad,
+                                        const char* like_name = "logps") {
+  LossForwardPlan plan;
+  LossInputs& in = plan.inputs;
+  in.batch = batch;
+  in.seq_len = seq_len;
+  if (logps != nullptr) in.logps = matrix_view(*logps, batch, seq_len, "logps", false);
+
+  check_float(advantages, "advantages");
+  check_same_device(advantages, like, "advantages", like_name);
+  in.advantages = matrix_view(advantages, batch, seq_len, "advantages", true);
+  const bool per_row_advantages = in.advantages.col_stride == 0;
+
+  TORCH_CHECK(completion_mask.scalar_type() == at::kBool || is_float_type(completion_mask.scalar_type()) ||
+                  at::isIntegralType(completion_mask.scalar_type(), false),
+              "completion_mask must be bool, integer or floating-point, got ", completion_mask.scalar_type());
+  check_same_device(completion_mask, like, "completion_mask", like_name);
+  in.mask = matrix_view(completion_mask, batch, seq_len, "completion_mask", false);
+
+  if (o.old_logps.has_value()) {
+    check_float(*o.old_logps, "old_logps");
+    check_same_device(*o.old_logps, like, "old_logps", like_name);
+    in.old_logps = matrix_view(*o.old_logps, batch, seq_len, "old_logps", false);
+  }
+  if (o.ref_logps.has_value()) {
+    check_float(*o.ref_logps, "ref_logps");
+    check_same_device(*o.ref_logps, like, "ref_logps", like_name);
+    in.ref_logps = matrix_view(*o.ref_logps, batch, seq_len, "ref_logps", false);
+  }
+  if (o.is_weights.has_value()) {
+    check_float(*o.is_weights, "is_weights");
+    check_same_device(*o.is_weights, like, "is_weights", like_name);
+    in.is_weights = matrix_view(*o.is_weights, batch, seq_len, "is_weights", true);
+  }
+  if (o.sample_mask.has_value()) {
+    const at::Tensor& s = *o.sample_mask;
+    check_same_device(s, like, "sample_mask", like_name);
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == batch, "sample_mask must have shape [", batch, "], got ", s.sizes());
+    in.sample_mask = matrix_view(s, batch, 1, "sample_mask", true);
+  }
+
+  LossParams& p = plan.params;
+  p.loss_type = parse_loss_type(o.loss_type);
+  p.kl_estimator = parse_kl_estimator(o.kl_estimator);
+  p.sequence_level = parse_sequence_level(o.importance_sampling_level);
+  p.row_share_metrics = p.sequence_level && per_row_advantages;
+  TORCH_CHECK(o.epsilon > 0, "epsilon must be > 0, got ", o.epsilon);
+  TORCH_CHECK(o.epsilon_high > 0, "epsilon_high must be > 0, got ", o.epsilon_high);
+  p.epsilon_low = o.epsilon;
+  p.epsilon_high = o.epsilon_high;
+  if (o.delta.has_value()) {
+    TORCH_CHECK(*o.delta > 1.0, "delta must be > 1 (it caps the ratio above 1 + epsilon_high), got ", *o.delta);
+    p.has_delta = true;
+    p.delta = *o.delta;
+  }
+  TORCH_CHECK(o.beta >= 0, "beta must be >= 0, got ", o.beta);
+  p.beta = o.beta;
+  TORCH_CHECK(o.beta == 0.0 || o.ref_logps.has_value(), "ref_logps is required when beta != 0 (beta=", o.beta, ")");
+  if (o.kl_clamp.has_value()) {
+    TORCH_CHECK(*o.kl_clamp > 0, "kl_clamp must be > 0, got ", *o.kl_clamp);
+    p.has_kl_clamp = true;
+    p.kl_clamp = *o.kl_clamp;
+  }
+  p.bias_correction = o.use_bias_correction_kl;
+  p.has_old = o.old_logps.has_value();
+  TORCH_CHECK(o.sapo_temperature_pos > 0, "sapo_temperature_pos must be > 0, got ", o.sapo_temperature_pos);
+  TORCH_CHECK(o.sapo_temperature_neg > 0, "sapo_temperature_neg must be > 0, got ", o.sapo_temperature_neg);
+  p.sapo_tau_pos = o.sapo_temperature_pos;
+  p.sapo_tau_neg = o.sapo_temperature_neg;
+  p.compute_grad = compute_grad;
+
+  TORCH_CHECK(o.max_completion_length >= 1, "max_completion_length must be >= 1, got ", o.max_completion_length);
+  plan.max_completion_length = o.max_completion_length;
+  plan.loss_scale = o.loss_scale;
+
+  const auto opts = like.options().dtype(acc);
+  TORCH_CHECK(!(o.num_items_in_batch.has_value() && o.num_items_tensor.has_value()),
+              "pass num_items_in_batch as a number or as a tensor, not both");
+  if (o.num_items_in_batch.has_value()) {
+    TORCH_CHECK(*o.num_items_in_batch > 0, "num_items_in_batch must be > 0, got ", *o.num_items_in_batch);
+    plan.has_num_items = true;
+    plan.num_items = *o.num_items_in_batch;
+  } else if (o.num_items_tensor.has_value()) {
+    const at::Tensor& n = *o.num_items_tensor;
+    TORCH_CHECK(n.numel() == 1, "num_items_in_batch must be a number or a one-element tensor, got shape ", n.sizes());
+    plan.has_num_items = true;
+    if (n.device().is_cpu()) {
+      plan.num_items = n.item<double>();  // a host tensor: reading it needs no device sync
+      TORCH_CHECK(plan.num_items > 0, "num_items_in_batch must be > 0, got ", plan.num_items);
+    } else {
+      check_same_device(n, like, "num_items_in_batch", like_name);
+      plan.num_items_device = n.reshape({1}).to(acc);
+    }
+  }
+
+  plan.loss = at::empty({}, opts);
+  plan.metrics = at::empty({kNumMetrics}, opts);
+  plan.grad_raw = compute_grad ? at::empty({batch, seq_len}, opts) : at::empty({0}, opts);
+  plan.grad_scale = at::empty({}, opts);
+  return plan;
+}
+
+}  // namespace grpo_ext

@@ -1,0 +1,199 @@
+"""TRL's own ``GRPOTrainer`` with its loss and its per-token log-prob passes computed by grpo_ext.
+
+Two ways in, with the same effect:
+
+- :class:`GRPOExtTrainer`: a drop-in subclass of ``trl.GRPOTrainer`` (same constructor, same ``trl.GRPOConfig``);
+- :func:`patch`: switches an already built ``trl.GRPOTrainer`` (or a subclass of it) over; :func:`unpatch` undoes it.
+
+What changes, and what does not:
+
+- **the loss**: ``_compute_loss`` calls :func:`grpo_ext.grpo_loss` (one fused forward for the policy term, the KL,
+  the aggregation and the metrics; backward is one scale). Every TRL option that shapes the loss is mapped onto the
+  spec's parameters (docs/math.md), so the loss and its gradients equal TRL's: ``loss_type``, ``epsilon``,
+  ``epsilon_high`` (the cispo cap included), ``delta``, ``beta``, ``use_bias_correction_kl`` (TRL's default True is
+  passed explicitly: grpo_ext's own default is False), ``importance_sampling_level``, ``max_completion_length``,
+  ``sapo_temperature_*``, the dapo/cispo ``num_items_in_batch`` normalizer, gradient accumulation (as
+  ``loss_scale``), the vLLM importance-sampling correction, ``off_policy_mask_threshold`` and
+  ``top_entropy_quantile`` (all three as ``is_weights``), tool masks and the MoE router auxiliary loss;
+- **the log-prob passes** (policy, old policy and reference): TRL 1.16 computes them inside the model's forward
+  (``add_fused_lm_head``), projecting the hidden states through the LM head in tiles. The patched trainer keeps that
+  forward (PEFT, multimodal inputs, FSDP, ``cast_lm_head_to_fp32``, logit scaling and soft-capping all stay TRL's)
+  and swaps only the tile math for :func:`grpo_ext.selective_log_softmax`, in row chunks whose logits are
+  recomputed in the backward, so the ``[N, V]`` logits are never all held at once;
+- **the metrics** keep TRL's names and reductions (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``).
+
+Not supported (a clear error when the trainer is built or patched): ``loss_type="vespo"`` (no grpo_ext kernel) and
+TRL's entropy bonus (``entropy_coef != 0`` or ``use_adaptive_entropy``). The differences from TRL are listed in the
+README ("Using grpo_ext from TRL").
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    import trl
+    import trl.trainer.utils as _trl_utils
+except ImportError as exc:  # pragma: no cover - CI installs trl
+    raise ImportError(
+        "grpo_ext.integrations.trl needs TRL: pip install 'trl==1.16.0' (the version this integration is tested with)"
+    ) from exc
+from packaging.version import InvalidVersion, Version
+
+from ...ops.options import LOSS_TYPES
+from .log_probs import _GrpoExtLogProbs, _log_probs_through_grpo_ext  # noqa: F401  (_GrpoExtLogProbs: the tests reach it here)
+from .loss import _compute_loss
+
+__all__ = [
+    "SUPPORTED_LOSS_TYPES",
+    "TESTED_TRL_VERSION",
+    "GRPOExtTrainer",
+    "check_trl_version",
+    "is_patched",
+    "patch",
+    "unpatch",
+]
+
+#: The TRL release this integration is tested against; any 1.16.x is accepted (it relies on TRL internals).
+TESTED_TRL_VERSION = "1.16.0"
+_SUPPORTED_RELEASE = (1, 16)
+
+#: TRL loss types grpo_ext computes (TRL's ``vespo`` has no grpo_ext kernel).
+SUPPORTED_LOSS_TYPES: tuple[str, ...] = LOSS_TYPES
+
+
+_PATCH_MARK = "_grpo_ext_patched"
+
+
+def check_trl_version(version: str | None = None) -> None:
+    """Raises unless ``version`` (default: the installed TRL's) is a release this integration supports.
+
+    Args:
+        version: a TRL version string, e.g. ``"1.16.0"``; None reads ``trl.__version__``.
+
+    Raises:
+        RuntimeError: naming the version found and the one to install.
+    """
+    found = trl.__version__ if version is None else version
+    try:
+        release = Version(found).release[:2]
+    except InvalidVersion:
+        release = None
+    if release != _SUPPORTED_RELEASE:
+        supported = ".".join(map(str, _SUPPORTED_RELEASE))
+        raise RuntimeError(
+            f"grpo_ext.integrations.trl supports trl {supported}.x (it hooks TRL internals that change between "
+            f"releases), found trl {found}: pip install 'trl=={TESTED_TRL_VERSION}'"
+        )
+    if not hasattr(_trl_utils, "_ChunkedLogProbFunction"):
+        raise RuntimeError(
+            f"trl {found} has no trl.trainer.utils._ChunkedLogProbFunction, which grpo_ext.integrations.trl "
+            f"replaces: pip install 'trl=={TESTED_TRL_VERSION}'"
+        )
+
+
+def _check_config(args: Any) -> None:
+    """Raises ValueError naming the ``trl.GRPOConfig`` field grpo_ext cannot honour."""
+    if args.loss_type not in SUPPORTED_LOSS_TYPES:
+        raise ValueError(
+            f"GRPOConfig.loss_type={args.loss_type!r} is not supported by grpo_ext.integrations.trl (supported: "
+            f"{', '.join(SUPPORTED_LOSS_TYPES)}); train with the unpatched trl.GRPOTrainer for it"
+        )
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        raise ValueError(
+            f"GRPOConfig.entropy_coef={args.entropy_coef} / use_adaptive_entropy={args.use_adaptive_entropy}: TRL's "
+            "entropy bonus is not supported by grpo_ext.integrations.trl; set entropy_coef=0.0 and "
+            "use_adaptive_entropy=False, or train with the unpatched trl.GRPOTrainer"
+        )
+
+
+class GRPOExtTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` whose loss and log-prob passes run on grpo_ext; same constructor and ``trl.GRPOConfig``.
+
+    Raises:
+        RuntimeError: the installed TRL is not a supported release (see :func:`check_trl_version`).
+        ValueError: ``args`` asks for something grpo_ext does not compute (``loss_type="vespo"``, the entropy bonus),
+            before the model is loaded when ``args`` is given.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_trl_version()
+        try:
+            config = (
+                inspect.signature(trl.GRPOTrainer.__init__).bind_partial(self, *args, **kwargs).arguments.get("args")
+            )
+        except TypeError:
+            config = None  # let TRL's constructor report the bad call
+        if config is not None:
+            _check_config(config)
+        super().__init__(*args, **kwargs)
+        _check_config(self.args)
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
+        with _log_probs_through_grpo_ext():
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Tensor:
+        return _compute_loss(self, model, inputs)
+
+
+def patch(trainer: trl.GRPOTrainer) -> trl.GRPOTrainer:
+    """Makes an existing ``trl.GRPOTrainer`` compute its loss and log-prob passes with grpo_ext, in place.
+
+    Only this instance changes (its ``_compute_loss`` and ``_get_per_token_logps_and_entropies``); a subclass's own
+    ``_get_per_token_logps_and_entropies`` is kept and wrapped. Patching twice is a no-op.
+
+    Args:
+        trainer: a ``trl.GRPOTrainer`` (or subclass) instance.
+
+    Returns:
+        The same trainer.
+
+    Raises:
+        TypeError: ``trainer`` is not a ``trl.GRPOTrainer``.
+        RuntimeError: the installed TRL is not a supported release.
+        ValueError: its config asks for something grpo_ext does not compute (``loss_type="vespo"``, entropy bonus).
+    """
+    if not isinstance(trainer, trl.GRPOTrainer):
+        raise TypeError(f"trainer must be a trl.GRPOTrainer, got {type(trainer).__name__}")
+    check_trl_version()
+    _check_config(trainer.args)
+    if is_patched(trainer):
+        return trainer
+    original = trainer._get_per_token_logps_and_entropies
+
+    @functools.wraps(original)
+    def per_token_logps_and_entropies(*args: Any, **kwargs: Any):
+        with _log_probs_through_grpo_ext():
+            return original(*args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = per_token_logps_and_entropies
+    trainer._compute_loss = types.MethodType(_compute_loss, trainer)
+    setattr(trainer, _PATCH_MARK, True)
+    return trainer
+
+
+def unpatch(trainer: trl.GRPOTrainer) -> trl.GRPOTrainer:
+    """Undoes :func:`patch` on ``trainer`` (a no-op on an unpatched one; a ``GRPOExtTrainer`` stays as it is).
+
+    Args:
+        trainer: a trainer passed to :func:`patch` before.
+
+    Returns:
+        The same trainer.
+    """
+    if trainer.__dict__.pop(_PATCH_MARK, False):
+        trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
+        trainer.__dict__.pop("_compute_loss", None)
+    return trainer
+
+
+def is_patched(trainer: trl.GRPOTrainer) -> bool:
+    """Whether ``trainer`` computes its loss with grpo_ext (a ``GRPOExtTrainer`` or a patched instance)."""
+    return isinstance(trainer, GRPOExtTrainer) or bool(trainer.__dict__.get(_PATCH_MARK, False))

@@ -1,0 +1,193 @@
+"""TRL's ``GRPOTrainer._compute_loss`` with the loss computed by grpo_ext.grpo_loss (see the package docstring)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import trl
+import trl.trainer.utils as _trl_utils
+from torch import Tensor
+
+from ... import ops
+from ...ops.options import CLIP_FAMILY_LOSS_TYPES
+
+# Arguments of TRL's `_get_per_token_logps_and_entropies` that `_compute_loss` does not build itself: they are
+# forwarded from `inputs` by name (pixel_values, image_grid_thw, ...), so multimodal batches keep working.
+_BUILT_ARGUMENTS = frozenset(
+    {
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+    }
+)
+
+
+@functools.cache
+def _forwarded_input_names() -> tuple[str, ...]:
+    params = inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    return tuple(name for name in params if name not in _BUILT_ARGUMENTS)
+
+
+def _global_mean(trainer: trl.GRPOTrainer, local_sum: Tensor, local_count: Tensor) -> float:
+    """``sum / max(count, 1)`` over every process (TRL's reduction of its mean metrics)."""
+    totals = trainer.accelerator.reduce(torch.stack([local_sum.float(), local_count.float()]), reduction="sum")
+    return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+
+def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor, old_logps: Tensor | None, entropies: Tensor,
+                mask: Tensor, advantages: Tensor) -> Tensor | None:  # fmt: skip
+    """TRL's factors on the policy term only, multiplied into grpo_ext's ``is_weights`` (``[B, T]`` or ``[B, 1]``).
+
+    TRL multiplies its per-token policy loss, before adding the KL, by the high-entropy token mask
+    (``top_entropy_quantile``), the DeepSeek-V3.2 off-policy sequence mask (``off_policy_mask_threshold``) and the
+    vLLM importance-sampling ratio; none of them is differentiated, which is what ``is_weights`` means in docs/math.md.
+    """
+    factors: list[Tensor] = []
+    if trainer.top_entropy_quantile < 1.0:
+        factors.append(trainer.get_high_entropy_mask(entropies.detach(), mask, 1 - trainer.top_entropy_quantile))
+    if trainer.off_policy_mask_threshold is not None:
+        old = logps.detach() if old_logps is None else old_logps
+        rows_advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
+        factors.append(
+            trainer.get_off_policy_mask(
+                advantages=rows_advantages,
+                per_token_logps=logps,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old),
+                mask=mask,
+                off_policy_threshold=trainer.off_policy_mask_threshold,
+            )
+        )
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        factors.append(inputs["importance_sampling_ratio"])
+    weights = None
+    for factor in factors:
+        factor = factor.detach().to(torch.float32)
+        weights = factor if weights is None else weights * factor
+    return weights
+
+
+def _log_metrics(trainer: trl.GRPOTrainer, mode: str, metrics: dict[str, Tensor], logps: Tensor,
+                 old_logps: Tensor | None, entropies: Tensor, mask: Tensor, advantages: Tensor) -> None:  # fmt: skip
+    """Appends TRL's loss metrics, under TRL's names and cross-process reductions, to ``trainer._metrics[mode]``.
+
+    The means come from grpo_ext's fused metrics (local mean times local count, summed over processes);
+    ``clip_ratio/low_min`` and ``clip_ratio/high_max`` (extremes over rows) are computed here from the detached ratio.
+    """
+    log = trainer._metrics[mode]
+    maskf = mask.to(torch.float32)
+    token_count = maskf.sum()
+    rows_advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
+    sequence = trainer.importance_sampling_level == "sequence"
+    # With one ratio and one advantage per row, TRL counts clip shares over rows (docs/math.md section 7).
+    row_shares = sequence and rows_advantages.shape[1] == 1
+    share_count = torch.tensor(float(mask.shape[0]), device=mask.device) if row_shares else token_count
+
+    def share(name: str) -> float:
+        return _global_mean(trainer, metrics[name] * share_count, share_count)
+
+    if trainer.beta != 0.0:
+        log["kl"].append(_global_mean(trainer, metrics["kl"] * token_count, token_count))
+    log["entropy"].append(_global_mean(trainer, (entropies.detach() * maskf).sum(), token_count))
+    if trainer.loss_type == "cispo":
+        log["cispo_clip_ratio"].append(share("cispo_clip_ratio"))
+        return
+    if trainer.loss_type not in CLIP_FAMILY_LOSS_TYPES:  # TRL logs no clip metric for sapo
+        return
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        log[name].append(share(name))
+
+    with torch.no_grad():
+        current = logps.detach()
+        log_ratio = current - (current if old_logps is None else old_logps)
+        log_ratio = torch.where(mask.bool(), log_ratio, 0.0)  # padding never reaches a ratio, even if NaN
+        if sequence:
+            log_ratio = log_ratio.sum(-1, keepdim=True) / maskf.sum(-1, keepdim=True).clamp(min=1.0)
+        ratio = torch.exp(log_ratio)
+        low = ((ratio < 1 - trainer.epsilon_low) & (rows_advantages < 0)).float()
+        high = ((ratio > 1 + trainer.epsilon_high) & (rows_advantages > 0)).float()
+
+        def per_row(flags: Tensor) -> Tensor:  # NaN for a row with no tokens, which nanmin / nanmax skip
+            return flags.squeeze(1) if flags.shape[1] == 1 else (flags * maskf).sum(-1) / maskf.sum(-1)
+
+        log["clip_ratio/low_min"].append(_trl_utils.nanmin(trainer.accelerator.gather(per_row(low))).item())
+        log["clip_ratio/high_max"].append(_trl_utils.nanmax(trainer.accelerator.gather(per_row(high))).item())
+
+
+def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any]) -> Tensor:
+    """TRL's ``GRPOTrainer._compute_loss`` contract, with the loss computed by :func:`grpo_ext.grpo_loss`.
+
+    Args:
+        trainer: the (patched) TRL trainer; its attributes and ``args`` give every loss option.
+        model: the model to score the batch with (TRL passes the wrapped training model).
+        inputs: TRL's batch: ``prompt_ids``/``prompt_mask`` ``[B, P]``, ``completion_ids``/``completion_mask``
+            ``[B, T]``, ``advantages`` ``[B]`` (or ``[B, T]``), ``num_items_in_batch`` (0-dim), and when present
+            ``old_per_token_logps``, ``ref_per_token_logps``, ``sampling_per_token_logps``,
+            ``importance_sampling_ratio`` (``[B, T]`` or ``[B, 1]``), ``tool_mask`` ``[B, T]`` and multimodal fields.
+
+    Returns:
+        The 0-dim float32 loss, scaled for gradient accumulation exactly as TRL scales it.
+    """
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+    forwarded = {name: inputs.get(name) for name in _forwarded_input_names()}
+    logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
+        model,
+        torch.cat([prompt_ids, completion_ids], dim=1),
+        torch.cat([prompt_mask, completion_mask], dim=1),
+        completion_ids.size(1),
+        compute_entropy=True,
+        compute_aux_loss=trainer.aux_loss_enabled,
+        **forwarded,
+    )
+    advantages = inputs["advantages"]
+    old_logps = inputs.get("old_per_token_logps")
+    mode = "train" if trainer.model.training else "eval"
+    # TRL averages micro-batches by scaling each loss (HF's own scaling is off); eval neither splits nor accumulates.
+    accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1
+
+    num_items, loss_scale = None, 1.0
+    if trainer.loss_type in ("dapo", "cispo"):
+        # TRL's denominator: the generation batch's token count per process, rescaled to one accumulation window.
+        num_items = torch.as_tensor(inputs["num_items_in_batch"], dtype=torch.float32, device=logps.device)
+        num_items = num_items.clamp(min=1.0) / trainer.accelerator.num_processes
+        if mode == "train":
+            num_items = num_items * accumulation / trainer.args.steps_per_generation
+    else:
+        loss_scale = 1.0 / accumulation
+
+    out = ops.grpo_loss(
+        logps,
+        advantages,
+        mask,
+        old_logps=old_logps,
+        ref_logps=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
+        is_weights=_is_weights(trainer, inputs, logps, old_logps, entropies, mask, advantages),
+        loss_type=trainer.loss_type,
+        epsilon=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,  # resolved by TRL (None -> epsilon), also as cispo's cap
+        delta=trainer.args.delta,
+        beta=trainer.beta,
+        kl_estimator="k3",  # TRL's only estimator
+        use_bias_correction_kl=trainer.args.use_bias_correction_kl,
+        importance_sampling_level=trainer.importance_sampling_level,
+        max_completion_length=trainer.max_completion_length,
+        num_items_in_batch=num_items,
+        sapo_temperature_pos=trainer.args.sapo_temperature_pos,
+        sapo_temperature_neg=trainer.args.sapo_temperature_neg,
+        loss_scale=loss_scale,
+    )
+    loss = out.loss
+    if trainer.aux_loss_enabled:
+        loss = loss + trainer.router_aux_loss_coef * aux_loss / accumulation
+        trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
+    _log_metrics(trainer, mode, out.metrics, logps, old_logps, entropies, mask, advantages)
+    return loss

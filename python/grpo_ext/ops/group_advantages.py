@@ -1,0 +1,72 @@
+"""group_advantages: group-normalized advantages (docs/math.md section 1), one native kernel launch.
+
+The op ``torch.ops.grpo_ext.group_advantages``: kernels in csrc/cuda/group_advantages.cuh and
+csrc/cpu/group_advantages.cpp, planning in csrc/plan/group_advantages.h; here the typed wrapper and the fake kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..results import GroupAdvantages
+from ..validation import reward_weights_tensor, validate_group_advantages_args
+from ._common import accumulate_dtype
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int,
+    *,
+    reward_weights: Sequence[float] | Tensor | None = None,
+    scale_rewards: str = "group",
+    baseline: str = "mean",
+    multi_objective_aggregation: str = "sum_then_normalize",
+    eps: float = 1e-4,
+    std_ddof: int = 1,
+) -> GroupAdvantages:
+    """Group-normalized advantages (docs/math.md section 1), one kernel launch.
+
+    Args:
+        rewards: ``[B]`` or ``[B, K]`` floating tensor (K reward functions); NaN means "not scored". The ``G``
+            completions of one prompt are contiguous rows.
+        group_size: ``G``; ``B % G`` must be 0.
+        reward_weights: ``K`` weights (default ones).
+        scale_rewards: ``"group"`` (std of the group), ``"batch"`` (std of the batch) or ``"none"`` (Dr. GRPO).
+        baseline: ``"mean"`` (GRPO) or ``"leave_one_out"`` (RLOO).
+        multi_objective_aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"`` (GDPO).
+        eps: added to the std (never inside a sqrt).
+        std_ddof: delta degrees of freedom of every std (1: Bessel, as TRL and verl).
+
+    Returns:
+        GroupAdvantages: ``advantages [B]``, ``group_mean [B/G]``, ``group_std [B/G]`` (float32, float64 for float64
+        rewards) and ``zero_std [B/G]`` bool. No NaN ever leaves the op.
+    """
+    group_size, eps, std_ddof = validate_group_advantages_args(
+        rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof
+    )
+    if reward_weights is not None:
+        num_rewards = rewards.shape[1] if rewards.dim() == 2 else 1
+        weights_dtype = reward_weights.dtype if isinstance(reward_weights, Tensor) else torch.float64
+        reward_weights = reward_weights_tensor(reward_weights, num_rewards, weights_dtype, rewards.device)
+    out = torch.ops.grpo_ext.group_advantages(
+        rewards, reward_weights, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof
+    )
+    return GroupAdvantages(*out)
+
+
+@torch.library.register_fake("grpo_ext::group_advantages")
+def _group_advantages_fake(rewards, reward_weights, group_size, scale_rewards, baseline, aggregation, eps, std_ddof):
+    torch._check(rewards.dim() in (1, 2), lambda: f"rewards must have shape [B] or [B, K], got {tuple(rewards.shape)}")
+    batch = rewards.shape[0]
+    torch._check(batch % group_size == 0, lambda: f"rewards.shape[0] is not divisible by group_size={group_size}")
+    dtype = accumulate_dtype(rewards.dtype)
+    groups = batch // group_size
+    return (
+        rewards.new_empty((batch,), dtype=dtype),
+        rewards.new_empty((groups,), dtype=dtype),
+        rewards.new_empty((groups,), dtype=dtype),
+        rewards.new_empty((groups,), dtype=torch.bool),
+    )

@@ -1,0 +1,109 @@
+"""grpo_loss: the fused GRPO loss, metrics and gradient from per-token log-probs (docs/math.md sections 3-7).
+
+The ops ``torch.ops.grpo_ext.grpo_loss_forward`` / ``_backward``: kernels in csrc/cuda/grpo_loss.cuh and
+csrc/cpu/grpo_loss.cpp (per-token math in csrc/grpo_loss_math.h), planning in csrc/plan/grpo_loss.h; here the typed
+wrapper, the fake kernels and the autograd registration.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..results import GRPOLossOutput
+from ..validation import validate_grpo_loss_args
+from ._common import accumulate_dtype
+from .options import NUM_METRICS, LossOptions, metrics_dict, takes_loss_options
+
+
+@takes_loss_options
+def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **options) -> GRPOLossOutput:
+    """Fused GRPO loss, metrics and gradient from per-token log-probs (docs/math.md sections 3-7).
+
+    One forward kernel computes the loss, the metrics and d loss / d logps; backward only scales that gradient by
+    the incoming gradient. Only ``logps`` receives a gradient.
+
+    Args:
+        logps: ``[B, T]`` float32/bfloat16/float16 (or float64) log-probs of the sampled tokens under the policy.
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]`` (process supervision).
+        completion_mask: ``[B, T]`` bool, integer or float mask.
+        **options: the loss options, keywords only, each documented in :class:`grpo_ext.ops.options.LossOptions`:
+            ``old_logps``, ``ref_logps``, ``is_weights``, ``sample_mask``, ``loss_type``, ``epsilon``,
+            ``epsilon_high``, ``delta``, ``beta``, ``kl_estimator``, ``kl_clamp``, ``use_bias_correction_kl``,
+            ``importance_sampling_level``, ``max_completion_length``, ``num_items_in_batch``,
+            ``sapo_temperature_pos``, ``sapo_temperature_neg``, ``loss_scale``.
+
+    Returns:
+        GRPOLossOutput: ``loss`` (0-dim float32; float64 for float64 logps) with autograd to ``logps``, and
+        ``metrics`` (0-dim, detached) under TRL's names.
+    """
+    resolved = validate_grpo_loss_args(logps, advantages, completion_mask,
+                                       LossOptions.from_kwargs("grpo_loss", options))  # fmt: skip
+    compute_grad = torch.is_grad_enabled() and logps.requires_grad
+    op_args = (logps, advantages, completion_mask, *resolved.op_args(), compute_grad)
+    if compute_grad and not torch.compiler.is_compiling():
+        loss, metrics_vec = _GRPOLossFunction.apply(*op_args)
+    else:  # torch.compile traces the op itself, through its register_autograd registration
+        loss, metrics_vec, _, _ = torch.ops.grpo_ext.grpo_loss_forward(*op_args)
+    return GRPOLossOutput(loss, metrics_dict(metrics_vec, resolved))
+
+
+@torch.library.register_fake("grpo_ext::grpo_loss_forward")
+def _grpo_loss_forward_fake(logps, advantages, completion_mask, *args):
+    compute_grad = args[-1]
+    torch._check(logps.dim() == 2, lambda: "logps must have shape [B, T]")
+    dtype = accumulate_dtype(logps.dtype)
+    grad_shape = tuple(logps.shape) if compute_grad else (0,)
+    return (
+        logps.new_empty((), dtype=dtype),
+        logps.new_empty((NUM_METRICS,), dtype=dtype),
+        logps.new_empty(grad_shape, dtype=dtype),
+        logps.new_empty((), dtype=dtype),
+    )
+
+
+@torch.library.register_fake("grpo_ext::grpo_loss_backward")
+def _grpo_loss_backward_fake(grad_loss, grad_raw, grad_scale, out_dtype):
+    return grad_raw.new_empty(grad_raw.shape, dtype=out_dtype)
+
+
+def _grpo_loss_setup_context(ctx, inputs, output) -> None:
+    _, metrics, grad_raw, grad_scale = output
+    ctx.logps_dtype = inputs[0].dtype
+    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(grad_raw, grad_scale)
+    ctx.mark_non_differentiable(metrics, grad_raw, grad_scale)
+
+
+def _grpo_loss_backward(ctx, grad_loss, *unused_grads):
+    grad_raw, grad_scale = ctx.saved_tensors
+    if grad_raw.dim() != 2:
+        raise RuntimeError(
+            "grpo_loss: the forward ran without computing the gradient (logps did not require grad or grad mode "
+            "was off); run it again with grad enabled"
+        )
+    grad_logps = torch.ops.grpo_ext.grpo_loss_backward(grad_loss, grad_raw, grad_scale, ctx.logps_dtype)
+    return (grad_logps,) + (None,) * (ctx.num_inputs - 1)
+
+
+torch.library.register_autograd(
+    "grpo_ext::grpo_loss_forward", _grpo_loss_backward, setup_context=_grpo_loss_setup_context
+)
+
+
+class _GRPOLossFunction(torch.autograd.Function):
+    """Eager autograd for grpo_loss_forward, the same math as the registration above.
+
+    torch.library's autograd wrapper rebuilds the op's long schema on every call (about 0.3 ms of Python on a
+    CPU); calling the op inside an autograd.Function, where grad mode is off, skips that path.
+    """
+
+    @staticmethod
+    def forward(ctx, *op_args):
+        loss, metrics, grad_raw, grad_scale = torch.ops.grpo_ext.grpo_loss_forward(*op_args)
+        _grpo_loss_setup_context(ctx, op_args, (loss, metrics, grad_raw, grad_scale))
+        return loss, metrics
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_metrics):
+        return _grpo_loss_backward(ctx, grad_loss)

@@ -1,0 +1,269 @@
+"""grpo_loss_from_hidden: the fused GRPO loss from the last hidden states, never materializing the [N, V] logits.
+
+Chunks of token rows go through the LM head (torch, cuBLAS on CUDA; ``lm_head.py``) and the fused logits pass of
+grpo_loss_from_logits in place; the gradients for the hidden states, the weight and the bias are formed chunk by
+chunk in the forward. No kernel of its own: the native ops are grpo_loss_from_logits' and grpo_loss's. Here: the
+typed wrapper, the eager autograd and the composite op ``grpo_ext::grpo_loss_from_hidden`` for torch.compile.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from ..results import GRPOLossOutput
+from ..validation import check_int, check_positive
+from ._common import accumulate_dtype
+from .grpo_loss_from_logits import (
+    check_ids_and_mask,
+    masked_mean_entropy,
+    resolve_loss_options,
+    scale_grad,
+    take_saved_grads,
+)
+from .lm_head import chunk_rows, project
+from .options import NUM_METRICS, LossOptions, metrics_dict, takes_loss_options
+
+
+def _accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` float32 whatever the dtype of ``a`` and ``b``, without an [M, K] temporary."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda:  # cuBLAS: half-precision inputs, float32 accumulator and output
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def _hidden_loss_forward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    options: LossOptions,
+    temperature: float,
+    chunk_size: int,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The chunked forward: (loss, metrics vector, mean entropy, d/d hidden, d/d weight, d/d bias).
+
+    Per chunk of token rows: logits = hidden @ weight.T (+ bias) through torch (cuBLAS), the fused logits kernel
+    in place (log-probs, entropy, and the gradient over the chunk's logits), then grad_hidden = g @ weight and
+    grad_weight += g.T @ hidden (float32 accumulator). Sequence-level losses first run every chunk for the
+    log-probs alone, then recompute each chunk's logits for the gradient.
+    """
+    batch, length = completion_mask.shape
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    need_hidden, need_weight, need_bias = needs
+    compute_grad = any(needs)
+    acc = accumulate_dtype(hidden.dtype)
+    logps = torch.empty(rows, dtype=acc, device=hidden.device)
+    entropy = torch.empty(rows, dtype=acc, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+    grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
+    ops = torch.ops.grpo_ext
+    option_args = options.op_args()
+
+    def chunk_logits(start: int, end: int) -> Tensor:
+        return project(hidden[start:end], weight, bias)
+
+    def backward_through_chunk(start: int, end: int, grad_logits: Tensor) -> None:
+        if need_hidden:
+            torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+        if need_weight:
+            _accumulate_product(grad_weight, grad_logits.t(), hidden[start:end])
+        if need_bias:
+            grad_bias.add_(grad_logits.sum(0, dtype=acc))
+
+    token_level = options.importance_sampling_level == "token"
+    two_phase = compute_grad and not token_level
+    for start in range(0, rows, chunk_size):
+        end = min(rows, start + chunk_size)
+        logits = chunk_logits(start, end)
+        grad_now = compute_grad and token_level
+        op = ops.grpo_loss_from_logits_pass_ if grad_now else ops.grpo_loss_from_logits_pass
+        out = op(logits, ids[start:end], start, advantages, completion_mask, None, *option_args, temperature, grad_now)
+        logps[start:end] = out[0]
+        entropy[start:end] = out[1]
+        if grad_now:
+            backward_through_chunk(start, end, logits)  # the logits buffer holds the gradient now
+    loss, metrics, grad_raw, grad_scale = ops.grpo_loss_forward(
+        logps.view(batch, length), advantages, completion_mask, *option_args, two_phase
+    )
+    if two_phase:
+        token_grad = (grad_raw * grad_scale).reshape(-1)
+        for start in range(0, rows, chunk_size):
+            end = min(rows, start + chunk_size)
+            logits = chunk_logits(start, end)
+            ops.grpo_loss_from_logits_pass_(logits, ids[start:end], start, advantages, completion_mask,
+                                            token_grad[start:end], *option_args, temperature, True)
+            backward_through_chunk(start, end, logits)
+    if grad_weight is not None and grad_weight.dtype != weight.dtype:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None and bias is not None and grad_bias.dtype != bias.dtype:
+        grad_bias = grad_bias.to(bias.dtype)
+    entropy_mean = masked_mean_entropy(entropy, completion_mask, options.sample_mask)
+    return loss, metrics, entropy_mean, grad_hidden, grad_weight, grad_bias
+
+
+class _HiddenLossFunction(torch.autograd.Function):
+    """Eager autograd for the chunked hidden-state loss: gradients computed in the forward, scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, advantages, completion_mask, options, temperature, chunk_size):
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        loss, metrics, entropy, *grads = _hidden_loss_forward(
+            hidden, weight, bias, ids, advantages, completion_mask, options, temperature, chunk_size, needs
+        )
+        ctx.saved_grads = tuple(grads)
+        ctx.mark_non_differentiable(metrics, entropy)
+        return loss, metrics, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_metrics, grad_entropy):
+        grads = take_saved_grads(ctx, "grpo_loss_from_hidden")
+        scaled = tuple(None if g is None else scale_grad(g, grad_loss) for g in grads)
+        return scaled + (None,) * 6
+
+
+# The chunked loss as one opaque op for torch.compile; every gradient computed (bias' empty without bias).
+torch.library.define(
+    "grpo_ext::grpo_loss_from_hidden",
+    f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor advantages, Tensor completion_mask, "
+    f"{_C.LOSS_OPTIONS_SCHEMA}float temperature, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.impl("grpo_ext::grpo_loss_from_hidden", "CompositeExplicitAutograd")
+def _grpo_loss_from_hidden_impl(hidden, weight, bias, ids, advantages, completion_mask, *rest):
+    *options, temperature, chunk_size = rest
+    loss, metrics, entropy, grad_hidden, grad_weight, grad_bias = _hidden_loss_forward(
+        hidden, weight, bias, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), temperature, chunk_size,
+        (True, True, bias is not None),
+    )  # fmt: skip
+    if grad_bias is None:
+        grad_bias = weight.new_empty((0,))
+    return loss, metrics, entropy, grad_hidden, grad_weight, grad_bias
+
+
+@torch.library.register_fake("grpo_ext::grpo_loss_from_hidden")
+def _grpo_loss_from_hidden_fake(hidden, weight, bias, *args):
+    dtype = accumulate_dtype(hidden.dtype)
+    return (
+        hidden.new_empty((), dtype=dtype),
+        hidden.new_empty((NUM_METRICS,), dtype=dtype),
+        hidden.new_empty((), dtype=dtype),
+        torch.empty_like(hidden),
+        torch.empty_like(weight),
+        torch.empty_like(bias) if bias is not None else weight.new_empty((0,)),
+    )
+
+
+def _hidden_op_setup_context(ctx, inputs, output) -> None:
+    ctx.num_inputs = len(inputs)
+    ctx.has_bias = inputs[2] is not None
+    ctx.save_for_backward(*output[3:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _hidden_op_backward(ctx, grad_loss, *unused):
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    scale = grad_loss.to(grad_hidden.dtype)
+    grads = (grad_hidden * scale, grad_weight * scale, grad_bias * scale if ctx.has_bias else None)
+    return grads + (None,) * (ctx.num_inputs - 3)
+
+
+torch.library.register_autograd(
+    "grpo_ext::grpo_loss_from_hidden", _hidden_op_backward, setup_context=_hidden_op_setup_context
+)
+
+
+@takes_loss_options
+def grpo_loss_from_hidden(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    lm_head_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    **options,
+) -> GRPOLossOutput:
+    """Fused GRPO loss from the last hidden states: never materializes the ``[N, V]`` logits (docs/math.md sections 2-7).
+
+    Chunks over tokens: each chunk's logits (``chunk_size x V``) go through the fused logits kernel in place, and
+    the gradients for ``hidden``, ``lm_head_weight`` and ``lm_head_bias`` are formed chunk by chunk (the weight
+    and bias ones accumulated in float32), all in the forward; the backward only scales them by the incoming
+    gradient (skipped when it is 1). Peak extra memory: the gradients plus one chunk of logits.
+
+    Args:
+        hidden: ``[B, T, H]`` or ``[N, H]`` (``N = B * T``) float32/bfloat16/float16: the hidden states that score
+            ``completion_ids`` (positions already aligned).
+        lm_head_weight: ``[V, H]``, same dtype as ``hidden``.
+        completion_ids: ``[B, T]`` (or ``[N]``) int64 ids in ``[0, V)``.
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        completion_mask: ``[B, T]`` bool/int/float.
+        lm_head_bias: ``[V]`` or None.
+        temperature: ``z = (hidden @ W.T + b) / temperature``, > 0.
+        chunk_size: token rows per chunk (default: the largest power of two whose logits fit in 256 MiB).
+        **options: the loss options of :func:`grpo_ext.grpo_loss` (:class:`~grpo_ext.ops.options.LossOptions`).
+
+    Returns:
+        GRPOLossOutput: as :func:`grpo_loss_from_logits` (``loss`` with autograd to hidden, weight and bias).
+    """
+    if not isinstance(hidden, Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be a floating [B, T, H] or [N, H] tensor, got {getattr(hidden, 'shape', None)}")
+    size = hidden.shape[-1]
+    if not isinstance(lm_head_weight, Tensor) or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != size:
+        raise ValueError(f"lm_head_weight must have shape [V, H] with H={size} (hidden's), "
+                         f"got {tuple(getattr(lm_head_weight, 'shape', ()))}")  # fmt: skip
+    if lm_head_weight.dtype != hidden.dtype or lm_head_weight.device != hidden.device:
+        raise ValueError(f"lm_head_weight must match hidden's dtype and device ({hidden.dtype}, {hidden.device}), "
+                         f"got {lm_head_weight.dtype}, {lm_head_weight.device}")  # fmt: skip
+    vocab = lm_head_weight.shape[0]
+    if vocab < 1:
+        raise ValueError("lm_head_weight must have at least one row (V >= 1)")
+    if lm_head_bias is not None and (
+        not isinstance(lm_head_bias, Tensor) or tuple(lm_head_bias.shape) != (vocab,)
+        or lm_head_bias.dtype != hidden.dtype or lm_head_bias.device != hidden.device
+    ):  # fmt: skip
+        raise ValueError(f"lm_head_bias must be a [V]=({vocab},) tensor of hidden's dtype and device")
+    flat_hidden = hidden.reshape(-1, size)
+    flat_ids = check_ids_and_mask(flat_hidden.shape[0], hidden.device, completion_ids, completion_mask)
+    temperature = check_positive("temperature", temperature)
+    batch, length = completion_mask.shape
+    resolved = resolve_loss_options("grpo_loss_from_hidden", batch, length, hidden, advantages, completion_mask,
+                                    options)  # fmt: skip
+    rows = flat_hidden.shape[0]
+    if chunk_size is None:
+        chunk_size = chunk_rows(rows, vocab, hidden.element_size())
+    else:
+        chunk_size = check_int("chunk_size", chunk_size, 1)
+    flat_hidden = flat_hidden.contiguous()
+    weight = lm_head_weight.contiguous()
+    grad_wanted = torch.is_grad_enabled() and (
+        hidden.requires_grad
+        or lm_head_weight.requires_grad
+        or (lm_head_bias is not None and lm_head_bias.requires_grad)
+    )
+    if not grad_wanted:
+        loss, metrics, entropy, *_ = _hidden_loss_forward(
+            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, temperature,
+            chunk_size, (False, False, False),
+        )  # fmt: skip
+    elif torch.compiler.is_compiling():
+        loss, metrics, entropy, *_ = torch.ops.grpo_ext.grpo_loss_from_hidden(
+            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, *resolved.op_args(), temperature,
+            chunk_size,
+        )
+    else:
+        loss, metrics, entropy = _HiddenLossFunction.apply(
+            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, temperature, chunk_size
+        )
+    return GRPOLossOutput(loss, metrics_dict(metrics, resolved, entropy))

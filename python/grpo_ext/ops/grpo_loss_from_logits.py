@@ -1,0 +1,294 @@
+"""grpo_loss_from_logits: the fused GRPO loss from logits (docs/math.md sections 2-7).
+
+One pass per logits row computes the log-prob, the entropy and d loss / d logp and writes the row's gradient during
+the forward. The ops ``torch.ops.grpo_ext.grpo_loss_from_logits_pass`` (and ``_pass_``, in place) and
+``scale_grad_``: kernels in csrc/cuda/grpo_loss_from_logits.cuh and csrc/cpu/grpo_loss_from_logits.cpp, planning in
+csrc/plan/grpo_loss_from_logits.h. Here: the typed wrapper, the fakes, the eager autograd and the composite op
+``grpo_ext::grpo_loss_from_logits`` that torch.compile traces. The helpers here are shared with
+grpo_loss_from_hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from ..results import GRPOLossOutput
+from ..validation import check_positive, validate_grpo_loss_args
+from ._common import accumulate_dtype
+from .options import NUM_METRICS, LossOptions, metrics_dict, takes_loss_options
+
+
+def resolve_loss_options(
+    function: str, batch: int, length: int, like: Tensor, advantages: Tensor, completion_mask: Tensor, kwargs: dict
+) -> LossOptions:
+    """The loss options of a fused call, checked by grpo_loss' own validation and resolved.
+
+    The log-probs are computed by the call itself: a ``[B, T]`` stand-in lets grpo_loss' checks name every other
+    argument.
+    """
+    options = LossOptions.from_kwargs(function, kwargs)
+    stand_in = torch.empty((batch, length), dtype=torch.float32, device=like.device)
+    return validate_grpo_loss_args(stand_in, advantages, completion_mask, options)
+
+
+def masked_mean_entropy(entropy: Tensor, completion_mask: Tensor, sample_mask: Tensor | None) -> Tensor:
+    """Mean entropy over the kept tokens (the kernels write 0 for masked rows, which are never read)."""
+    mask = completion_mask.to(entropy.dtype)
+    if sample_mask is not None:
+        mask = mask * sample_mask.to(entropy.dtype).unsqueeze(1)
+    return (entropy.view_as(mask) * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _logits_loss_forward(
+    logits: Tensor,
+    ids: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    options: LossOptions,
+    temperature: float,
+    compute_grad: bool,
+    inplace: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The fused forward on ``[N, V]``/``[B, T, V]`` logits: (loss, metrics vector, mean entropy, d loss/d logits).
+
+    Token-level losses: one pass over the logits (log-probs, entropy and the gradient), then the [B, T] loss op
+    for the loss and metrics. Sequence level: the log-probs first, the loss op's d loss / d logp, then a second
+    pass that writes the gradient. In place, the gradient is written over ``logits`` (returned as the gradient).
+    """
+    batch, length = completion_mask.shape
+    ops = torch.ops.grpo_ext
+    pass_op = ops.grpo_loss_from_logits_pass_ if inplace else ops.grpo_loss_from_logits_pass
+    option_args = options.op_args()
+    if compute_grad and options.importance_sampling_level != "token":
+        logps, entropy, _ = ops.grpo_loss_from_logits_pass(
+            logits, ids, 0, advantages, completion_mask, None, *option_args, temperature, False
+        )
+        loss, metrics, grad_raw, grad_scale = ops.grpo_loss_forward(
+            logps.view(batch, length), advantages, completion_mask, *option_args, True
+        )
+        token_grad = (grad_raw * grad_scale).reshape(-1)
+        out = pass_op(logits, ids, 0, advantages, completion_mask, token_grad, *option_args, temperature, True)
+    else:
+        out = pass_op(logits, ids, 0, advantages, completion_mask, None, *option_args, temperature, compute_grad)
+        logps, entropy = out[0], out[1]
+        loss, metrics, _, _ = ops.grpo_loss_forward(
+            logps.view(batch, length), advantages, completion_mask, *option_args, False
+        )
+    grad = None
+    if compute_grad:
+        grad = logits if inplace else out[2].view(logits.shape)
+    return loss, metrics, masked_mean_entropy(entropy, completion_mask, options.sample_mask), grad
+
+
+def check_ids_and_mask(rows: int, device: torch.device, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+    """Checks ids and mask against ``rows`` scoring rows; returns the ids flattened to ``[N]``."""
+    if not isinstance(completion_mask, Tensor) or completion_mask.dim() != 2:
+        raise ValueError(f"completion_mask must be a [B, T] tensor, got {getattr(completion_mask, 'shape', None)}")
+    batch, length = completion_mask.shape
+    if rows != batch * length:
+        raise ValueError(f"there are {rows} token rows, but completion_mask [B, T]={(batch, length)} has "
+                         f"{batch * length}")  # fmt: skip
+    if not isinstance(completion_ids, Tensor) or completion_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"completion_ids must be an int64 tensor, got {getattr(completion_ids, 'dtype', None)}")
+    if completion_ids.numel() != rows or completion_ids.dim() not in (1, 2):
+        raise ValueError(f"completion_ids must have shape [B, T]={(batch, length)} or [N]=({rows},), "
+                         f"got {tuple(completion_ids.shape)}")  # fmt: skip
+    if completion_ids.device != device or completion_mask.device != device:
+        raise ValueError(f"completion_ids and completion_mask must be on device {device}")
+    return completion_ids.reshape(-1)
+
+
+def check_logits_shapes(logits: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+    """Checks the logits/ids/mask shapes; returns the ids flattened to ``[N]``."""
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must have shape [B, T, V] or [N, V], got {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a vocabulary of at least one entry (V >= 1)")
+    if logits.dim() == 3 and isinstance(completion_mask, Tensor) and completion_mask.dim() == 2:
+        if tuple(logits.shape[:2]) != tuple(completion_mask.shape):
+            raise ValueError(f"logits must have shape [B, T, V] with [B, T]={tuple(completion_mask.shape)} "
+                             f"(completion_mask's), got {tuple(logits.shape)}")  # fmt: skip
+    rows = logits.shape[0] * logits.shape[1] if logits.dim() == 3 else logits.shape[0]
+    return check_ids_and_mask(rows, logits.device, completion_ids, completion_mask)
+
+
+def scale_grad(grad: Tensor, grad_loss: Tensor) -> Tensor:
+    """``grad *= grad_loss`` in place; a no-op on the device when grad_loss == 1 (no host sync, no memory pass)."""
+    if grad.dim() == 1:
+        torch.ops.grpo_ext.scale_grad_(grad.view(1, -1), grad_loss)
+    else:
+        torch.ops.grpo_ext.scale_grad_(grad, grad_loss)
+    return grad
+
+
+def take_saved_grads(ctx, function: str) -> tuple:
+    """The gradients the forward computed and kept on ``ctx``, handed over once (a second backward raises)."""
+    grads = ctx.saved_grads
+    if grads is None:
+        raise RuntimeError(
+            f"{function}: backward ran twice through the same forward; its gradients were computed in the forward "
+            "and handed over in the first backward (retain_graph=True is not supported). Run the forward again."
+        )
+    ctx.saved_grads = None  # handed over: the buffers are scaled in place and given to autograd
+    return grads
+
+
+def _logits_rows(logits: Tensor) -> int:
+    return logits.shape[0] * logits.shape[1] if logits.dim() == 3 else logits.shape[0]
+
+
+@torch.library.register_fake("grpo_ext::grpo_loss_from_logits_pass")
+def _grpo_loss_from_logits_pass_fake(logits, *args):
+    compute_grad = args[-1]
+    rows, dtype = _logits_rows(logits), accumulate_dtype(logits.dtype)
+    grad_shape = (rows, logits.shape[-1]) if compute_grad else (0,)
+    return logits.new_empty((rows,), dtype=dtype), logits.new_empty((rows,), dtype=dtype), logits.new_empty(grad_shape)
+
+
+@torch.library.register_fake("grpo_ext::grpo_loss_from_logits_pass_")
+def _grpo_loss_from_logits_pass_inplace_fake(logits, *args):
+    rows, dtype = _logits_rows(logits), accumulate_dtype(logits.dtype)
+    return logits.new_empty((rows,), dtype=dtype), logits.new_empty((rows,), dtype=dtype)
+
+
+@torch.library.register_fake("grpo_ext::scale_grad_")
+def _scale_grad_fake(grad, factor):
+    return None
+
+
+class _LogitsLossFunction(torch.autograd.Function):
+    """Eager autograd for the fused logits loss: the gradient is computed in the forward and kept on ``ctx``.
+
+    It is kept as a plain attribute, not with save_for_backward: in the in-place mode it is the logits' own
+    storage, whose version counter the forward bumps on purpose.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, advantages, completion_mask, options, temperature, inplace):
+        loss, metrics, entropy, grad = _logits_loss_forward(
+            logits, ids, advantages, completion_mask, options, temperature, True, inplace
+        )
+        ctx.saved_grads = (grad,)
+        ctx.mark_non_differentiable(metrics, entropy)
+        return loss, metrics, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_metrics, grad_entropy):
+        (grad,) = take_saved_grads(ctx, "grpo_loss_from_logits")
+        return scale_grad(grad, grad_loss), None, None, None, None, None, None
+
+
+# The fused loss as one opaque op for torch.compile: (loss, metrics vector, mean entropy, d loss / d logits).
+torch.library.define(
+    "grpo_ext::grpo_loss_from_logits",
+    f"(Tensor logits, Tensor ids, Tensor advantages, Tensor completion_mask, {_C.LOSS_OPTIONS_SCHEMA}"
+    "float temperature) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.impl("grpo_ext::grpo_loss_from_logits", "CompositeExplicitAutograd")
+def _grpo_loss_from_logits_impl(logits, ids, advantages, completion_mask, *options_and_temperature):
+    *options, temperature = options_and_temperature
+    return _logits_loss_forward(logits, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), temperature, True,
+                                False)  # fmt: skip
+
+
+@torch.library.register_fake("grpo_ext::grpo_loss_from_logits")
+def _grpo_loss_from_logits_fake(logits, ids, advantages, completion_mask, *args):
+    dtype = accumulate_dtype(logits.dtype)
+    return (
+        logits.new_empty((), dtype=dtype),
+        logits.new_empty((NUM_METRICS,), dtype=dtype),
+        logits.new_empty((), dtype=dtype),
+        torch.empty_like(logits, memory_format=torch.contiguous_format),
+    )
+
+
+def _logits_op_setup_context(ctx, inputs, output) -> None:
+    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(output[3])
+    ctx.mark_non_differentiable(output[1], output[2], output[3])
+
+
+def _logits_op_backward(ctx, grad_loss, *unused):
+    (grad,) = ctx.saved_tensors
+    return (grad * grad_loss.to(grad.dtype),) + (None,) * (ctx.num_inputs - 1)
+
+
+torch.library.register_autograd(
+    "grpo_ext::grpo_loss_from_logits", _logits_op_backward, setup_context=_logits_op_setup_context
+)
+
+
+@takes_loss_options
+def grpo_loss_from_logits(
+    logits: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    inplace_grad: bool = False,
+    **options,
+) -> GRPOLossOutput:
+    """Fused GRPO loss from logits: log-probs, entropy, loss, metrics and d loss / d logits (docs/math.md sections 2-7).
+
+    Token-level losses read each logits row once for its softmax statistics and again, right after, to write its
+    gradient (the second read is served from cache); no ``[N, V]`` float temporary is made. Sequence-level
+    losses (GSPO) take a second pass, since a row's ratio needs all its log-probs first. Masked rows are never read
+    and get a zero gradient. The backward only scales the gradient by the incoming one (skipped when it is 1).
+
+    Args:
+        logits: ``[B, T, V]`` (rows may be strided, e.g. ``model_logits[:, :-1]``; V contiguous) or ``[N, V]`` with
+            ``N = B * T``, float32/bfloat16/float16 (or float64); ``logits[i, t]`` scores ``completion_ids[i, t]``.
+        completion_ids: ``[B, T]`` (or ``[N]``) int64 token ids in ``[0, V)``.
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        completion_mask: ``[B, T]`` bool/int/float.
+        temperature: ``z = logits / temperature``, > 0.
+        inplace_grad: write the gradient over ``logits`` instead of a new buffer (no extra memory). ``logits`` must
+            be the output of an op (a model's lm_head, say), not a leaf; its version counter is bumped, so autograd
+            raises if anything saved it for backward, and its values are the gradient afterwards. Eager mode only.
+        **options: the loss options of :func:`grpo_ext.grpo_loss` (:class:`~grpo_ext.ops.options.LossOptions`).
+
+    Returns:
+        GRPOLossOutput: as :func:`grpo_loss` (``loss`` float32, with autograd to ``logits``), with
+        ``metrics["entropy"]`` the mean entropy over the kept tokens.
+    """
+    flat_ids = check_logits_shapes(logits, completion_ids, completion_mask)
+    temperature = check_positive("temperature", temperature)
+    batch, length = completion_mask.shape
+    resolved = resolve_loss_options("grpo_loss_from_logits", batch, length, logits, advantages, completion_mask,
+                                    options)  # fmt: skip
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        if inplace_grad:
+            raise ValueError("inplace_grad=True needs logits contiguous in the vocabulary dimension (stride(-1) == 1)")
+        logits = logits.contiguous()
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    if inplace_grad:
+        if torch.compiler.is_compiling():
+            raise ValueError("inplace_grad=True is for eager mode; under torch.compile use inplace_grad=False")
+        if compute_grad and logits.is_leaf:
+            raise ValueError(
+                "inplace_grad=True would overwrite a leaf tensor with its own gradient; pass logits produced by an op "
+                "(e.g. the lm_head's output) or use inplace_grad=False"
+            )
+    if not compute_grad:
+        loss, metrics, entropy, _ = _logits_loss_forward(
+            logits, flat_ids, advantages, completion_mask, resolved, temperature, False, False
+        )
+    elif torch.compiler.is_compiling():
+        loss, metrics, entropy, _ = torch.ops.grpo_ext.grpo_loss_from_logits(
+            logits, flat_ids, advantages, completion_mask, *resolved.op_args(), temperature
+        )
+    else:
+        loss, metrics, entropy = _LogitsLossFunction.apply(
+            logits, flat_ids, advantages, completion_mask, resolved, temperature, inplace_grad
+        )
+        if inplace_grad:
+            # the values are the gradient now: anything that saved the logits for backward must fail loudly
+            torch.autograd.graph.increment_version(logits)
+    return GRPOLossOutput(loss, metrics_dict(metrics, resolved, entropy))

@@ -1,0 +1,47 @@
+"""The chunked LM head, written once for grpo_loss_from_hidden and the TRL integration: how many token rows a
+chunk of logits holds, and a chunk's logits from the hidden states (bias, logit scale and soft-capping included).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: Bytes of logits one chunk may hold: GEMMs stay large while the memory for logits stays bounded.
+LOGITS_CHUNK_BYTES = 256 << 20
+
+
+def chunk_rows(rows: int, vocab: int, element_size: int) -> int:
+    """Token rows per chunk: the largest power of two whose ``[rows, vocab]`` logits fit in LOGITS_CHUNK_BYTES.
+
+    Args:
+        rows: the number of token rows to score (the chunk never exceeds it, and is at least 1).
+        vocab: ``V``, the logits' row length.
+        element_size: bytes per logit (``torch.Tensor.element_size()`` of the logits' dtype).
+    """
+    fit = max(1, LOGITS_CHUNK_BYTES // max(1, vocab * element_size))
+    return max(1, min(rows, 1 << (fit.bit_length() - 1)))
+
+
+def project(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, logit_scale: float = 1.0, softcap: float | None = None
+) -> Tensor:
+    """LM-head logits of a chunk of rows, before the temperature.
+
+    Args:
+        hidden: ``[n, H]``.
+        weight: ``[V, H]``, the dtype of ``hidden``.
+        bias: ``[V]`` or None.
+        logit_scale: multiplies the logits (1.0 for most models; Cohere's ``logit_scale``).
+        softcap: ``softcap * tanh(z / softcap)`` after the scale (Gemma 2's final soft-capping), or None.
+
+    Returns:
+        ``[n, V]`` logits, in ``hidden``'s dtype when no scale or cap applies, else float32.
+    """
+    logits = torch.addmm(bias, hidden, weight.t()) if bias is not None else hidden @ weight.t()
+    if logit_scale == 1.0 and softcap is None:
+        return logits
+    logits = logits.float() * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits

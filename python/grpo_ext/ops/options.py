@@ -1,0 +1,182 @@
+"""The loss options, defined once: names, types, defaults, meaning, and the value sets of every string option.
+
+:class:`LossOptions` is the one Python definition of the options every loss takes (``grpo_loss``,
+``grpo_loss_from_logits``, ``grpo_loss_from_hidden`` and their references): the public functions' signatures, the
+native ops' argument tuples and the metrics dict are all built from it. Its C++ twin is ``GRPO_LOSS_OPTIONS`` in
+``csrc/plan/loss_options.h`` (same names, same order); adding an option means one field here and one line there
+(docs/architecture.md). The math of each option is docs/math.md sections 3-7.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+from torch import Tensor
+
+# ---------------------------------------------------------------------------------------------------------------
+# The values each string option accepts (imported by the validation, the trainer's config, the TRL integration
+# and the tests)
+# ---------------------------------------------------------------------------------------------------------------
+
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+#: The loss types whose policy term is PPO's clipped surrogate (docs/math.md section 3).
+CLIP_FAMILY_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+#: The loss types normalized by the tokens of the batch, ``num_items_in_batch`` (docs/math.md section 5).
+TOKEN_LEVEL_LOSS_TYPES: tuple[str, ...] = ("dapo", "cispo")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
+SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
+BASELINES: tuple[str, ...] = ("mean", "leave_one_out")
+MULTI_OBJECTIVE_AGGREGATIONS: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
+
+#: Default absolute ratio cap of ``loss_type="cispo"`` when ``epsilon_high`` is left unset (docs/math.md section 3).
+CISPO_DEFAULT_CAP: float = 5.0
+
+#: A group whose reward std is at most this (and that has >= 2 scored members) is a zero-std group (section 1).
+ZERO_STD_TOL: float = 1e-8
+
+
+class LossOptions(NamedTuple):
+    """The options of every GRPO loss, with their defaults, in the order the native ops take them.
+
+    Attributes:
+        old_logps: ``[B, T]`` log-probs of the sampling policy; None means on-policy (``old = logps.detach()``).
+        ref_logps: ``[B, T]`` reference-model log-probs; required when ``beta != 0``.
+        is_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` rollout importance-sampling weights (multiply the policy term).
+        sample_mask: ``[B]`` rows to keep (zero-std masking); a dropped row counts in no token denominator.
+        loss_type: one of ``LOSS_TYPES``: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``, ``cispo``, ``sapo``.
+        epsilon: lower clip ``1 - epsilon``.
+        epsilon_high: upper clip ``1 + epsilon_high`` (defaults to ``epsilon``); for ``cispo`` the absolute cap on
+            the ratio (default 5.0).
+        delta: two-sided clipping cap on the unclipped ratio (INTELLECT-2), must exceed 1.
+        beta: KL coefficient.
+        kl_estimator: ``k1``, ``k2`` or ``k3``.
+        kl_clamp: clamp of ``ref - logps`` before the estimator.
+        use_bias_correction_kl: multiply the KL by the importance ratio (DeepSeek-V3.2).
+        importance_sampling_level: ``token`` or ``sequence`` (GSPO).
+        max_completion_length: ``dr_grpo``'s constant denominator (default ``T``).
+        num_items_in_batch: ``dapo``/``cispo`` denominator, a number or a one-element tensor (default: the kept
+            tokens). The native ops take it as two arguments, a float and a tensor.
+        sapo_temperature_pos: SAPO temperature for positive advantages.
+        sapo_temperature_neg: SAPO temperature for non-positive advantages.
+        loss_scale: multiplies the loss and its gradient (gradient accumulation or a loss scaler).
+    """
+
+    old_logps: Tensor | None = None
+    ref_logps: Tensor | None = None
+    is_weights: Tensor | None = None
+    sample_mask: Tensor | None = None
+    loss_type: str = "grpo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_clamp: float | None = None
+    use_bias_correction_kl: bool = False
+    importance_sampling_level: str = "token"
+    max_completion_length: int | None = None
+    num_items_in_batch: float | Tensor | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    loss_scale: float | Tensor = 1.0
+
+    @classmethod
+    def from_kwargs(cls, function: str, kwargs: dict[str, Any]) -> LossOptions:
+        """The options a public function received as keywords; unknown names raise ``TypeError``."""
+        unknown = sorted(set(kwargs) - set(cls._fields))
+        if unknown:
+            raise TypeError(f"{function}() got unexpected keyword argument(s) {unknown}; it takes grpo_loss' options")
+        return cls(**kwargs)
+
+    def op_args(self) -> tuple:
+        """The options as the native ops take them (validated values): ``num_items_in_batch`` as (float, tensor).
+
+        Numbers are converted to the Python type their annotation starts with (``float`` or ``int``).
+        """
+        values: list[Any] = []
+        for name, value in zip(self._fields, self, strict=True):
+            kind = _ANNOTATIONS[name].split(" ")[0]
+            if name == "num_items_in_batch":
+                is_tensor = isinstance(value, Tensor)
+                values += [None if value is None or is_tensor else float(value), value if is_tensor else None]
+            elif value is not None and kind in ("float", "int"):
+                values.append(float(value) if kind == "float" else int(value))
+            else:
+                values.append(value)
+        return tuple(values)
+
+    @classmethod
+    def from_op_args(cls, values: tuple) -> LossOptions:
+        """Inverse of :meth:`op_args` (the composite ops receive the options as the native ops do)."""
+        split = cls._fields.index("num_items_in_batch")
+        number, tensor = values[split], values[split + 1]
+        return cls(*values[:split], tensor if tensor is not None else number, *values[split + 2 :])
+
+
+# Each option's annotation as text ("float | None"): NamedTuple keeps postponed annotations as ForwardRefs.
+_ANNOTATIONS: dict[str, str] = {
+    name: getattr(annotation, "__forward_arg__", annotation) for name, annotation in LossOptions.__annotations__.items()
+}
+
+#: The native ops' option names, in schema order (must equal ``_C.LOSS_OPTIONS_SCHEMA``'s; a test checks it).
+NATIVE_OPTION_NAMES: tuple[str, ...] = tuple(
+    name for field in LossOptions._fields for name in ((field, "num_items_tensor") if field == "num_items_in_batch"
+                                                       else (field,))
+)  # fmt: skip
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def takes_loss_options(function: _F) -> _F:
+    """Declares that ``function(..., **options)`` takes the loss options: its signature lists them as keywords.
+
+    ``inspect.signature``, ``help()`` and IDEs then show every option with its type and default, while the options
+    themselves stay defined once (:class:`LossOptions`).
+    """
+    signature = inspect.signature(function)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    options = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=LossOptions._field_defaults[name],
+                          annotation=_ANNOTATIONS[name])
+        for name in LossOptions._fields
+    ]  # fmt: skip
+    function.__signature__ = signature.replace(parameters=own + options)  # type: ignore[attr-defined]
+    return function
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The metrics vector of the native loss ops, as TRL names its metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+# Slots of the metrics vector the forward kernels return (csrc/grpo_loss_math.h, MetricSlot).
+METRIC_KL, METRIC_LOW, METRIC_HIGH, METRIC_REGION, METRIC_CISPO = range(5)
+NUM_METRICS = 5
+
+
+def metrics_dict(metrics: Tensor, options: LossOptions, entropy: Tensor | None = None) -> dict[str, Tensor]:
+    """The metrics vector as a dict under TRL's names (docs/math.md section 7).
+
+    Args:
+        metrics: ``[5]`` vector of the native forward (float32, float64 for float64 inputs).
+        options: the options of the call (``beta`` and ``loss_type`` decide which metrics exist).
+        entropy: 0-dim mean entropy over the kept tokens, for the losses from logits.
+
+    Returns:
+        ``kl`` (when ``beta != 0``), ``cispo_clip_ratio`` (cispo) or ``clip_ratio/{low,high,region}_mean``, and
+        ``entropy`` when given; 0-dim views of ``metrics``.
+    """
+    out: dict[str, Tensor] = {}
+    if options.beta != 0:
+        out["kl"] = metrics[METRIC_KL]
+    if options.loss_type == "cispo":
+        out["cispo_clip_ratio"] = metrics[METRIC_CISPO]
+    else:
+        out["clip_ratio/low_mean"] = metrics[METRIC_LOW]
+        out["clip_ratio/high_mean"] = metrics[METRIC_HIGH]
+        out["clip_ratio/region_mean"] = metrics[METRIC_REGION]
+    if entropy is not None:
+        out["entropy"] = entropy
+    return out

@@ -1,0 +1,116 @@
+"""Reference of group_advantages (docs/math.md section 1) in plain PyTorch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..ops.options import ZERO_STD_TOL
+from ..results import GroupAdvantages
+from ..validation import reward_weights_tensor, validate_group_advantages_args
+from ._common import compute_dtype, nan_mean_std
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int,
+    *,
+    reward_weights: Sequence[float] | Tensor | None = None,
+    scale_rewards: str = "group",
+    baseline: str = "mean",
+    multi_objective_aggregation: str = "sum_then_normalize",
+    eps: float = 1e-4,
+    std_ddof: int = 1,
+) -> GroupAdvantages:
+    """Group-relative advantages (docs/math.md section 1).
+
+    The ``G`` completions of one prompt are contiguous rows. NaN in ``rewards`` means "this reward function did
+    not score this row". All statistics are NaN-aware (computed over scored members only).
+
+    Args:
+        rewards: ``[B]`` or ``[B, K]`` floating tensor (K reward functions), NaN = not scored.
+        group_size: ``G >= 1``; ``B`` must be divisible by it.
+        reward_weights: ``K`` weights ``w_k`` (sequence or 1-D tensor); default all ones.
+        scale_rewards: ``"group"`` (divide by the group's std + eps), ``"batch"`` (divide by the NaN-aware std of
+            R over the whole batch + eps; centering stays per group) or ``"none"`` (Dr. GRPO, no division).
+        baseline: ``"mean"`` (group mean, GRPO) or ``"leave_one_out"`` (mean of the other scored rows, RLOO).
+        multi_objective_aggregation: ``"sum_then_normalize"`` (``R_i = sum_k w_k r[i,k]`` over scored k, NaN if
+            none is scored) or ``"normalize_then_sum"`` (GDPO: z-score each function in its group,
+            ``R_i = nansum_k w_k z[i,k]``, then z-score R over the batch; ``scale_rewards`` and ``baseline`` are
+            ignored).
+        eps: added to the std (never inside a sqrt); must be > 0.
+        std_ddof: delta degrees of freedom of every std (1 = Bessel, as TRL); a std over fewer than
+            ``std_ddof + 1`` scored members is 0.
+
+    Returns:
+        :class:`GroupAdvantages` with ``advantages [B]``, ``group_mean [B/G]``, ``group_std [B/G]`` in the compute
+        dtype (``rewards.dtype`` promoted to at least float32) and ``zero_std [B/G]`` bool.
+
+    Raises:
+        ValueError: bad ``group_size``, ``B % G != 0``, non-floating ``rewards``, wrong-length ``reward_weights``,
+            unknown option strings, ``eps <= 0`` or ``std_ddof < 0``.
+    """
+    group_size, eps, std_ddof = validate_group_advantages_args(
+        rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof
+    )
+    batch = rewards.shape[0]
+
+    dtype = compute_dtype(rewards)
+    r = rewards.detach().to(dtype)
+    if r.dim() == 1:
+        r = r.unsqueeze(1)  # [B, 1]
+    num_rewards = r.shape[1]
+    num_groups = batch // group_size
+    w = reward_weights_tensor(reward_weights, num_rewards, dtype, r.device)  # [K]
+
+    if multi_objective_aggregation == "normalize_then_sum":
+        # z-score each reward function inside its group: stats over the G rows, per (group, function).
+        r_by_group = r.reshape(num_groups, group_size, num_rewards).transpose(1, 2)  # [B/G, K, G]
+        mean_gk, std_gk, _ = nan_mean_std(r_by_group, std_ddof)  # [B/G, K]
+        z = (r_by_group - mean_gk.unsqueeze(-1)) / (std_gk.unsqueeze(-1) + eps)  # NaN where r is NaN
+        z = z.transpose(1, 2).reshape(batch, num_rewards)  # [B, K]
+        combined = torch.nansum(w * z, dim=1)  # [B]; a row with every k NaN gets 0 (torch.nansum, as TRL)
+        # then z-score the combined reward over the whole batch
+        batch_mean, batch_std, _ = nan_mean_std(combined, std_ddof)  # 0-dim
+        advantages = (combined - batch_mean) / (batch_std + eps)
+        advantages = torch.where(torch.isnan(combined), torch.zeros_like(advantages), advantages)
+    else:
+        # sum_then_normalize: R_i = sum over scored k of w_k r[i,k]; NaN iff no k is scored.
+        scored = ~torch.isnan(r)
+        weighted = torch.where(scored, r, torch.zeros_like(r)) * w
+        combined = weighted.sum(dim=1)  # [B]
+        combined = torch.where(scored.any(dim=1), combined, torch.full_like(combined, float("nan")))
+
+        grouped = combined.reshape(num_groups, group_size)  # [B/G, G]
+        g_mean, g_std, g_count = nan_mean_std(grouped, std_ddof)  # [B/G]
+        row_scored = ~torch.isnan(grouped)
+
+        # baseline b_i
+        if baseline == "mean":
+            base = g_mean.unsqueeze(1).expand(num_groups, group_size)
+            has_baseline = row_scored
+        else:  # leave_one_out: mean of the *other* scored rows of the group
+            grouped_zero = torch.where(row_scored, grouped, torch.zeros_like(grouped))
+            others_sum = grouped_zero.sum(dim=1, keepdim=True) - grouped_zero
+            others_count = g_count.unsqueeze(1) - row_scored.to(g_count.dtype)
+            base = others_sum / others_count.clamp(min=1).to(dtype)
+            has_baseline = row_scored & (others_count >= 1)
+
+        # scale sigma
+        centered = grouped - base
+        if scale_rewards == "group":
+            advantages = centered / (g_std.unsqueeze(1) + eps)
+        elif scale_rewards == "batch":
+            _, batch_std, _ = nan_mean_std(combined, std_ddof)
+            advantages = centered / (batch_std + eps)
+        else:  # "none"
+            advantages = centered
+        # a NaN row, or a leave-one-out row with no other scored member, gets A = 0
+        advantages = torch.where(has_baseline, advantages, torch.zeros_like(advantages)).reshape(batch)
+
+    # group statistics of the combined reward (every mode)
+    group_mean, group_std, group_count = nan_mean_std(combined.reshape(num_groups, group_size), std_ddof)
+    zero_std = (group_count >= 2) & (group_std <= ZERO_STD_TOL)
+    return GroupAdvantages(advantages=advantages, group_mean=group_mean, group_std=group_std, zero_std=zero_std)

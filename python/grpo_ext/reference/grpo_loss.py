@@ -1,0 +1,183 @@
+"""Reference of grpo_loss (docs/math.md sections 3-7) in plain PyTorch, with the exact primitives the contract names."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops.options import CLIP_FAMILY_LOSS_TYPES, LossOptions, takes_loss_options
+from ..results import GRPOLossOutput
+from ..validation import validate_grpo_loss_args
+from ._common import compute_dtype, per_row
+
+
+@takes_loss_options
+def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **options) -> GRPOLossOutput:
+    """GRPO-family policy loss with optional KL penalty (docs/math.md sections 3-7).
+
+    Steps: ``m_eff = completion_mask * sample_mask[:, None]``; positions with ``m_eff == 0`` are replaced by 0 in
+    ``l``, ``l_old``, ``l_ref`` (and in per-token advantages / IS weights) before any arithmetic, so garbage there
+    (even NaN or -inf) never reaches the loss or the gradient. Then ``d = l - l_old``; ``rho = exp(d)`` (token level)
+    or ``rho[i,t] = exp(sum_t m_eff*d / max(n_i, 1))`` (sequence level, GSPO); the per-token term ``L`` of
+    ``loss_type`` (section 3) is multiplied by ``is_weights``; ``P = L + beta * KL`` (section 4); ``P`` is
+    aggregated with ``m_eff`` as in section 5 and multiplied by ``loss_scale``.
+
+    Args:
+        logps: ``[B, T]`` floating current-policy log-probs of the sampled tokens; the only input with a gradient.
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]`` floating (detached).
+        completion_mask: ``[B, T]`` bool/int/float, used as a float weight (bool -> 0/1).
+        old_logps: ``[B, T]`` floating old-policy log-probs (detached); None means ``l_old = l.detach()``.
+        ref_logps: ``[B, T]`` floating reference log-probs (detached); required when ``beta != 0``.
+        is_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` floating importance-sampling weights (detached); multiply L only.
+        sample_mask: ``[B]`` bool/int/float row mask, multiplied into the completion mask before anything else.
+        loss_type: one of ``LOSS_TYPES``: grpo, bnpo, dr_grpo, dapo, luspo (clip family), cispo, sapo.
+        epsilon: lower clip ``1 - epsilon`` (clip family); > 0.
+        epsilon_high: upper clip ``1 + epsilon_high`` (clip family, default ``epsilon``); for cispo the absolute
+            ratio cap (default 5.0); > 0.
+        delta: optional upper cap of the unclipped ratio (two-sided clipping, INTELLECT-2); must exceed 1.
+        beta: KL coefficient, >= 0; the KL term is computed only when ``beta != 0``.
+        kl_estimator: ``"k3"`` (``exp(r) - r - 1``), ``"k1"`` (``-r``) or ``"k2"`` (``r^2 / 2``), ``r = l_ref - l``.
+        kl_clamp: optional > 0 bound: ``r`` is clamped to ``[-kl_clamp, kl_clamp]``.
+        use_bias_correction_kl: multiply KL by ``rho`` (with its gradient), DeepSeek-V3.2.
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
+        max_completion_length: denominator length of ``dr_grpo`` (default ``T``); >= 1.
+        num_items_in_batch: denominator of ``dapo``/``cispo`` (Python number > 0 or 0-dim tensor); default
+            ``max(sum m_eff, 1)``.
+        sapo_temperature_pos: SAPO temperature where ``A > 0``; > 0.
+        sapo_temperature_neg: SAPO temperature where ``A <= 0``; > 0.
+        loss_scale: Python number or 0-dim tensor multiplying the loss (and therefore the gradient).
+
+    Returns:
+        :class:`GRPOLossOutput`: 0-dim ``loss`` and a dict of detached 0-dim metrics, all in the compute dtype
+        (``logps.dtype`` promoted to at least float32).
+
+    Raises:
+        ValueError: unknown option strings, out-of-range numbers, wrong shapes, non-floating tensors, tensors on
+            different devices, an empty batch, or ``beta != 0`` without ``ref_logps``.
+    """
+    o = validate_grpo_loss_args(logps, advantages, completion_mask, LossOptions.from_kwargs("grpo_loss", options))
+    batch, length = logps.shape
+
+    dtype = compute_dtype(logps)
+
+    # ------------------------------------------------------------------ masks and masked inputs
+    m = completion_mask.detach().to(dtype)
+    if o.sample_mask is not None:
+        m = m * o.sample_mask.detach().to(dtype).unsqueeze(1)  # m_eff: [B, T]
+    keep = m != 0  # [B, T] bool
+    zero = torch.zeros((), dtype=dtype, device=logps.device)
+
+    l = torch.where(keep, logps.to(dtype), zero)  # noqa: E741  (docs/math.md's symbol); gradient exactly 0 where masked
+    if o.old_logps is None:
+        l_old = l.detach()
+    else:
+        l_old = torch.where(keep, o.old_logps.detach().to(dtype), zero)
+
+    # advantages broadcast to [B, T]; masked positions (e.g. sample-masked rows) may hold garbage, so zero them
+    adv = torch.where(keep, per_row(advantages, dtype), zero)
+    adv_has_token_dim = advantages.dim() == 2 and advantages.shape[1] == length and length != 1
+
+    n = m.sum(dim=1)  # n_i: [B]
+
+    # ------------------------------------------------------------------ section 3: importance ratio
+    d = l - l_old  # [B, T]
+    if o.importance_sampling_level == "token":
+        rho = torch.exp(d)  # [B, T]
+        log_s = None
+    else:  # "sequence" (GSPO)
+        log_s = (m * d).sum(dim=1) / torch.clamp(n, min=1)  # [B]
+        rho = torch.exp(log_s).unsqueeze(1).expand(batch, length)  # [B, T]; gradient reaches every token of row i
+
+    # ------------------------------------------------------------------ section 3: policy term L
+    if o.loss_type in CLIP_FAMILY_LOSS_TYPES:
+        rho_c = torch.clamp(rho, max=o.delta) if o.delta is not None else rho
+        clipped = torch.clamp(rho, 1 - o.epsilon, 1 + o.epsilon_high)
+        per_token = -torch.minimum(rho_c * adv, clipped * adv)
+    elif o.loss_type == "cispo":
+        cap = o.epsilon_high
+        per_token = -torch.clamp(rho, max=cap).detach() * adv * l
+    else:  # "sapo"
+        tau = torch.where(
+            adv > 0,
+            torch.full_like(adv, o.sapo_temperature_pos),
+            torch.full_like(adv, o.sapo_temperature_neg),
+        )
+        per_token = -(4 / tau) * torch.sigmoid(tau * (rho - 1)) * adv
+
+    if o.is_weights is not None:
+        w = torch.where(keep, per_row(o.is_weights, dtype), zero)  # [B, T]
+        per_token = per_token * w
+
+    # ------------------------------------------------------------------ section 4: KL penalty
+    kl = None
+    if o.beta != 0:
+        assert o.ref_logps is not None  # checked above
+        l_ref = torch.where(keep, o.ref_logps.detach().to(dtype), zero)
+        r = l_ref - l
+        if o.kl_clamp is not None:
+            r = torch.clamp(r, -o.kl_clamp, o.kl_clamp)
+        if o.kl_estimator == "k3":
+            kl = torch.exp(r) - r - 1
+        elif o.kl_estimator == "k1":
+            kl = -r
+        else:  # "k2"
+            kl = r**2 / 2
+        if o.use_bias_correction_kl:
+            kl = rho * kl
+        per_token = per_token + o.beta * kl
+
+    # ------------------------------------------------------------------ section 5: aggregation
+    weighted = per_token * m  # [B, T]
+    total_tokens = torch.clamp(m.sum(), min=1)
+    if o.loss_type in ("grpo", "sapo"):
+        loss = (weighted.sum(dim=1) / torch.clamp(n, min=1)).sum() / batch
+    elif o.loss_type == "bnpo":
+        loss = weighted.sum() / total_tokens
+    elif o.loss_type == "dr_grpo":
+        loss = weighted.sum() / (batch * o.max_completion_length)
+    elif o.loss_type in ("dapo", "cispo"):
+        if o.num_items_in_batch is None:
+            denominator = total_tokens
+        elif isinstance(o.num_items_in_batch, Tensor):
+            denominator = o.num_items_in_batch.detach().to(device=logps.device, dtype=dtype)
+        else:
+            denominator = float(o.num_items_in_batch)
+        loss = weighted.sum() / denominator
+    else:  # "luspo"
+        loss = weighted.sum() / batch
+    if isinstance(o.loss_scale, Tensor):
+        loss = loss * o.loss_scale.detach().to(device=logps.device, dtype=dtype)
+    else:
+        loss = loss * o.loss_scale
+
+    # ------------------------------------------------------------------ section 7: metrics
+    metrics: dict[str, Tensor] = {}
+    with torch.no_grad():
+        if kl is not None:
+            metrics["kl"] = (kl * m).sum() / total_tokens
+
+        # conditions use the uncapped rho; one value per row when the ratio and the advantage are per row
+        per_row_shares = o.importance_sampling_level == "sequence" and not adv_has_token_dim
+        if per_row_shares:
+            assert log_s is not None
+            rho_cond = torch.exp(log_s)  # [B]; a row with no tokens has s_i = 1
+            adv_cond = advantages.detach().to(dtype).reshape(batch)  # [B], every row counted
+        else:
+            rho_cond = rho  # [B, T]
+            adv_cond = adv  # [B, T]
+
+        def share(condition: Tensor) -> Tensor:
+            if per_row_shares:
+                return condition.to(dtype).sum() / batch
+            return (condition.to(dtype) * m).sum() / total_tokens
+
+        if o.loss_type == "cispo":
+            metrics["cispo_clip_ratio"] = share((rho_cond > o.epsilon_high) & (adv_cond > 0))
+        else:
+            low = (rho_cond < 1 - o.epsilon) & (adv_cond < 0)
+            high = (rho_cond > 1 + o.epsilon_high) & (adv_cond > 0)
+            metrics["clip_ratio/low_mean"] = share(low)
+            metrics["clip_ratio/high_mean"] = share(high)
+            metrics["clip_ratio/region_mean"] = share(low | high)
+
+    return GRPOLossOutput(loss=loss, metrics=metrics)

@@ -1,0 +1,46 @@
+"""Reference of grpo_loss_from_hidden: the materialized LM-head logits, then grpo_loss_from_logits."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..ops.options import takes_loss_options
+from ..results import GRPOLossOutput
+from .grpo_loss_from_logits import grpo_loss_from_logits
+
+
+@takes_loss_options
+def grpo_loss_from_hidden(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    lm_head_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    **options,
+) -> GRPOLossOutput:
+    """``logits = hidden @ lm_head_weight.T (+ lm_head_bias)``, then :func:`grpo_loss_from_logits`.
+
+    Args:
+        hidden: ``[B, T, H]`` or ``[N, H]``.
+        lm_head_weight: ``[V, H]``.
+        completion_ids: ``[B, T]`` (or ``[N]``).
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        completion_mask: ``[B, T]``.
+        lm_head_bias: ``[V]`` or None.
+        temperature: > 0.
+        chunk_size: ignored (the reference materializes every logit).
+        **options: :func:`grpo_loss`' options.
+
+    Returns:
+        GRPOLossOutput, with ``metrics["entropy"]``.
+    """
+    logits = hidden @ lm_head_weight.t()
+    if lm_head_bias is not None:
+        logits = logits + lm_head_bias
+    return grpo_loss_from_logits(
+        logits, completion_ids, advantages, completion_mask, temperature=temperature, **options
+    )

@@ -1,0 +1,50 @@
+"""Reference of grpo_loss_from_logits (docs/math.md sections 2-7): selective_log_softmax, then grpo_loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops.options import takes_loss_options
+from ..results import GRPOLossOutput
+from .grpo_loss import grpo_loss
+from .selective_log_softmax import selective_log_softmax
+
+
+@takes_loss_options
+def grpo_loss_from_logits(
+    logits: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    **options,
+) -> GRPOLossOutput:
+    """:func:`selective_log_softmax` then :func:`grpo_loss`, through a materialized log_softmax.
+
+    Args:
+        logits: ``[B, T, V]`` (or ``[N, V]`` with ``N = B * T``) floating; ``logits[i, t]`` scores
+            ``completion_ids[i, t]``.
+        completion_ids: ``[B, T]`` (or ``[N]``) integer ids.
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        completion_mask: ``[B, T]``.
+        temperature: > 0.
+        **options: :func:`grpo_loss`' options.
+
+    Returns:
+        GRPOLossOutput: :func:`grpo_loss`'s, with ``metrics["entropy"]``, the mean entropy over the kept tokens.
+    """
+    batch, length = completion_mask.shape
+    logits = logits.reshape(batch, length, logits.shape[-1])
+    selected = selective_log_softmax(
+        logits, completion_ids.reshape(batch, length), temperature=temperature, return_entropy=True
+    )
+    out = grpo_loss(selected.logps, advantages, completion_mask, **options)
+    mask = completion_mask.to(selected.logps.dtype)
+    sample_mask = options.get("sample_mask")
+    if sample_mask is not None:
+        mask = mask * sample_mask.to(mask.dtype).unsqueeze(1)
+    entropy = torch.where(mask != 0, selected.entropy.detach(), 0.0)
+    out.metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+    return out

@@ -1,0 +1,40 @@
+"""Reference of selective_log_softmax (docs/math.md section 2), through a materialized log_softmax."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..results import SelectiveLogSoftmax
+from ..validation import validate_selective_log_softmax_args
+from ._common import compute_dtype
+
+
+def selective_log_softmax(
+    logits: Tensor, ids: Tensor, *, temperature: float = 1.0, return_entropy: bool = False
+) -> SelectiveLogSoftmax:
+    """Log-probs of the chosen tokens and the entropy (docs/math.md section 2), through a materialized log_softmax.
+
+    ``z = logits / temperature``; ``logps = z[id] - logsumexp(z)``;
+    ``entropy = logsumexp(z) - sum_v softmax(z)_v * z_v``.
+
+    Args:
+        logits: ``[..., V]`` floating; ``logits[..., :]`` scores ``ids[...]`` (positions already aligned).
+        ids: ``[...]`` integer token ids in ``[0, V)``.
+        temperature: > 0.
+        return_entropy: also return the entropy.
+
+    Returns:
+        :class:`SelectiveLogSoftmax` of ``[...]`` tensors in the compute dtype (float32, float64 for float64
+        logits), differentiable with respect to ``logits``.
+    """
+    temperature = validate_selective_log_softmax_args(logits, ids, temperature)
+    z = logits.to(compute_dtype(logits)) / temperature
+    log_probs = torch.log_softmax(z, dim=-1)
+    logps = torch.gather(log_probs, -1, ids.long().unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if return_entropy:
+        probs = log_probs.exp()
+        # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing
+        entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum(-1)
+    return SelectiveLogSoftmax(logps, entropy)

@@ -1,0 +1,318 @@
+"""Argument validation shared by every implementation of the ops (the kernels' wrappers and the reference).
+
+Each ``validate_<op>_args`` raises a ``ValueError`` naming the bad argument and what was expected, without syncing
+the host, and returns the arguments normalized; both implementations call it, so they fail alike.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .ops.options import (
+    BASELINES,
+    CISPO_DEFAULT_CAP,
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    SCALE_REWARDS,
+    LossOptions,
+)
+
+
+def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
+    """Raises ValueError unless ``value`` is one of ``allowed``; the message lists the allowed values."""
+    if not isinstance(value, str) or value not in allowed:
+        allowed_list = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {allowed_list}; got {value!r}")
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """Returns ``value`` as a Python int, raising ValueError unless it is an integer >= ``minimum``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        as_int = operator.index(value)  # accepts int, numpy ints, 0-dim integer tensors
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if as_int < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {as_int}")
+    return as_int
+
+
+def check_real_number(name: str, value: object) -> float:
+    """Returns ``value`` as a Python float, raising ValueError unless it is a real (non-bool) Python number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_positive(name: str, value: object) -> float:
+    """Returns ``value`` as a float, raising ValueError unless it is a number > 0 (NaN is rejected)."""
+    x = check_real_number(name, value)
+    if not x > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return x
+
+
+def check_non_negative(name: str, value: object) -> float:
+    """Returns ``value`` as a float, raising ValueError unless it is a number >= 0 (NaN is rejected)."""
+    x = check_real_number(name, value)
+    if not x >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return x
+
+
+def check_tensor(name: str, value: object) -> Tensor:
+    """Raises ValueError unless ``value`` is a torch.Tensor."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_floating(name: str, t: Tensor) -> None:
+    """Raises ValueError unless ``t`` has a floating-point dtype."""
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def check_integer(name: str, t: Tensor) -> None:
+    """Raises ValueError unless ``t`` has an integer (non-bool) dtype."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor (int64), got {t.dtype}")
+
+
+def check_shape(name: str, t: Tensor, allowed: Sequence[tuple[int, ...]], described: str) -> None:
+    """Raises ValueError unless ``tuple(t.shape)`` is one of ``allowed``.
+
+    Args:
+        name: the argument name used in the message.
+        t: the tensor to check.
+        allowed: the accepted concrete shapes.
+        described: the accepted shapes in symbols for the message, e.g. ``"[B,T]=(4, 7)"``.
+    """
+    if tuple(t.shape) not in [tuple(s) for s in allowed]:
+        raise ValueError(f"{name} must have shape {described}, got {tuple(t.shape)}")
+
+
+def check_same_device(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
+    """Raises ValueError if any tensor in ``others`` (None entries are skipped) is not on ``reference``'s device."""
+    for name, t in others.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(
+                f"{name} is on device {t.device} but {reference_name} is on device {reference.device}; "
+                "all tensors must be on the same device"
+            )
+
+
+def reward_weights_tensor(
+    reward_weights: Sequence[float] | Tensor | None, num_rewards: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """Returns the ``[K]`` reward weights in ``dtype`` on ``device`` (ones when None), validating the length."""
+    if reward_weights is None:
+        return torch.ones(num_rewards, dtype=dtype, device=device)
+    try:
+        w = torch.as_tensor(reward_weights, dtype=dtype, device=device)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"reward_weights must be a sequence of numbers or a 1-D tensor: {err}") from None
+    if w.dim() != 1:
+        raise ValueError(f"reward_weights must be 1-D with K={num_rewards} entries, got shape {tuple(w.shape)}")
+    if w.shape[0] != num_rewards:
+        raise ValueError(f"reward_weights must have K={num_rewards} entries, got {w.shape[0]}")
+    return w
+
+
+def validate_group_advantages_args(
+    rewards: Tensor,
+    group_size: int,
+    scale_rewards: str,
+    baseline: str,
+    multi_objective_aggregation: str,
+    eps: float,
+    std_ddof: int,
+) -> tuple[int, float, int]:
+    """Checks group_advantages' arguments (shared with the native op's wrapper); returns group_size, eps, std_ddof.
+
+    Raises:
+        ValueError: naming the bad argument and what was expected.
+    """
+    check_tensor("rewards", rewards)
+    check_floating("rewards", rewards)
+    if rewards.dim() not in (1, 2):
+        raise ValueError(f"rewards must have shape [B] or [B,K], got {tuple(rewards.shape)}")
+    group_size = check_int("group_size", group_size, 1)
+    batch = rewards.shape[0]
+    if batch % group_size != 0:
+        raise ValueError(f"rewards.shape[0]={batch} is not divisible by group_size={group_size}")
+    check_choice("scale_rewards", scale_rewards, SCALE_REWARDS)
+    check_choice("baseline", baseline, BASELINES)
+    check_choice("multi_objective_aggregation", multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
+    eps = check_positive("eps", eps)
+    std_ddof = check_int("std_ddof", std_ddof, 0)
+    return group_size, eps, std_ddof
+
+
+def validate_process_advantages_args(
+    step_rewards: Tensor, step_end: Tensor, group_size: int, seq_len: int, eps: float, std_ddof: int
+) -> tuple[int, int, float, int]:
+    """Checks process_advantages' arguments (shared with the native op's wrapper); returns the normalized numbers.
+
+    Raises:
+        ValueError: naming the bad argument and what was expected.
+    """
+    check_tensor("step_rewards", step_rewards)
+    check_tensor("step_end", step_end)
+    check_floating("step_rewards", step_rewards)
+    check_integer("step_end", step_end)
+    if step_rewards.dim() != 2:
+        raise ValueError(f"step_rewards must have shape [B,S], got {tuple(step_rewards.shape)}")
+    check_shape("step_end", step_end, [tuple(step_rewards.shape)], f"[B,S]={tuple(step_rewards.shape)}")
+    check_same_device("step_rewards", step_rewards, step_end=step_end)
+    group_size = check_int("group_size", group_size, 1)
+    seq_len = check_int("seq_len", seq_len, 1)
+    eps = check_positive("eps", eps)
+    std_ddof = check_int("std_ddof", std_ddof, 0)
+    batch = step_rewards.shape[0]
+    if batch % group_size != 0:
+        raise ValueError(f"step_rewards.shape[0]={batch} is not divisible by group_size={group_size}")
+    return group_size, seq_len, eps, std_ddof
+
+
+def check_per_row(name: str, t: Tensor, batch: int, length: int) -> None:
+    """Raises ValueError unless ``t`` is a floating ``[B]``, ``[B,1]`` or ``[B,T]`` tensor."""
+    check_floating(name, t)
+    check_shape(name, t, [(batch,), (batch, 1), (batch, length)], f"[B]=({batch},), [B,1] or [B,T]={(batch, length)}")
+
+
+def validate_grpo_loss_args(
+    logps: Tensor, advantages: Tensor, completion_mask: Tensor, options: LossOptions
+) -> LossOptions:
+    """Checks grpo_loss' arguments (shared with the native op's wrapper) without syncing the host.
+
+    Args:
+        logps: ``[B, T]`` log-probs (or a stand-in of that shape when the caller computes them).
+        advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        completion_mask: ``[B, T]``.
+        options: the loss options as the caller passed them.
+
+    Returns:
+        The options normalized: numbers as Python floats/ints, defaults resolved (``epsilon_high``: ``epsilon``, or
+        5.0 for cispo; ``max_completion_length``: ``T``).
+
+    Raises:
+        ValueError: naming the bad argument and what was expected.
+    """
+    epsilon, epsilon_high, delta, beta = options.epsilon, options.epsilon_high, options.delta, options.beta
+    kl_clamp, loss_scale, max_completion_length = options.kl_clamp, options.loss_scale, options.max_completion_length
+    sapo_temperature_pos, sapo_temperature_neg = options.sapo_temperature_pos, options.sapo_temperature_neg
+    check_choice("loss_type", options.loss_type, LOSS_TYPES)
+    check_choice("kl_estimator", options.kl_estimator, KL_ESTIMATORS)
+    check_choice("importance_sampling_level", options.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    epsilon = check_positive("epsilon", epsilon)
+    if epsilon_high is None:
+        epsilon_high = CISPO_DEFAULT_CAP if options.loss_type == "cispo" else epsilon
+    epsilon_high = check_positive("epsilon_high", epsilon_high)
+    if delta is not None:
+        delta = check_real_number("delta", delta)
+        if not delta > 1:
+            raise ValueError(f"delta must exceed 1 (it caps the ratio from above, and rho = 1 on-policy), got {delta}")
+    beta = check_non_negative("beta", beta)
+    if kl_clamp is not None:
+        kl_clamp = check_positive("kl_clamp", kl_clamp)
+    sapo_temperature_pos = check_positive("sapo_temperature_pos", sapo_temperature_pos)
+    sapo_temperature_neg = check_positive("sapo_temperature_neg", sapo_temperature_neg)
+    if isinstance(loss_scale, Tensor):
+        if loss_scale.dim() != 0:
+            shape = tuple(loss_scale.shape)
+            raise ValueError(f"loss_scale must be a Python number or a 0-dim tensor, got shape {shape}")
+    else:
+        loss_scale = check_real_number("loss_scale", loss_scale)
+
+    check_tensor("logps", logps)
+    check_floating("logps", logps)
+    if logps.dim() != 2:
+        raise ValueError(f"logps must have shape [B,T], got {tuple(logps.shape)}")
+    batch, length = logps.shape
+    if batch == 0:
+        raise ValueError("logps has an empty batch (B == 0); at least one completion is required")
+    if length == 0:
+        raise ValueError("logps has no token positions (T == 0); at least one position is required")
+    bt = f"[B,T]={(batch, length)}"
+
+    check_tensor("advantages", advantages)
+    check_per_row("advantages", advantages, batch, length)
+    check_tensor("completion_mask", completion_mask)
+    check_shape("completion_mask", completion_mask, [(batch, length)], bt)
+    for name, t in (("old_logps", options.old_logps), ("ref_logps", options.ref_logps)):
+        if t is not None:
+            check_tensor(name, t)
+            check_floating(name, t)
+            check_shape(name, t, [(batch, length)], bt)
+    if options.is_weights is not None:
+        check_tensor("is_weights", options.is_weights)
+        check_per_row("is_weights", options.is_weights, batch, length)
+    if options.sample_mask is not None:
+        check_tensor("sample_mask", options.sample_mask)
+        check_shape("sample_mask", options.sample_mask, [(batch,)], f"[B]=({batch},)")
+    check_same_device(
+        "logps",
+        logps,
+        advantages=advantages,
+        completion_mask=completion_mask,
+        old_logps=options.old_logps,
+        ref_logps=options.ref_logps,
+        is_weights=options.is_weights,
+        sample_mask=options.sample_mask,
+    )
+    if beta != 0 and options.ref_logps is None:
+        raise ValueError("ref_logps is required when beta != 0")
+    if max_completion_length is None:
+        max_completion_length = length
+    max_completion_length = check_int("max_completion_length", max_completion_length, 1)
+    if options.num_items_in_batch is not None:
+        if isinstance(options.num_items_in_batch, Tensor):
+            if options.num_items_in_batch.dim() != 0:
+                raise ValueError(
+                    f"num_items_in_batch must be a Python number or a 0-dim tensor, "
+                    f"got a tensor of shape {tuple(options.num_items_in_batch.shape)}"
+                )
+            # its value is not checked: that would sync the host with the device
+        else:
+            check_positive("num_items_in_batch", options.num_items_in_batch)
+    return options._replace(
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        delta=delta,
+        beta=beta,
+        kl_clamp=kl_clamp,
+        use_bias_correction_kl=bool(options.use_bias_correction_kl),
+        max_completion_length=max_completion_length,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+        loss_scale=loss_scale,
+    )
+
+
+def validate_selective_log_softmax_args(logits: Tensor, ids: Tensor, temperature: float) -> float:
+    """Checks selective_log_softmax's arguments (shared with the native op's wrapper); returns the temperature.
+
+    Raises:
+        ValueError: naming the bad argument and what was expected.
+    """
+    check_tensor("logits", logits)
+    check_tensor("ids", ids)
+    check_floating("logits", logits)
+    check_integer("ids", ids)
+    if logits.dim() < 2:
+        raise ValueError(f"logits must have shape [N, V] or [B, T, V], got {tuple(logits.shape)}")
+    if tuple(ids.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"ids must have shape {tuple(logits.shape[:-1])} (logits without V), got {tuple(ids.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a vocabulary of at least one entry (V >= 1)")
+    check_same_device("logits", logits, ids=ids)
+    return check_positive("temperature", temperature)
