@@ -1,7 +1,7 @@
 """Shared helpers of the grpo_ext microbenchmarks: timing, checks, device facts, bandwidth, tables and JSON.
 
 The bench scripts import this module after putting their own folder on ``sys.path``, so they run from the repo
-root (``python benchmarks/bench_loss.py``) and from anywhere by absolute path.
+root (``python benchmarks/bench_grpo_loss.py``) and from anywhere by absolute path.
 
 Timing method:
     * CUDA: each repetition first overwrites a buffer several times the L2 size (so inputs come from HBM, as in a

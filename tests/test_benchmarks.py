@@ -12,7 +12,9 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["bench_advantages.py", "bench_loss.py", "bench_fused.py"])
+@pytest.mark.parametrize(
+    "script", ["bench_group_advantages.py", "bench_grpo_loss.py", "bench_grpo_loss_from_logits.py"]
+)
 def test_quick_run_checks_and_writes_rows(script, tmp_path):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(BENCHMARKS / script), "--quick", "--no-compile", "--device", "cpu", "--out", str(out)]

@@ -28,9 +28,9 @@ Peak memory (CUDA) is the allocator's peak during one call above what was alloca
 
 Usage::
 
-    python benchmarks/bench_advantages.py                   # 1024 groups of 16 and 64 groups of 8
-    python benchmarks/bench_advantages.py --quick           # smoke run (CI)
-    python benchmarks/bench_advantages.py --groups 4096x16
+    python benchmarks/bench_group_advantages.py           # 1024 groups of 16 and 64 groups of 8
+    python benchmarks/bench_group_advantages.py --quick   # smoke run (CI)
+    python benchmarks/bench_group_advantages.py --groups 4096x16
 """
 
 from __future__ import annotations

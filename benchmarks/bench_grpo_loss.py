@@ -34,9 +34,9 @@ it, outputs included.
 
 Usage::
 
-    python benchmarks/bench_loss.py                  # default sizes for the device
-    python benchmarks/bench_loss.py --quick          # smoke run (CI)
-    python benchmarks/bench_loss.py --sizes 64x1024 --dtypes float32,bf16 --loss-types grpo
+    python benchmarks/bench_grpo_loss.py           # default sizes for the device
+    python benchmarks/bench_grpo_loss.py --quick   # smoke run (CI)
+    python benchmarks/bench_grpo_loss.py --sizes 64x1024 --dtypes float32,bf16 --loss-types grpo
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Peers, side by side on the same inputs (``--path logits``, ``--path hidden`` or both):
 
 * ``eager``: TRL's way in eager PyTorch: ``logits.float() / temperature``, log-softmax through ``logsumexp`` and a
-  gather, the entropy under ``no_grad`` (a metric), then the loss of ``bench_loss.trl_style_loss``. On the hidden
+  gather, the entropy under ``no_grad`` (a metric), then the loss of ``bench_grpo_loss.trl_style_loss``. On the hidden
   path the logits come from ``hidden @ weight.T`` first.
 * ``compile``: ``torch.compile`` of ``grpo_ext.reference.grpo_loss_from_logits`` (or ``..._from_hidden``).
 * ``liger``: Liger-Kernel's ``triton_grpo_loss`` (logits path) or ``LigerFusedLinearGRPOLoss`` (hidden path), when
@@ -22,9 +22,9 @@ time over the row's. Peak memory (CUDA): the allocator's peak above what was all
 
 Usage::
 
-    python benchmarks/bench_fused.py                   # default sizes for the device
-    python benchmarks/bench_fused.py --quick           # smoke run (CI)
-    python benchmarks/bench_fused.py --path logits --sizes 8192x151936 --dtypes bfloat16
+    python benchmarks/bench_grpo_loss_from_logits.py           # default sizes for the device
+    python benchmarks/bench_grpo_loss_from_logits.py --quick   # smoke run (CI)
+    python benchmarks/bench_grpo_loss_from_logits.py --path logits --sizes 8192x151936 --dtypes bfloat16
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `common` and `bench_loss`
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `common` and `bench_grpo_loss`
 
 import torch
 from torch import Tensor
 
 import common
 import grpo_ext
-from bench_loss import EPSILON, MASK_DTYPE, trl_style_loss
+from bench_grpo_loss import EPSILON, MASK_DTYPE, trl_style_loss
 from grpo_ext import reference
 
 TEMPERATURE = 0.9
