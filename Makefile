@@ -84,8 +84,11 @@ wheel-smoke: wheel
 
 bench: build
 	$(PY) benchmarks/bench_group_advantages.py
+	$(PY) benchmarks/bench_process_advantages.py
 	$(PY) benchmarks/bench_grpo_loss.py
+	$(PY) benchmarks/bench_selective_log_softmax.py
 	$(PY) benchmarks/bench_grpo_loss_from_logits.py
+	$(PY) benchmarks/bench_grpo_loss_from_hidden.py
 
 # The training layer's embedded default: a tiny LLaMA learns digit reversal with GRPO, nothing downloaded.
 demo: build
