@@ -94,9 +94,12 @@ wheel-smoke: wheel
 	cd /tmp && $(CURDIR)/$(VENV)-smoke/bin/python $(CURDIR)/tests/smoke_wheel.py
 
 bench: build
-	$(PY) benchmarks/bench_advantages.py
-	$(PY) benchmarks/bench_loss.py
-	$(PY) benchmarks/bench_fused.py
+	$(PY) benchmarks/bench_group_advantages.py
+	$(PY) benchmarks/bench_process_advantages.py
+	$(PY) benchmarks/bench_grpo_loss.py
+	$(PY) benchmarks/bench_selective_log_softmax.py
+	$(PY) benchmarks/bench_grpo_loss_from_logits.py
+	$(PY) benchmarks/bench_grpo_loss_from_hidden.py
 
 # The training layer's embedded default: a tiny LLaMA learns digit reversal with GRPO, nothing downloaded.
 demo: build

@@ -33,8 +33,11 @@ if [[ "$what" == all || "$what" == sanitize ]]; then
   done
 fi
 if [[ "$what" == all || "$what" == bench ]]; then
-  python3 benchmarks/bench_advantages.py 2>&1 | tee "$OUT/bench_advantages.txt"
-  python3 benchmarks/bench_loss.py 2>&1 | tee "$OUT/bench_loss.txt"
-  python3 benchmarks/bench_fused.py 2>&1 | tee "$OUT/bench_fused.txt"
+  python3 benchmarks/bench_group_advantages.py 2>&1 | tee "$OUT/bench_group_advantages.txt"
+  python3 benchmarks/bench_process_advantages.py 2>&1 | tee "$OUT/bench_process_advantages.txt"
+  python3 benchmarks/bench_grpo_loss.py 2>&1 | tee "$OUT/bench_grpo_loss.txt"
+  python3 benchmarks/bench_selective_log_softmax.py 2>&1 | tee "$OUT/bench_selective_log_softmax.txt"
+  python3 benchmarks/bench_grpo_loss_from_logits.py 2>&1 | tee "$OUT/bench_grpo_loss_from_logits.txt"
+  python3 benchmarks/bench_grpo_loss_from_hidden.py 2>&1 | tee "$OUT/bench_grpo_loss_from_hidden.txt"
   cp benchmarks/out/*.json "$OUT/" 2>/dev/null
 fi

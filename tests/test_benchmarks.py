@@ -12,7 +12,17 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["bench_advantages.py", "bench_loss.py", "bench_fused.py"])
+SCRIPTS = [
+    "bench_group_advantages.py",
+    "bench_process_advantages.py",
+    "bench_grpo_loss.py",
+    "bench_selective_log_softmax.py",
+    "bench_grpo_loss_from_logits.py",
+    "bench_grpo_loss_from_hidden.py",
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_quick_run_checks_and_writes_rows(script, tmp_path):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(BENCHMARKS / script), "--quick", "--no-compile", "--device", "cpu", "--out", str(out)]
@@ -22,3 +32,8 @@ def test_quick_run_checks_and_writes_rows(script, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     timed = [row for row in rows if row["impl"] == "grpo_ext"]
     assert timed and all(row["median_ms"] > 0 for row in timed)
+
+
+def test_every_script_is_listed():
+    """One script per op, ``bench_<op>.py``: a new one must be added to SCRIPTS above to be smoke-run."""
+    assert sorted(path.name for path in BENCHMARKS.glob("bench_*.py")) == sorted(SCRIPTS)

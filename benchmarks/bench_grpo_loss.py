@@ -2,7 +2,8 @@
 
 Peers, timed side by side on the same inputs:
     * ``eager``: the loss written the way TRL 1.16's ``GRPOTrainer._compute_loss`` writes it in eager PyTorch
-      (``coef_1 = exp(logps - old)``, ``coef_2 = clamp(coef_1, 1 - eps, 1 + eps)``, ``-min(coef_1 * A, coef_2 * A)``,
+      (``trl_style.trl_style_loss``, shared with the fused-loss benchmarks: ``coef_1 = exp(logps - old)``,
+      ``coef_2 = clamp(coef_1, 1 - eps, 1 + eps)``, ``-min(coef_1 * A, coef_2 * A)``,
       ``+ beta * (exp(ref - logps) - (ref - logps) - 1)``, masked per-row mean then batch mean for ``grpo``, masked
       token mean for ``dapo``), plus the metrics TRL computes (mean KL, clip ratios) as tensors. TRL's
       ``gather(...).item()`` logging is left out: it is a host sync that no kernel choice removes.
@@ -34,9 +35,9 @@ it, outputs included.
 
 Usage::
 
-    python benchmarks/bench_loss.py                  # default sizes for the device
-    python benchmarks/bench_loss.py --quick          # smoke run (CI)
-    python benchmarks/bench_loss.py --sizes 64x1024 --dtypes float32,bf16 --loss-types grpo
+    python benchmarks/bench_grpo_loss.py           # default sizes for the device
+    python benchmarks/bench_grpo_loss.py --quick   # smoke run (CI)
+    python benchmarks/bench_grpo_loss.py --sizes 64x1024 --dtypes float32,bf16 --loss-types grpo
 """
 
 from __future__ import annotations
@@ -47,81 +48,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `common`, wherever the script is run from
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `harness` and `trl_style`, wherever it is run from
 
 import torch
 from torch import Tensor
 
-import common
 import grpo_ext
 from grpo_ext import reference
+from harness import checks, cli, environment, peers, reporting, timing
+from trl_style import EPSILON, MASK_DTYPE, trl_style_loss
 
-EPSILON = 0.2
-MASK_DTYPE = torch.int32  # TRL builds completion_mask with .int()
 # Relative band around the clip edges 1 -+ epsilon where the gradient check skips tokens: the gradient jumps there
 # (to 0 when clipped), and an eager peer computing the ratio in bf16 (relative rounding 2^-8) legitimately lands on
 # the other side for tokens that close to an edge.
 CLIP_EDGE_BAND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DEFAULT_CLIP_EDGE_BAND = 1e-6
 Step = Callable[[], tuple[Tensor, Tensor]]
-
-
-def trl_style_loss(
-    logps: Tensor,
-    old_logps: Tensor,
-    ref_logps: Tensor,
-    advantages: Tensor,
-    completion_mask: Tensor,
-    *,
-    loss_type: str,
-    beta: float,
-    epsilon: float = EPSILON,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The clipped GRPO loss with k3 KL as TRL 1.16 computes it in eager PyTorch (token-level ratio).
-
-    Args:
-        logps: ``[B, T]`` current log-probs (requires grad).
-        old_logps: ``[B, T]`` sampling-policy log-probs.
-        ref_logps: ``[B, T]`` reference-model log-probs.
-        advantages: ``[B]``.
-        completion_mask: ``[B, T]`` int mask.
-        loss_type: ``"grpo"`` (per-row masked mean, then batch mean) or ``"dapo"`` (masked token mean).
-        beta: KL coefficient.
-        epsilon: clip range, symmetric.
-
-    Returns:
-        ``(loss, metrics)`` with metrics ``kl``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
-        ``clip_ratio/region_mean`` as 0-dim tensors.
-    """
-    per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
-    coef_1 = torch.exp(logps - old_logps)
-    coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon)
-    per_token_loss1 = coef_1 * advantages.unsqueeze(1)
-    per_token_loss2 = coef_2 * advantages.unsqueeze(1)
-    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
-    per_token_loss = per_token_loss + beta * per_token_kl
-    if loss_type == "grpo":
-        loss = ((per_token_loss * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "dapo":
-        # TRL divides by num_items_in_batch / num_processes: on one process, the masked token count
-        loss = (per_token_loss * completion_mask).sum() / completion_mask.sum().clamp(min=1.0)
-    else:
-        raise ValueError(f"the eager peer implements grpo and dapo, not {loss_type!r}")
-
-    completion_token_count = completion_mask.sum().clamp(min=1.0)
-
-    def masked_batch_mean(x: Tensor) -> Tensor:
-        return (x * completion_mask).sum() / completion_token_count
-
-    is_low_clipped = (coef_1 < 1 - epsilon) & (advantages.unsqueeze(1) < 0)
-    is_high_clipped = (coef_1 > 1 + epsilon) & (advantages.unsqueeze(1) > 0)
-    metrics = {
-        "kl": masked_batch_mean(per_token_kl),
-        "clip_ratio/low_mean": masked_batch_mean(is_low_clipped.float()),
-        "clip_ratio/high_mean": masked_batch_mean(is_high_clipped.float()),
-        "clip_ratio/region_mean": masked_batch_mean((is_low_clipped | is_high_clipped).float()),
-    }
-    return loss, metrics
 
 
 def make_inputs(batch: int, length: int, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, Tensor]:
@@ -240,31 +182,29 @@ def run_case(
     loss_type: str,
     args: argparse.Namespace,
     device: torch.device,
-    flusher: common.L2Flusher | None,
+    flusher: timing.L2Flusher | None,
 ) -> list[dict[str, Any]]:
     """Checks and times every peer on one case; returns one row per peer."""
-    case = f"B={batch} T={length} {common.dtype_name(dtype)} {loss_type}"
+    case = f"B={batch} T={length} {cli.dtype_name(dtype)} {loss_type}"
     inputs = make_inputs(batch, length, dtype, device, seed=args.seed)
     steps: dict[str, Step | None] = dict(make_steps(inputs, loss_type, args.beta))
-    notes, graph_outputs, compile_s = common.add_optional_peers(
+    notes, graph_outputs, compile_s = peers.add_optional_peers(
         case, steps, lambda: make_compiled_step(inputs, loss_type, args.beta), device, args
     )
 
     # agreement with the float64 reference, before any timing: a mismatch stops the run
     truth_loss, truth_grad, near_edge = float64_truth(inputs, loss_type, args.beta)
     loss_magnitude = inputs["advantages"].abs().mean().item()  # the loss is a small difference of terms this big
-    outputs = {name: step() for name, step in steps.items() if step is not None and name != "grpo_ext+graph"}
-    if graph_outputs is not None:
-        outputs["grpo_ext+graph"] = graph_outputs  # written by the replay that followed the capture
+    outputs = peers.outputs_of(steps, graph_outputs)
     err_loss = err_grad = 0.0
     for name, (loss, grad) in outputs.items():
-        err_loss = max(err_loss, common.assert_matches(f"{case} {name} loss", loss, truth_loss, dtype, loss_magnitude))
+        err_loss = max(err_loss, checks.assert_matches(f"{case} {name} loss", loss, truth_loss, dtype, loss_magnitude))
         err_grad = max(
-            err_grad, common.assert_matches(f"{case} {name} grad", grad, truth_grad, dtype, ignore=near_edge)
+            err_grad, checks.assert_matches(f"{case} {name} grad", grad, truth_grad, dtype, ignore=near_edge)
         )
     del outputs
     print(
-        f"check {case}: {common.available(steps)} match the float64 reference "
+        f"check {case}: {peers.available(steps)} match the float64 reference "
         f"(max |err| loss {err_loss:.1e}, grad {err_grad:.1e}; {int(near_edge.sum())} tokens within "
         f"{CLIP_EDGE_BAND.get(dtype, DEFAULT_CLIP_EDGE_BAND):g} of a clip edge left out of the gradient check)"
     )
@@ -274,33 +214,31 @@ def run_case(
         "op": "grpo_loss fwd+bwd",
         "B": batch,
         "T": length,
-        "dtype": common.dtype_name(dtype),
+        "dtype": cli.dtype_name(dtype),
         "loss_type": loss_type,
         "beta": args.beta,
         "bytes": bytes_moved(batch, length, dtype),
         "check_max_abs_err": {"loss": err_loss, "grad": err_grad},
     }
-    return common.time_peers(
+    return peers.time_peers(
         steps, notes, base_row, device, target_s=args.target_s, flusher=flusher, compile_s=compile_s
     )
 
 
 def parse_args() -> argparse.Namespace:
     """Command line; size defaults depend on the device and on ``--quick``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--sizes", default=None, help="BxT pairs, e.g. 64x1024,256x4096")
     parser.add_argument("--dtypes", default=None, help="e.g. float32,bfloat16")
     parser.add_argument("--loss-types", default="grpo,dapo", help="grpo and/or dapo")
     parser.add_argument("--beta", type=float, default=0.04)
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
 
 def main() -> None:
     """Runs every case, prints the table and writes the JSON record."""
     args = parse_args()
-    device, env, copy, flusher = common.start(args)
+    device, env, copy, flusher = environment.start(args)
     cuda = device.type == "cuda"
     if args.sizes is None:
         args.sizes = "8x64" if args.quick else ("64x1024,256x4096" if cuda else "64x1024")
@@ -310,11 +248,11 @@ def main() -> None:
         args.target_s = 0.02 if args.quick else 0.25
 
     rows: list[dict[str, Any]] = []
-    for batch, length in common.parse_pairs(args.sizes):
-        for dtype in map(common.parse_dtype, common.parse_list(args.dtypes)):
-            for loss_type in common.parse_list(args.loss_types):
+    for batch, length in cli.parse_sizes(args.sizes, 2):
+        for dtype in map(cli.parse_dtype, cli.parse_list(args.dtypes)):
+            for loss_type in cli.parse_list(args.loss_types):
                 rows.extend(run_case(batch, length, dtype, loss_type, args, device, flusher))
-    common.report(__file__, "grpo_loss forward + backward", rows, env, copy, args, device, flusher)
+    reporting.report(__file__, "grpo_loss forward + backward", rows, env, copy, args, device, flusher)
 
 
 if __name__ == "__main__":

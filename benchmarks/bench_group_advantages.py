@@ -28,9 +28,9 @@ Peak memory (CUDA) is the allocator's peak during one call above what was alloca
 
 Usage::
 
-    python benchmarks/bench_advantages.py                   # 1024 groups of 16 and 64 groups of 8
-    python benchmarks/bench_advantages.py --quick           # smoke run (CI)
-    python benchmarks/bench_advantages.py --groups 4096x16
+    python benchmarks/bench_group_advantages.py           # 1024 groups of 16 and 64 groups of 8
+    python benchmarks/bench_group_advantages.py --quick   # smoke run (CI)
+    python benchmarks/bench_group_advantages.py --groups 4096x16
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `common`, wherever the script is run from
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `harness`, wherever the script is run from
 
 import torch
 from torch import Tensor
 
-import common
 import grpo_ext
 from grpo_ext import reference
+from harness import checks, cli, environment, peers, reporting, timing
 
 EPS = 1e-4  # TRL's constant, also grpo_ext's default
 Outputs = tuple[Tensor, Tensor, Tensor, Tensor]
@@ -93,7 +93,7 @@ def run_case(
     group_size: int,
     args: argparse.Namespace,
     device: torch.device,
-    flusher: common.L2Flusher | None,
+    flusher: timing.L2Flusher | None,
 ) -> list[dict[str, Any]]:
     """Checks and times every peer on one case; returns one row per peer."""
     case = f"{num_groups} groups x G={group_size}"
@@ -111,13 +111,11 @@ def run_case(
         return lambda: tuple(compiled(rewards, group_size, eps=EPS))
 
     steps: dict[str, Callable[[], Outputs] | None] = {"eager": eager, "grpo_ext": ext}
-    notes, graph_outputs, compile_s = common.add_optional_peers(case, steps, make_compiled, device, args)
+    notes, graph_outputs, compile_s = peers.add_optional_peers(case, steps, make_compiled, device, args)
 
     # agreement with the float64 reference, before any timing: a mismatch stops the run
     truth = reference.group_advantages(rewards.double(), group_size, eps=EPS)
-    outputs = {name: step() for name, step in steps.items() if step is not None and name != "grpo_ext+graph"}
-    if graph_outputs is not None:
-        outputs["grpo_ext+graph"] = graph_outputs  # written by the replay that followed the capture
+    outputs = peers.outputs_of(steps, graph_outputs)
     max_err = 0.0
     for name, (adv, mean, std, zero_std) in outputs.items():
         for what, actual, expected in (
@@ -125,12 +123,12 @@ def run_case(
             ("group_mean", mean, truth.group_mean),
             ("group_std", std, truth.group_std),
         ):
-            max_err = max(max_err, common.assert_matches(f"{case} {name} {what}", actual, expected, torch.float32))
+            max_err = max(max_err, checks.assert_matches(f"{case} {name} {what}", actual, expected, torch.float32))
         if name == "eager":
             zero_std = zero_std[::group_size]  # TRL's flag is per row (repeated std); one per group
         torch.testing.assert_close(zero_std.cpu(), truth.zero_std.cpu(), msg=lambda m, n=name: f"{case} {n}: {m}")
     del outputs
-    print(f"check {case}: {common.available(steps)} match the float64 reference (max |err| {max_err:.1e})")
+    print(f"check {case}: {peers.available(steps)} match the float64 reference (max |err| {max_err:.1e})")
 
     base_row = {
         "case": case,
@@ -141,33 +139,31 @@ def run_case(
         "bytes": bytes_moved(num_groups, group_size),
         "check_max_abs_err": max_err,
     }
-    return common.time_peers(
+    return peers.time_peers(
         steps, notes, base_row, device, target_s=args.target_s, flusher=flusher, compile_s=compile_s
     )
 
 
 def parse_args() -> argparse.Namespace:
     """Command line; ``--quick`` shrinks the sizes and the timing."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(parser)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--groups", default=None, help="num_groups x G pairs, e.g. 1024x16,64x8")
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
 
 def main() -> None:
     """Runs every case, prints the table and writes the JSON record."""
     args = parse_args()
-    device, env, copy, flusher = common.start(args)
+    device, env, copy, flusher = environment.start(args)
     if args.groups is None:
         args.groups = "8x4" if args.quick else "1024x16,64x8"
     if args.target_s is None:
         args.target_s = 0.02 if args.quick else 0.25
 
     rows: list[dict[str, Any]] = []
-    for num_groups, group_size in common.parse_pairs(args.groups):
+    for num_groups, group_size in cli.parse_sizes(args.groups, 2):
         rows.extend(run_case(num_groups, group_size, args, device, flusher))
-    common.report(__file__, "group_advantages", rows, env, copy, args, device, flusher)
+    reporting.report(__file__, "group_advantages", rows, env, copy, args, device, flusher)
 
 
 if __name__ == "__main__":

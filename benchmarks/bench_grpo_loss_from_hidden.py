@@ -1,0 +1,104 @@
+"""Microbenchmark of the GRPO loss from hidden states, forward + backward: eager "TRL way", compile, Liger, grpo_ext.
+
+Peers, side by side on the same inputs:
+
+* ``eager``: TRL's way in eager PyTorch: ``logits = hidden @ weight.T``, then as on the logits path
+  (``bench_grpo_loss_from_logits.py``): ``logits.float() / temperature``, log-softmax through ``logsumexp`` and a
+  gather, the entropy under ``no_grad`` (``trl_style.trl_style_selective_log_softmax``), then the loss of
+  ``trl_style.trl_style_loss``.
+* ``compile``: ``torch.compile(grpo_ext.reference.grpo_loss_from_hidden)``, compilation excluded from the timing;
+  "n/a" with the reason when compiling fails on the machine.
+* ``liger``: Liger-Kernel's ``LigerFusedLinearGRPOLoss``, when ``liger-kernel`` is installed and the device is CUDA;
+  n/a with the reason otherwise.
+* ``grpo_ext``: ``grpo_ext.grpo_loss_from_hidden``.
+
+Each call computes the loss and its gradients w.r.t. hidden and weight. Before timing, every peer but compile is
+checked against ``grpo_ext.reference.grpo_loss_from_hidden`` in float64 on the first rows of the same inputs
+(``--check-rows``). Inputs (``logits_inputs.make_inputs``): hidden ``randn``, weight ``randn / sqrt(H)``, in the
+case's dtype, random ids, ``old_logps`` and ``ref_logps`` near the policy's own log-probs, prefix masks of random
+length, ``dapo``, temperature 0.9.
+
+Yardstick: the time of the three GEMMs the path cannot avoid (``hidden @ W.T``, ``g @ W``, ``g.T @ hidden``) is
+measured in the same run, and ``x gemm`` is that time over the row's. Peak memory (CUDA): the allocator's peak above
+what was allocated before the call.
+
+Usage::
+
+    python benchmarks/bench_grpo_loss_from_hidden.py           # default sizes for the device
+    python benchmarks/bench_grpo_loss_from_hidden.py --quick   # smoke run (CI)
+    python benchmarks/bench_grpo_loss_from_hidden.py --sizes 8192x151936x4096 --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `harness` and the shared modules, wherever run from
+
+import torch
+from torch import Tensor
+
+import fused_loss
+import grpo_ext
+from fused_loss import LOSS_TYPE, Step
+from harness import peers, timing
+from logits_inputs import TEMPERATURE
+from trl_style import EPSILON
+
+
+def make_steps(inputs: dict[str, Any], beta: float, device: torch.device) -> tuple[dict[str, Step | None], dict]:
+    """Every peer but compile on ``inputs``: ``(steps, notes)``; a step returns ``(loss, grad_hidden, grad_weight)``."""
+    hidden = inputs["hidden"].detach().requires_grad_(True)
+    weight = inputs["weight"].detach().requires_grad_(True)
+
+    def eager():
+        loss = fused_loss.eager_loss(hidden @ weight.t(), inputs, beta)
+        return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+
+    fused = fused_loss.loss_step(grpo_ext.grpo_loss_from_hidden, (hidden, weight), inputs, beta)
+    steps: dict[str, Step | None] = {"eager": eager, "grpo_ext": fused}
+    notes: dict[str, str] = {}
+    steps["liger"], reason = liger_step(inputs, hidden, weight, beta, device)
+    if reason:
+        notes["liger"] = reason
+    return steps, notes
+
+
+def liger_step(inputs: dict[str, Any], hidden: Tensor, weight: Tensor, beta: float, device: torch.device):
+    """Liger-Kernel's LigerFusedLinearGRPOLoss, or (None, why)."""
+    if device.type != "cuda":
+        return None, "Liger-Kernel's fused linear loss is benchmarked on CUDA only"
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except Exception as exc:
+        return None, f"liger-kernel unavailable ({peers.short_reason(exc)}); pip install liger-kernel"
+    try:
+        loss_fn = LigerFusedLinearGRPOLoss(beta=beta, epsilon_low=EPSILON, epsilon_high=EPSILON,
+                                           temperature=TEMPERATURE, loss_type=LOSS_TYPE, use_ref_model=False)  # fmt: skip
+    except TypeError as exc:
+        return None, f"LigerFusedLinearGRPOLoss's signature differs: {peers.short_reason(exc)}"
+
+    def step():
+        out = loss_fn(hidden, weight, inputs["ids"], inputs["mask"], inputs["advantages"],
+                      ref_per_token_logps=inputs["ref_logps"], old_per_token_logps=inputs["old_logps"])  # fmt: skip
+        loss = out[0] if isinstance(out, tuple) else out
+        return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+
+    return step, None
+
+
+def gemm_time(inputs: dict[str, Any], device: torch.device, target_s: float, flusher) -> float:
+    """Milliseconds of the hidden path's three GEMMs at this size, timed in this run."""
+    hidden = inputs["hidden"].reshape(-1, inputs["hidden"].shape[-1])
+    weight = inputs["weight"]
+    logits = hidden @ weight.t()
+    total = 0.0
+    for fn in (lambda: hidden @ weight.t(), lambda: logits @ weight, lambda: logits.t() @ hidden):
+        total += timing.time_call(fn, device, target_s=target_s / 3, flusher=flusher)["median_ms"]
+    return total
+
+
+if __name__ == "__main__":
+    fused_loss.main(__file__, __doc__, "hidden", make_steps, gemm_time)

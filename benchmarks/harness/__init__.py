@@ -1,0 +1,15 @@
+"""The harness of the grpo_ext microbenchmarks: what every ``bench_<op>.py`` script shares, one module per seam.
+
+* :mod:`harness.cli`: the options every script takes, and parsers of sizes, lists and dtypes.
+* :mod:`harness.environment`: the device to run on and the facts about machine and software; its ``start`` begins a
+  run (device, facts, copy bandwidth, L2 flusher).
+* :mod:`harness.timing`: how a call is timed on CUDA and on CPU (the method is in that module's docstring), the
+  copy-bandwidth yardstick and the peak-memory probe.
+* :mod:`harness.peers`: the optional peers (torch.compile, CUDA-graph replay), their warm-up, and the timing of every
+  peer of a case.
+* :mod:`harness.checks`: the agreement check against a float64 reference and its tolerances.
+* :mod:`harness.reporting`: the derived columns, the printed table and the JSON record.
+
+The scripts put their own folder (``benchmarks/``) on ``sys.path`` first, so they import ``harness`` whether they are
+run from the repo root (``python benchmarks/bench_grpo_loss.py``) or from anywhere by absolute path.
+"""
