@@ -27,6 +27,7 @@ if [[ "$what" == all || "$what" == sanitize ]]; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
       python3 -m pytest -q -p no:cacheprovider -x -k "$sel" tests/test_grpo_loss.py tests/test_group_advantages.py \
+      tests/test_process_advantages.py \
       tests/test_grpo_loss_from_logits.py \
       2>&1 | tail -15 | tee "$OUT/sanitizer-$tool.txt"
     echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]}" | tee -a "$OUT/sanitizer-$tool.txt"
