@@ -75,8 +75,10 @@ def liger_step(inputs: dict[str, Any], hidden: Tensor, weight: Tensor, beta: flo
     except Exception as exc:
         return None, f"liger-kernel unavailable ({peers.short_reason(exc)}); pip install liger-kernel"
     try:
-        loss_fn = LigerFusedLinearGRPOLoss(beta=beta, epsilon_low=EPSILON, epsilon_high=EPSILON,
-                                           temperature=TEMPERATURE, loss_type=LOSS_TYPE, use_ref_model=False)  # fmt: skip
+        loss_fn = LigerFusedLinearGRPOLoss(
+            beta=beta, epsilon_low=EPSILON, epsilon_high=EPSILON, temperature=TEMPERATURE, loss_type=LOSS_TYPE,
+            use_ref_model=False,
+        )
     except TypeError as exc:
         return None, f"LigerFusedLinearGRPOLoss's signature differs: {peers.short_reason(exc)}"
 

@@ -10,10 +10,9 @@ import torch
 import grpo_ext
 from conftest import DEVICES, assert_close
 from grpo_ext import reference
+from grpo_ext.ops.options import BASELINES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 
-MODES = list(
-    itertools.product(["group", "batch", "none"], ["mean", "leave_one_out"], ["sum_then_normalize", "normalize_then_sum"])
-)
+MODES = list(itertools.product(SCALE_REWARDS, BASELINES, MULTI_OBJECTIVE_AGGREGATIONS))
 
 
 def random_rewards(batch: int, k: int, *, seed: int, nan_fraction: float = 0.15, ties: bool = True) -> torch.Tensor:

@@ -28,7 +28,9 @@ def test_process_advantages_match_reference(device, group_size, steps, seq_len, 
     rewards, ends = random_steps(group_size * 6, steps, seq_len, seed=steps)
     expected = reference.process_advantages(rewards, ends, group_size, seq_len, std_ddof=ddof)
     for dtype, tol in ((torch.float32, 2e-5), (torch.float64, 1e-12)):
-        got = grpo_ext.process_advantages(rewards.to(device, dtype), ends.to(device), group_size, seq_len, std_ddof=ddof)
+        got = grpo_ext.process_advantages(
+            rewards.to(device, dtype), ends.to(device), group_size, seq_len, std_ddof=ddof
+        )
         assert got.shape == (group_size * 6, seq_len)
         assert torch.isfinite(got).all()
         assert_close(got, expected, rtol=tol, atol=tol)

@@ -142,7 +142,8 @@ torch.library.define(
 def _grpo_loss_from_hidden_impl(hidden, weight, bias, ids, advantages, completion_mask, *rest):
     *options, temperature, chunk_size = rest
     loss, metrics, entropy, grad_hidden, grad_weight, grad_bias = _hidden_loss_forward(
-        hidden, weight, bias, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), temperature, chunk_size,
+        hidden, weight, bias, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), temperature,
+        chunk_size,
         (True, True, bias is not None),
     )  # fmt: skip
     if grad_bias is None:
@@ -195,7 +196,7 @@ def grpo_loss_from_hidden(
     chunk_size: int | None = None,
     **options,
 ) -> GRPOLossOutput:
-    """Fused GRPO loss from the last hidden states: never materializes the ``[N, V]`` logits (docs/math.md sections 2-7).
+    """Fused GRPO loss from the last hidden states, never materializing the ``[N, V]`` logits (docs/math.md 2-7).
 
     Chunks over tokens: each chunk's logits (``chunk_size x V``) go through the fused logits kernel in place, and
     the gradients for ``hidden``, ``lm_head_weight`` and ``lm_head_bias`` are formed chunk by chunk (the weight

@@ -193,8 +193,8 @@ torch.library.define(
 @torch.library.impl("grpo_ext::grpo_loss_from_logits", "CompositeExplicitAutograd")
 def _grpo_loss_from_logits_impl(logits, ids, advantages, completion_mask, *options_and_temperature):
     *options, temperature = options_and_temperature
-    return _logits_loss_forward(logits, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), temperature, True,
-                                False)  # fmt: skip
+    options = LossOptions.from_op_args(tuple(options))
+    return _logits_loss_forward(logits, ids, advantages, completion_mask, options, temperature, True, False)
 
 
 @torch.library.register_fake("grpo_ext::grpo_loss_from_logits")

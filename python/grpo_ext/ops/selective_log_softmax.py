@@ -91,7 +91,7 @@ torch.library.register_autograd(
 
 
 class _SelectiveLogSoftmaxFunction(torch.autograd.Function):
-    """Eager autograd for selective_log_softmax_forward (see grpo_loss._GRPOLossFunction for why not the registration)."""
+    """Eager autograd for selective_log_softmax_forward (grpo_loss._GRPOLossFunction says why not the registration)."""
 
     @staticmethod
     def forward(ctx, *op_args):

@@ -47,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - CI installs trl
 from packaging.version import InvalidVersion, Version
 
 from ...ops.options import LOSS_TYPES
-from .log_probs import _GrpoExtLogProbs, _log_probs_through_grpo_ext  # noqa: F401  (_GrpoExtLogProbs: the tests reach it here)
+from .log_probs import _GrpoExtLogProbs, _log_probs_through_grpo_ext  # noqa: F401  (the tests reach the first here)
 from .loss import _compute_loss
 
 __all__ = [
