@@ -20,8 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from grpo_ext.trainer import GRPOConfig
+from grpo_ext.trainer.checkpoint import check_resume_batch
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
-from grpo_ext.trainer.trainer import TIMING_METRICS, GRPOTrainer, RowSeededSampler, check_resume_batch
+from grpo_ext.trainer.metrics import TIMING_METRICS
+from grpo_ext.trainer.rollout import RowSeededSampler
+from grpo_ext.trainer.trainer import GRPOTrainer
 
 WORLD = 2
 GLOBAL_BATCH = 16

@@ -14,8 +14,9 @@ from grpo_ext.trainer import GRPOConfig
 from grpo_ext.trainer.cli import load_yaml, parse_overrides
 from grpo_ext.trainer.cli import main as cli_main
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward, run_demo
+from grpo_ext.trainer.metrics import TIMING_METRICS
 from grpo_ext.trainer.rewards import graded_answer_reward
-from grpo_ext.trainer.trainer import TIMING_METRICS, GRPOTrainer
+from grpo_ext.trainer.trainer import GRPOTrainer
 
 TRL_METRICS = (
     "reward", "reward_std", "rewards/reversal_reward/mean", "frac_reward_zero_std", "clip_ratio/low_mean",

@@ -62,7 +62,7 @@ class GRPOConfig:
     importance_sampling_level: str = "token"
     scale_rewards: str = "group"
     reward_weights: list[float] | None = None
-    mask_zero_std_groups: bool = True  # drop zero-std groups from the loss when beta != 0 (spec section 6)
+    mask_zero_std_groups: bool = True  # drop zero-std groups from the loss when beta != 0 (docs/math.md section 6)
     # Adaptive KL controller (off when None): beta moves toward the KL target, proportionally, over kl_horizon
     # steps (Ziegler et al. 2019). Needs beta > 0 to start from.
     kl_target: float | None = None

@@ -9,7 +9,7 @@ What changes, and what does not:
 
 - **the loss**: ``_compute_loss`` calls :func:`grpo_ext.grpo_loss` (one fused forward for the policy term, the KL,
   the aggregation and the metrics; backward is one scale). Every TRL option that shapes the loss is mapped onto the
-  spec's parameters (docs/math.md), so the loss and its gradients equal TRL's: ``loss_type``, ``epsilon``,
+  parameters of docs/math.md, so the loss and its gradients equal TRL's: ``loss_type``, ``epsilon``,
   ``epsilon_high`` (the cispo cap included), ``delta``, ``beta``, ``use_bias_correction_kl`` (TRL's default True is
   passed explicitly: grpo_ext's own default is False), ``importance_sampling_level``, ``max_completion_length``,
   ``sapo_temperature_*``, the dapo/cispo ``num_items_in_batch`` normalizer, gradient accumulation (as

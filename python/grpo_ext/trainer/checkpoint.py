@@ -1,0 +1,336 @@
+"""Checkpoints of GRPOTrainer: atomic ``checkpoint-<step>`` folders, resume (also on another number of processes).
+
+A folder holds ``model_state.pt`` (the full model state), ``trainer_state.pt`` (optimizer, scheduler, RNG states,
+every rank's queued micro-batches and the trainer's own state), ``config.grpo.json``, and with ``save_pretrained``
+the ``transformers`` model and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import distributed as dist_utils
+from .config import GRPOConfig
+from .rollout import _concat_rollouts, _map_tensors
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointManager:
+    """Writes and reads the ``checkpoint-<step>`` folders of ``output_dir`` for one trainer.
+
+    Under torch.distributed every rank holds one and calls :meth:`save` and :meth:`load` together: the full
+    (unsharded) state is gathered to rank 0, which alone touches the files, and sent back from it on load.
+
+    Args:
+        output_dir: the run's folder.
+        config: the run's options (saved with each checkpoint; ``fsdp``, ``save_total_limit``).
+        model: the policy (FSDP2-sharded when ``config.fsdp``).
+        optimizer: its AdamW.
+        lr_scheduler: the learning-rate scheduler.
+        tokenizer: saved beside the model; its pad token pads re-cut micro-batches.
+        data_generator: the prompt order's generator (its state is saved with the RNG states).
+        param_names: names of the optimizer's parameters, in its order.
+        model_class_name: the model's class name before FSDP2 wrapping (written into the saved ``config.json``).
+        device: where a single process loads the state.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path,
+        config: GRPOConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        tokenizer: Any,
+        data_generator: torch.Generator,
+        param_names: list[str],
+        model_class_name: str,
+        device: torch.device,
+    ) -> None:
+        self.output_dir = output_dir
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.tokenizer = tokenizer
+        self.data_generator = data_generator
+        self.param_names = param_names
+        self.model_class_name = model_class_name
+        self.device = device
+        self.world_size = dist_utils.world_size()
+        self.rank = dist_utils.rank()
+        self.is_main_process = self.rank == 0
+
+    def latest(self) -> Path | None:
+        """The ``checkpoint-N`` folder of ``output_dir`` with the largest N, or None."""
+        if not self.output_dir.is_dir():
+            return None
+        found = [(int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := _CHECKPOINT_RE.match(p.name))]
+        return max(found)[1] if found else None
+
+    def resume_path(self, resume_from_checkpoint: str | os.PathLike | bool) -> str | os.PathLike:
+        """The folder to resume from: ``resume_from_checkpoint`` itself, or for True the latest by rank 0's view.
+
+        Raises:
+            FileNotFoundError: True was given and ``output_dir`` has no ``checkpoint-N`` folder.
+        """
+        path = resume_from_checkpoint
+        if path is True:
+            # Rank 0's view of output_dir decides (other machines need not share its file system).
+            path = dist_utils.broadcast_object(self.latest() if self.is_main_process else None)
+            if path is None:
+                raise FileNotFoundError(f"no checkpoint-N folder in {self.output_dir} to resume from")
+        return path
+
+    def save(self, step: int, micro_batches: list[dict[str, Any]], trainer_state: dict[str, Any]) -> Path:
+        """Write ``output_dir/checkpoint-<step>`` atomically (a temp folder renamed into place) and return it.
+
+        Every rank must call it: the full state and every rank's queued micro-batches are gathered, rank 0 alone
+        writes, and no rank returns before the folder is in place.
+
+        Args:
+            step: the global step.
+            micro_batches: this rank's queued micro-batches (dicts of ``[B, ...]`` tensors).
+            trainer_state: the trainer's own entries of ``trainer_state.pt`` (picklable).
+        """
+        final = self.output_dir / f"checkpoint-{step}"
+        model_state, optimizer_state = self._full_state_dicts()
+        queue = [_map_tensors(mb, lambda t: t.cpu()) for mb in micro_batches]
+        queues = dist_utils.gather_objects(queue)  # rank order; None on ranks other than 0
+        if self.is_main_process:
+            tmp = self.output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            torch.save({"model": model_state}, tmp / "model_state.pt")
+            if hasattr(self.model, "save_pretrained"):
+                # A copy: save_pretrained takes entries out of the dict it is given.
+                self.model.save_pretrained(tmp, state_dict=dict(model_state))
+                if self.config.fsdp:
+                    _fix_saved_architecture(tmp, self.model_class_name)
+                if hasattr(self.tokenizer, "save_pretrained"):
+                    self.tokenizer.save_pretrained(tmp)
+            state = {
+                "step": step, "optimizer": optimizer_state, "lr_scheduler": self.lr_scheduler.state_dict(),
+                "rng": _rng_state(self.data_generator), "micro_batches_by_rank": queues,
+                "world_size": self.world_size, **trainer_state, "config": self.config.to_dict(),
+            }  # fmt: skip
+            torch.save(state, tmp / "trainer_state.pt")
+            (tmp / "config.grpo.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+        dist_utils.barrier()
+        return final
+
+    def _full_state_dicts(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The model's and the optimizer's full state dicts on rank 0 (None elsewhere); a collective under FSDP.
+
+        The optimizer's is in ``torch.optim``'s own format (parameters by index), whatever the wrapping, so a
+        checkpoint can be resumed with or without FSDP.
+        """
+        if self.config.fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0 only
+            model_state = get_model_state_dict(self.model, options=options)
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+            if not self.is_main_process:
+                return None, None
+            return model_state, _optimizer_state_by_index(optimizer_state, self.param_names)
+        if not self.is_main_process:
+            return None, None
+        return self.model.state_dict(), self.optimizer.state_dict()
+
+    def _prune(self) -> None:
+        """Delete the oldest ``checkpoint-N`` folders beyond ``save_total_limit``."""
+        limit = self.config.save_total_limit
+        if limit is None:
+            return
+        found = sorted((int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := _CHECKPOINT_RE.match(p.name)))
+        for _, path in found[:-limit]:
+            shutil.rmtree(path)
+
+    def load(self, path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Restore model, optimizer, scheduler and RNG states from a checkpoint folder.
+
+        Every rank calls it; rank 0 reads the folder and sends the state to the others. Queued micro-batches saved
+        by another number of processes are re-cut into this run's per-rank slices (see
+        :meth:`GRPOTrainer.load_checkpoint`).
+
+        Returns:
+            The saved ``trainer_state.pt`` dict (the trainer's own entries among others) and this rank's queued
+            micro-batches, on this rank's device.
+
+        Raises:
+            ValueError: naming ``per_device_train_batch_size`` when the global batch differs or this world size
+                does not divide it.
+        """
+        path = Path(path)
+        distributed = self.world_size > 1
+        location = "cpu" if distributed else self.device
+        model_state, state = None, None
+        if self.is_main_process:
+            model_state = torch.load(path / "model_state.pt", map_location=location, weights_only=False)["model"]
+            state = torch.load(path / "trainer_state.pt", map_location=location, weights_only=False)
+        if self.config.fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.model, model_state if self.is_main_process else {}, options=options)
+            optimizer_state = state.pop("optimizer") if self.is_main_process else None
+            state = dist_utils.broadcast_object(state)
+            by_name = _optimizer_state_by_name(optimizer_state, self.param_names) if self.is_main_process else {}
+            set_optimizer_state_dict(self.model, self.optimizer, by_name, options=options)
+        else:
+            if self.is_main_process:
+                self.model.load_state_dict(model_state)
+            if distributed:
+                dist_utils.broadcast_module(self.model)
+            state = dist_utils.broadcast_object(state)
+            self.optimizer.load_state_dict(state["optimizer"])
+        del model_state
+
+        saved_world = state.get("world_size", 1)
+        saved_per_device = state["config"]["per_device_train_batch_size"]
+        per_device = check_resume_batch(saved_per_device * saved_world, self.world_size, self.config)
+        queues = state.get("micro_batches_by_rank") or [state["micro_batches"]]  # (a checkpoint of one process)
+        if saved_world == self.world_size and saved_per_device == per_device:
+            queue = queues[self.rank]
+        else:
+            queue = _reshard_queues(queues, self.rank, per_device, self.tokenizer.pad_token_id)
+        micro_batches = [_map_tensors(mb, lambda t: t.to(self.device)) for mb in queue]
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        _set_rng_state(state["rng"], self.data_generator)
+        return state, micro_batches
+
+
+def check_resume_batch(saved_global_batch: int, world_size: int, config: GRPOConfig) -> int:
+    """Checks that a checkpoint of global batch ``saved_global_batch`` can be resumed on ``world_size`` processes.
+
+    Args:
+        saved_global_batch: ``per_device_train_batch_size * world_size`` of the run that saved the checkpoint.
+        world_size: this run's number of processes.
+        config: this run's options.
+
+    Returns:
+        The per-process batch, ``config.per_device_train_batch_size``.
+
+    Raises:
+        ValueError: naming ``per_device_train_batch_size`` (and the world size when it does not divide the batch).
+    """
+    per_device = config.per_device_train_batch_size
+    if saved_global_batch % world_size != 0:
+        raise ValueError(
+            f"cannot resume on world_size={world_size} processes: the checkpoint's global batch "
+            f"(per_device_train_batch_size x world_size = {saved_global_batch}) is not divisible by {world_size}"
+        )
+    if per_device * world_size != saved_global_batch:
+        raise ValueError(
+            f"GRPOConfig.per_device_train_batch_size must be {saved_global_batch // world_size} to resume this "
+            f"checkpoint on {world_size} process(es) (its global batch is {saved_global_batch}), got {per_device}"
+        )
+    return per_device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed the python, torch (CPU and CUDA) and numpy global RNGs, the ones a checkpoint saves."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+
+        np.random.seed(seed)  # noqa: NPY002  (the global RNG user reward functions may use)
+    except ImportError:
+        pass
+
+
+def _rng_state(data_generator: torch.Generator) -> dict[str, Any]:
+    """The python, torch, CUDA and numpy global RNG states, and ``data_generator``'s under ``"data"``."""
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        rng["numpy"] = np.random.get_state()  # noqa: NPY002
+    except ImportError:
+        pass
+    rng["data"] = data_generator.get_state()
+    return rng
+
+
+def _set_rng_state(rng: dict[str, Any], data_generator: torch.Generator) -> None:
+    """Restore the RNG states :func:`_rng_state` saved (those present)."""
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"].cpu())
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+    if "numpy" in rng:
+        import numpy as np
+
+        np.random.set_state(rng["numpy"])  # noqa: NPY002
+    if "data" in rng:
+        data_generator.set_state(rng["data"].cpu())
+
+
+def _optimizer_state_by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """torch.distributed.checkpoint's optimizer state (parameters by name) -> ``Optimizer.state_dict()``'s format."""
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def _optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`_optimizer_state_by_index`."""
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def _fix_saved_architecture(folder: Path, class_name: str) -> None:
+    """save_pretrained records the model's class; under FSDP2 that is the generated ``FSDP<Class>`` subclass,
+    which ``from_pretrained`` would not know: write the original name back."""
+    config_path = folder / "config.json"
+    if config_path.exists():
+        config = json.loads(config_path.read_text())
+        config["architectures"] = [class_name]
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _reshard_queues(
+    queues: list[list[dict[str, Any]]], rank: int, per_device: int, pad_token_id: int
+) -> list[dict[str, Any]]:
+    """Queued micro-batches saved by ``len(queues)`` ranks, re-cut for ``rank`` of a run with ``per_device`` rows.
+
+    Position ``q`` of every saved queue is one global micro-batch (saved ranks in order); this rank takes rows
+    ``[rank * per_device, (rank + 1) * per_device)`` of it, as distributed.local_rows lays out a fresh batch.
+    """
+    if len({len(queue) for queue in queues}) > 1:
+        raise ValueError("corrupt checkpoint: the ranks' queued micro-batch counts differ")
+    out = []
+    for position in range(len(queues[0])):
+        merged = _concat_rollouts([queue[position] for queue in queues], pad_token_id)
+        rows = slice(rank * per_device, (rank + 1) * per_device)
+        out.append({key: None if value is None else value[rows] for key, value in merged.items()})
+    return out

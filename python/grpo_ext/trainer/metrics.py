@@ -1,0 +1,224 @@
+"""Metrics of GRPOTrainer: what a step and a rollout log, the JSONL file, TensorBoard, completions, the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+import grpo_ext
+
+from . import distributed as dist_utils
+from .config import GRPOConfig
+
+# Metrics that depend on the wall clock: they differ between two otherwise identical runs.
+TIMING_METRICS = ("step_time", "tokens_per_second")
+
+PLOTTED_METRICS = (
+    ("reward", "reward"),
+    ("kl", "KL"),
+    ("loss", "loss"),
+    ("clip_ratio/region_mean", "clip ratio"),
+    ("completions/mean_length", "completion length"),
+)
+
+
+def rollout_metrics(
+    total: Tensor,
+    rewards: Tensor,
+    reward_names: list[str],
+    lengths: Tensor,
+    truncated: Tensor,
+    prompt_lengths: Tensor,
+    adv: grpo_ext.GroupAdvantages,
+    sampling_rounds: int | None,
+) -> dict[str, float]:
+    """The logged metrics of one global generation batch of ``N`` rows.
+
+    Args:
+        total: ``[N]`` float32 weighted reward sums.
+        rewards: ``[N, K]`` float32 rewards of the K functions (NaN: not scored).
+        reward_names: the K functions' names.
+        lengths: ``[N]`` float32 completion lengths (tokens in the mask).
+        truncated: ``[N]`` bool, no EOS within ``max_completion_length``.
+        prompt_lengths: ``[N]`` float32 prompt lengths (tokens in the mask).
+        adv: the batch's advantages (group stds, zero-std groups).
+        sampling_rounds: dynamic sampling's rounds (None: not logged).
+    """
+    terminated = lengths[~truncated]
+    metrics = {
+        "reward": total.mean().item(),
+        "reward_std": adv.group_std.mean().item(),
+        "frac_reward_zero_std": adv.zero_std.float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item() if terminated.numel() else 0.0,
+        "num_tokens": prompt_lengths.sum().item() + lengths.sum().item(),
+    }
+    if sampling_rounds is not None:
+        metrics["sampling_rounds"] = float(sampling_rounds)
+    for k, name in enumerate(reward_names):
+        column = rewards[:, k]
+        valid = column[~column.isnan()]
+        metrics[f"rewards/{name}/mean"] = valid.mean().item() if valid.numel() else math.nan
+        metrics[f"rewards/{name}/std"] = valid.std().item() if valid.numel() > 1 else 0.0
+    return metrics
+
+
+class StepMetrics:
+    """Sums one optimizer step's loss, entropy and loss-op metrics over its micro-batches, then over the ranks.
+
+    Args:
+        per_row_ratios: the op's ratio metrics are shares of rows (weighted by rows); otherwise, and ``kl`` always,
+            they are weighted by loss tokens.
+        device: where the float64 sums live.
+    """
+
+    def __init__(self, per_row_ratios: bool, device: torch.device) -> None:
+        self.per_row_ratios = per_row_ratios
+        self.metric_sums: dict[str, Tensor] = {}
+        self.loss_total = torch.zeros((), dtype=torch.float64, device=device)
+        self.entropy_total = torch.zeros((), dtype=torch.float64, device=device)
+        self.entropy_count = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, out: Any, entropy: Tensor, mask: Tensor, tokens: int) -> None:
+        """Adds one micro-batch.
+
+        Args:
+            out: :func:`grpo_ext.grpo_loss`'s output (scalar ``loss``, ``metrics`` of scalar tensors).
+            entropy: ``[B, T]`` float32 per-token entropy.
+            mask: ``[B, T]`` bool completion mask.
+            tokens: the micro-batch's tokens entering the loss.
+        """
+        self.loss_total += out.loss.detach()
+        rows = mask.shape[0]
+        for name, value in out.metrics.items():
+            weight = rows if self.per_row_ratios and name != "kl" else tokens
+            self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value.double() * weight
+        self.entropy_total += entropy[mask].sum().double()
+        self.entropy_count += mask.sum()
+
+    def reduce(self, step_tokens: int, step_rows: int) -> tuple[dict[str, float], float, float]:
+        """All-reduces the sums over ranks (a collective: every rank calls it).
+
+        Args:
+            step_tokens: the step's loss tokens over all ranks (at least 1).
+            step_rows: the step's rows over all ranks.
+
+        Returns:
+            The op's metrics per token (per row for ratios with ``per_row_ratios``), the loss summed over ranks, and
+            the mean entropy of the completion tokens.
+        """
+        names = list(self.metric_sums)  # the op's order, the same on every rank
+        packed = torch.stack(
+            [self.loss_total, self.entropy_total, self.entropy_count, *(self.metric_sums[n] for n in names)]
+        )
+        packed = dist_utils.all_reduce_sum(packed).tolist()
+        metrics = {
+            name: value / (step_rows if self.per_row_ratios and name != "kl" else step_tokens)
+            for name, value in zip(names, packed[3:], strict=True)
+        }
+        return metrics, packed[0], packed[1] / max(packed[2], 1.0)
+
+
+class MetricsLogger:
+    """Rank 0's outputs of a run: ``metrics.jsonl``, TensorBoard events, sample completions, ``metrics.png``.
+
+    Args:
+        output_dir: the run's folder.
+        config: the options (``report_to``, ``num_completions_to_print``).
+    """
+
+    def __init__(self, output_dir: Path, config: GRPOConfig) -> None:
+        self.config = config
+        self.output_dir = output_dir
+        self.metrics_path = output_dir / "metrics.jsonl"
+        self.plot_path = output_dir / "metrics.png"
+        self._tb_writer = None
+
+    def open(self, step: int) -> None:
+        """Start (or resume at ``step``): drop lines logged after it, open TensorBoard when asked for."""
+        self._truncate_metrics_file(step)
+        self._open_tensorboard(step)
+
+    def _open_tensorboard(self, step: int) -> None:
+        """A SummaryWriter in ``output_dir/runs`` (events after ``step`` purged) if ``report_to`` asks for it."""
+        if self.config.report_to != "tensorboard":
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional
+            return
+        self._tb_writer = SummaryWriter(log_dir=str(self.output_dir / "runs"), purge_step=step + 1)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Append ``metrics`` as a JSON line, and to TensorBoard as ``train/<name>`` at ``step``."""
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+            f.flush()
+        if self._tb_writer is not None:
+            for name, value in metrics.items():
+                if name != "step":
+                    self._tb_writer.add_scalar(f"train/{name}", value, step)
+
+    def _truncate_metrics_file(self, step: int) -> None:
+        """Drop lines logged after ``step`` (by a run that died after its last checkpoint)."""
+        if not self.metrics_path.exists():
+            return
+        lines = self.metrics_path.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        if len(kept) != len(lines):
+            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def print_completions(self, step: int, samples: list[tuple[str, str, float]]) -> None:
+        """Print the first ``num_completions_to_print`` of ``(prompt, completion, reward)`` above the progress bar."""
+        for prompt, completion, reward in samples[: self.config.num_completions_to_print]:
+            tqdm.write(f"[step {step}] {prompt!r} -> {completion!r} (reward {reward:.3f})")
+
+    def close(self) -> None:
+        """Close the TensorBoard writer, if open."""
+        if self._tb_writer is not None:
+            self._tb_writer.close()
+            self._tb_writer = None
+
+    def plot(self) -> Path:
+        """:func:`plot_metrics` of ``metrics.jsonl`` into ``metrics.png``."""
+        return plot_metrics(self.metrics_path, self.plot_path)
+
+
+def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path:
+    """Plot reward, KL, loss, clip ratio and completion length against step from a metrics JSONL file.
+
+    Returns:
+        The PNG's path. A metric never logged (e.g. ``kl`` when ``beta == 0``) gets an empty panel saying so.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    fig, axes = plt.subplots(1, len(PLOTTED_METRICS), figsize=(4 * len(PLOTTED_METRICS), 3.2))
+    for ax, (key, title) in zip(axes, PLOTTED_METRICS, strict=True):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, linewidth=0.8)
+        else:
+            note = "not computed (beta = 0)" if key == "kl" else "not logged"
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)
