@@ -31,11 +31,12 @@ ifneq ($(CUDA_HOME),)
 export CUDACXX := $(CUDA_HOME)/bin/nvcc
 endif
 
-.PHONY: help env build test lint format wheel wheel-smoke bench demo clean
+.PHONY: help env build test lint format wheel wheel-smoke bench kernel-report demo clean
 
 help:
 	@echo "make test         create the environment, build grpo_ext, run the tests"
 	@echo "make bench        run the microbenchmarks (CPU here, CUDA where a GPU is)"
+	@echo "make kernel-report  registers, spills, occupancy, load widths of every CUDA kernel (benchmarks/KERNELS.md)"
 	@echo "make demo         GRPO on an embedded tiny model: learns to reverse digits in under 3 minutes on 2 CPU cores"
 	@echo "make wheel        build a wheel into dist/"
 	@echo "make wheel-smoke  install that wheel into a fresh venv and smoke-test it"
@@ -100,6 +101,10 @@ bench: build
 	$(PY) benchmarks/bench_selective_log_softmax.py
 	$(PY) benchmarks/bench_grpo_loss_from_logits.py
 	$(PY) benchmarks/bench_grpo_loss_from_hidden.py
+
+# The compiler's view of every CUDA kernel (no GPU needed; the CUDA build is): benchmarks/KERNELS.md.
+kernel-report: build
+	$(PY) benchmarks/kernel_report.py --out benchmarks/KERNELS.md
 
 # The training layer's embedded default: a tiny LLaMA learns digit reversal with GRPO, nothing downloaded.
 demo: build
