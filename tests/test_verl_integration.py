@@ -46,6 +46,7 @@ def make_batch(seed: int, spread: float = 0.6):
     old = log_prob + spread * torch.randn(B, T, generator=g, dtype=torch.float64)
     old[0, :3] = log_prob[0, :3] - torch.tensor([1.5, 1.3, -1.5], dtype=torch.float64)  # ratios 4.5, 3.7, 0.2
     ref = log_prob + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref[1, 0], ref[2, :3] = log_prob[1, 0] + 25, log_prob[2, :3] + torch.tensor([3.0, -25.0, -0.7])  # clamps act
     adv = torch.randn(B, 1, generator=g, dtype=torch.float64) * mask
     adv[0] = -adv[0].abs()  # a negative advantage with ratios above clip_ratio_c: the dual clip acts
     weights = torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5
@@ -145,6 +146,6 @@ def test_unequal_groups_and_bad_modes_are_named():
     with pytest.raises(ValueError, match="loss_agg_mode"):
         grpo_verl.loss_options(actor_config("local"), "token-avg", mask)
     with pytest.raises(ValueError, match="kl_loss_type"):
-        grpo_verl.loss_options(actor_config("local", use_kl_loss=True, kl_loss_type="abs"), "token-mean", mask)
+        grpo_verl.loss_options(actor_config("local", use_kl_loss=True, kl_loss_type="full"), "token-mean", mask)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         grpo_verl.loss_options(actor_config("local", clip_ratio_c=1.2), "token-mean", mask)

@@ -15,8 +15,8 @@ verl loads it by itself: grpo_ext declares it under the ``verl.plugins`` entry p
 options (the KL term too, ``kl_loss_type``) for callers of grpo_ext's fused losses.
 
 Known differences, outside the mapped range: verl clamps the log-ratio to +-20 before ``exp`` (grpo_ext does not);
-``token-mean`` over a micro-batch without any kept token is 0 here, NaN in verl; verl's ``kl_loss_type`` ``abs``,
-``k1+`` and ``k3+`` are refused, and ``low_var_kl`` equals verl's while the estimate stays within verl's +-10 clamp.
+``token-mean`` over a micro-batch without any kept token is 0 here, NaN in verl. Every ``kl_loss_type`` but
+``full`` maps onto a grpo_ext ``kl_estimator`` (docs/math.md section 4), clamps included.
 """
 
 from __future__ import annotations
@@ -44,11 +44,14 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-to
 KL_LOSS_TYPES: dict[str, dict[str, Any]] = {
     "kl": {"kl_estimator": "k1"},
     "k1": {"kl_estimator": "k1"},
+    "abs": {"kl_estimator": "abs"},
     "mse": {"kl_estimator": "k2"},
     "k2": {"kl_estimator": "k2"},
     "k2+": {"kl_estimator": "k2"},
-    "low_var_kl": {"kl_estimator": "k3", "kl_clamp": 20.0},
-    "k3": {"kl_estimator": "k3", "kl_clamp": 20.0},
+    "low_var_kl": {"kl_estimator": "low_var_kl", "kl_clamp": 20.0},
+    "k3": {"kl_estimator": "low_var_kl", "kl_clamp": 20.0},
+    "k1+": {"kl_estimator": "k1+"},
+    "k3+": {"kl_estimator": "k3+", "kl_clamp": 20.0},
 }
 
 
