@@ -184,10 +184,8 @@ def _grouped_advantages(token_level_rewards, response_mask, index, **options) ->
     scores = token_level_rewards.sum(dim=-1)
     order, group_size = group_permutation(index)
     order_t = torch.as_tensor(order, device=scores.device)
-    sorted_adv = grpo_ext.group_advantages(scores[order_t].float(), group_size, **options).advantages
-    if group_size == 1:  # verl's singleton groups: mean 0 and std 1, so A = r / (1 + eps) (GRPO) or A = r (RLOO)
-        eps = options.get("eps", 0.0) if options.get("scale_rewards") == "group" else 0.0
-        sorted_adv = scores[order_t].float() / (1 + eps)
+    sorted_adv = grpo_ext.group_advantages(scores[order_t].float(), group_size, singleton_groups="verl",
+                                           **options).advantages  # fmt: skip
     advantages = torch.empty_like(sorted_adv)
     advantages[order_t] = sorted_adv
     advantages = advantages.to(scores.dtype).unsqueeze(-1) * response_mask

@@ -31,6 +31,8 @@ IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 BASELINES: tuple[str, ...] = ("mean", "leave_one_out")
 MULTI_OBJECTIVE_AGGREGATIONS: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
+#: group_advantages' singleton_groups: "zero" (A = 0 alone in a group) or "verl" (mean 0, std 1; docs/math.md 1).
+SINGLETON_GROUPS: tuple[str, ...] = ("zero", "verl")
 #: verl's clamp of the k3 estimate for ``low_var_kl`` and ``k3+`` (``kLowVarKLCap`` in csrc/grpo_loss_math.h).
 LOW_VAR_KL_CAP: float = 10.0
 
