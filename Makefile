@@ -31,7 +31,7 @@ ifneq ($(CUDA_HOME),)
 export CUDACXX := $(CUDA_HOME)/bin/nvcc
 endif
 
-.PHONY: help env build test lint format wheel wheel-smoke bench kernel-report demo clean
+.PHONY: help env verl-env build test lint format wheel wheel-smoke bench kernel-report demo clean
 
 help:
 	@echo "make test         create the environment, build grpo_ext, run the tests"
@@ -54,6 +54,23 @@ $(VENV)/.installed:
 	    "trl==1.16.0"
 	touch $@
 
+# verl pins an older transformers than trl: its parity test (tests/test_verl_integration.py) runs in a venv of its
+# own that sees the main venv through a .pth line (site.addsitedir, so the editable grpo_ext is found too), holding
+# verl without its dependencies plus only what verl/trainer/ppo/core_algos.py imports that the main venv lacks
+# (ray, tensordict, omegaconf, ... : ~120 MB, under a minute from the package index). Delete $(VERL_VENV) to redo it.
+VERL_VENV ?= $(VENV)-verl
+VERL_PACKAGES ?= verl==0.9.1 ray==2.60.0 tensordict==0.15.3 pyvers==0.2.3 cloudpickle==3.1.2 orjson==3.13.0 \
+    omegaconf==2.4.0 codetiming==1.4.0 msgpack==1.2.4 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
+    referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.18
+$(VERL_VENV)/.installed:
+	rm -rf $(VERL_VENV) && python3 -m venv $(VERL_VENV)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')')" \
+	    > "$$($(VERL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/_main_venv.pth"
+	$(VERL_VENV)/bin/python -m pip install -q --no-deps $(VERL_PACKAGES)
+	touch $@
+
+verl-env: $(VERL_VENV)/.installed
+
 ifeq ($(strip $(PYTHON_ENV)),system)
 env:
 	@$(PY) -c "import torch, pybind11, scikit_build_core, pytest, hypothesis; print('using', torch.__version__)"
@@ -65,9 +82,16 @@ build: env
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	cd /tmp && $(PY) -c "import grpo_ext, json; print(json.dumps(grpo_ext.build_info()))"
 
-# The venv has trl, so there the TRL integration test must run: a missing trl fails it instead of skipping it.
+# The venv has trl, so there the TRL integration test must run: a missing trl fails it instead of skipping it. The
+# verl parity test runs in $(VERL_VENV) (about 10 s), where a missing verl fails it too.
+ifeq ($(strip $(PYTHON_ENV)),system)
 test: build
-	GRPO_EXT_REQUIRE_TRL=$(if $(filter system,$(strip $(PYTHON_ENV))),0,1) $(PY) -m pytest -q
+	GRPO_EXT_REQUIRE_TRL=0 $(PY) -m pytest -q
+else
+test: build verl-env
+	GRPO_EXT_REQUIRE_TRL=1 $(PY) -m pytest -q --ignore=tests/test_verl_integration.py
+	GRPO_EXT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl_integration.py
+endif
 
 # ruff for Python; clang-format (.clang-format, pinned above) for every C++/CUDA source of csrc/.
 CXX_SOURCES = $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.inc')

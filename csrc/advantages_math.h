@@ -14,6 +14,7 @@ struct AdvantageParams {
   Aggregation aggregation = Aggregation::kSumThenNormalize;
   double eps = 1e-4;
   int64_t std_ddof = 1;
+  bool verl_singletons = false;  // singleton_groups="verl": a group of one row has mean 0 and std 1 (section 1)
 };
 
 // Groups whose std is at most this are zero_std (all rewards equal).
@@ -49,7 +50,12 @@ GRPO_HD T combine_rewards(const StridedMatrix& rewards, const StridedMatrix& wei
 // leave-one-out row with no other scored member.
 template <typename T>
 GRPO_HD T advantage_from(T reward, T baseline, bool baseline_valid, T sigma, const AdvantageParams& p) {
-  if (reward != reward || !baseline_valid) return T(0);
+  if (reward != reward) return T(0);
+  if (p.verl_singletons && p.group_size == 1) {  // verl: mean 0, std 1, so A = R / (1 + eps), or R unscaled
+    return p.scale == ScaleRewards::kNone ? reward
+                                          : reward / ((p.scale == ScaleRewards::kGroup ? T(1) : sigma) + T(p.eps));
+  }
+  if (!baseline_valid) return T(0);
   const T centered = reward - baseline;
   return p.scale == ScaleRewards::kNone ? centered : centered / (sigma + T(p.eps));
 }

@@ -87,7 +87,8 @@ struct LogitsRows {
 
 // Option codes, parsed once on the host from the user's strings.
 enum class LossType : int32_t { kGRPO = 0, kBNPO, kDrGRPO, kDAPO, kLUSPO, kCISPO, kSAPO };
-enum class KLEstimator : int32_t { kK1 = 1, kK2 = 2, kK3 = 3 };
+// kAbs, kK1Plus, kK3Plus, kLowVarKL: verl's "abs", straight-through "k1+"/"k3+" and "low_var_kl" (docs/math.md 4).
+enum class KLEstimator : int32_t { kK1 = 1, kK2 = 2, kK3 = 3, kAbs, kK1Plus, kK3Plus, kLowVarKL };
 enum class ScaleRewards : int32_t { kGroup = 0, kBatch, kNone };
 enum class Baseline : int32_t { kMean = 0, kLeaveOneOut };
 enum class Aggregation : int32_t { kSumThenNormalize = 0, kNormalizeThenSum };

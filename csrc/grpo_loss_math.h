@@ -1,7 +1,8 @@
 // The per-token GRPO loss math of docs/math.md sections 3-5 and 7, written once for the CPU and CUDA kernels.
 // Every derivative reproduces torch autograd's conventions exactly: torch.minimum splits the gradient half/half at a
 // tie (ties are the common case: rho inside the clip range makes both branches equal), torch.clamp passes the
-// gradient at its bounds.
+// gradient at its bounds. Over 300 lines because the per-token terms, their dispatch and the aggregation are one
+// contract that the CPU and CUDA kernels must share; splitting it would spread the math over several headers.
 #pragma once
 
 #include "common.h"
@@ -56,7 +57,9 @@ GRPO_HD bool per_row_normalized(LossType t) {
 // The policy term's shape, and the KL estimator (kNone when beta == 0): the two choices that change the per-token
 // code. Kernels dispatch on them once, so the token loop is straight-line code (vectorized on the CPU).
 enum class PolicyFamily : int32_t { kClip = 0, kCispo, kSapo };
-enum class KLKind : int32_t { kNone = 0, kK1, kK2, kK3 };
+// verl's low_var_kl (and k3+) clamps the k3 estimate to [-10, 10]; k3 >= 0, so only the upper bound acts.
+constexpr double kLowVarKLCap = 10.0;
+enum class KLKind : int32_t { kNone = 0, kK1, kK2, kK3, kAbs, kK1Plus, kK3Plus, kLowVarKL };
 
 GRPO_HD PolicyFamily policy_family(LossType t) {
   return t == LossType::kCISPO ? PolicyFamily::kCispo
@@ -64,8 +67,15 @@ GRPO_HD PolicyFamily policy_family(LossType t) {
 }
 GRPO_HD KLKind kl_kind(const LossParams& p) {
   if (p.beta == 0.0) return KLKind::kNone;
-  return p.kl_estimator == KLEstimator::kK1 ? KLKind::kK1
-                                            : (p.kl_estimator == KLEstimator::kK2 ? KLKind::kK2 : KLKind::kK3);
+  switch (p.kl_estimator) {
+    case KLEstimator::kK1: return KLKind::kK1;
+    case KLEstimator::kK2: return KLKind::kK2;
+    case KLEstimator::kAbs: return KLKind::kAbs;
+    case KLEstimator::kK1Plus: return KLKind::kK1Plus;
+    case KLEstimator::kK3Plus: return KLKind::kK3Plus;
+    case KLEstimator::kLowVarKL: return KLKind::kLowVarKL;
+    default: return KLKind::kK3;
+  }
 }
 
 // The hyperparameters in the compute type, converted once per kernel rather than per token.
@@ -139,22 +149,41 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
   out.kl = T(0);
 
   if constexpr (kKL != KLKind::kNone) {
-    T r = l_ref - l;
+    const T r_raw = l_ref - l;
+    T r = r_raw;
     const bool inside = (r >= -c.kl_clamp) & (r <= c.kl_clamp);  // torch.clamp passes the gradient at its bounds
     r = r < -c.kl_clamp ? -c.kl_clamp : (r > c.kl_clamp ? c.kl_clamp : r);
     T kl, dkl_dr;
+    bool passes = inside;  // whether the gradient reaches l through the clamps
     if constexpr (kKL == KLKind::kK1) {
       kl = -r;
       dkl_dr = T(-1);
     } else if constexpr (kKL == KLKind::kK2) {
       kl = T(0.5) * r * r;
       dkl_dr = r;
+    } else if constexpr (kKL == KLKind::kAbs) {  // |r|, gradient sign(r) (0 at r = 0 as torch.abs; NaN stays NaN)
+      kl = r < T(0) ? -r : r;
+      dkl_dr = r > T(0) ? T(1) : (r < T(0) ? T(-1) : (r == T(0) ? T(0) : r));
+    } else if constexpr (kKL == KLKind::kK1Plus) {  // straight-through: k1's value, k2's gradient on the unclamped r
+      kl = -r;
+      dkl_dr = r_raw;
+      passes = true;
     } else {  // k3: exp(r) - r - 1, through expm1 so that small r keeps its precision
       const T em1 = math_expm1(r);
       kl = em1 - r;
       dkl_dr = em1;
+      if constexpr (kKL == KLKind::kK3Plus || kKL == KLKind::kLowVarKL) {  // verl clamps the estimate at 10
+        const bool above = kl > T(kLowVarKLCap);                           // NaN is not above: it stays visible
+        kl = above ? T(kLowVarKLCap) : kl;
+        if constexpr (kKL == KLKind::kK3Plus) {  // straight-through: k2's gradient on the unclamped r
+          dkl_dr = r_raw;
+          passes = true;
+        } else {
+          passes = passes & !above;
+        }
+      }
     }
-    const T dkl_dl = inside ? -dkl_dr : T(0);
+    const T dkl_dl = passes ? -dkl_dr : T(0);
     if constexpr (kBias) {  // bias correction (DeepSeek-V3.2): KL * rho, rho carrying its gradient
       out.kl = rho * kl;
       out.dloss_drho += c.beta * kl;
@@ -185,6 +214,10 @@ GRPO_HD void dispatch_kl(KLKind kl, Fn&& fn) {
     case KLKind::kK1: fn(TokenTermsFn<T, kFamily, KLKind::kK1, kBias>{}); break;
     case KLKind::kK2: fn(TokenTermsFn<T, kFamily, KLKind::kK2, kBias>{}); break;
     case KLKind::kK3: fn(TokenTermsFn<T, kFamily, KLKind::kK3, kBias>{}); break;
+    case KLKind::kAbs: fn(TokenTermsFn<T, kFamily, KLKind::kAbs, kBias>{}); break;
+    case KLKind::kK1Plus: fn(TokenTermsFn<T, kFamily, KLKind::kK1Plus, kBias>{}); break;
+    case KLKind::kK3Plus: fn(TokenTermsFn<T, kFamily, KLKind::kK3Plus, kBias>{}); break;
+    case KLKind::kLowVarKL: fn(TokenTermsFn<T, kFamily, KLKind::kLowVarKL, kBias>{}); break;
   }
 }
 

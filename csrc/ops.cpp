@@ -29,7 +29,8 @@
 TORCH_LIBRARY(grpo_ext, m) {
   m.def(
       "group_advantages(Tensor rewards, Tensor? reward_weights, int group_size, str scale_rewards, str baseline, "
-      "str multi_objective_aggregation, float eps, int std_ddof) -> (Tensor, Tensor, Tensor, Tensor)");
+      "str multi_objective_aggregation, float eps, int std_ddof, str singleton_groups=\"zero\") -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "process_advantages(Tensor step_rewards, Tensor step_end, int group_size, int seq_len, float eps, "
       "int std_ddof) -> Tensor");

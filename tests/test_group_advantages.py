@@ -57,6 +57,29 @@ def test_zero_std_and_singletons(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("scale", "baseline", "aggregation"), MODES)
+def test_verl_singleton_groups(device, scale, baseline, aggregation):
+    """singleton_groups="verl": verl's mean 0 and std 1 for a group of one row (compute_grpo_outcome_advantage)."""
+    rewards = torch.tensor([0.3, -0.7, float("nan"), 2.0, 0.0], dtype=torch.float64)
+    kwargs = dict(scale_rewards=scale, baseline=baseline, multi_objective_aggregation=aggregation, eps=1e-6)
+    expected = reference.group_advantages(rewards, 1, singleton_groups="verl", **kwargs)
+    got = grpo_ext.group_advantages(rewards.to(device), 1, singleton_groups="verl", **kwargs)
+    assert_close(got.advantages, expected.advantages, rtol=1e-12, atol=1e-12)
+    zero = reference.group_advantages(rewards, 1, **kwargs).advantages
+    if aggregation == "normalize_then_sum":  # GDPO z-scores over the batch: no group convention applies
+        assert_close(expected.advantages, zero, rtol=0, atol=0)
+    else:  # verl: A = r / (1 + eps) (std 1), r unscaled, an unscored row 0; grpo_ext's default: 0
+        sigma = {"group": 1.0, "none": 0.0, "batch": torch.std(rewards[~rewards.isnan()]).item()}[scale]
+        want = torch.nan_to_num(rewards) / (sigma + 1e-6 if scale != "none" else 1.0)
+        assert_close(expected.advantages, want, rtol=1e-12, atol=1e-12)
+        assert zero.abs().max() == 0
+    for size in (2, 4):  # larger groups: the option changes nothing
+        wide = torch.randn(8, dtype=torch.float64)
+        assert torch.equal(grpo_ext.group_advantages(wide, size, singleton_groups="verl", **kwargs).advantages,
+                           grpo_ext.group_advantages(wide, size, **kwargs).advantages)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_half_precision_rewards(device):
     rewards = random_rewards(64, 1, seed=1, nan_fraction=0.0)[:, 0]
     for dtype in (torch.bfloat16, torch.float16):

@@ -23,6 +23,10 @@ KL_CONFIGS = {
     "k3_clamp": (0.3, "k3", 0.15, False),
     "k3_bias": (0.05, "k3", None, True),
     "k2_clamp_bias": (0.1, "k2", 0.1, True),
+    "abs": (0.05, "abs", None, False),
+    "k1+_clamp": (0.3, "k1+", 0.15, False),
+    "k3+_bias": (0.05, "k3+", None, True),
+    "low_var_kl_clamp": (0.1, "low_var_kl", 20.0, False),
 }
 EXTRAS = ["plain", "delta", "is_weights_sample_mask", "token_advantages", "denominators"]
 
@@ -103,6 +107,29 @@ def test_float64_kernel_equals_reference_to_rounding(device, loss_type, level):
         assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
         for name in ref.metrics:
             assert_close(out.metrics[name], ref.metrics[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("estimator", ["abs", "k1+", "k3+", "low_var_kl"])
+@pytest.mark.parametrize("kl_clamp", [None, 20.0])
+def test_verl_kl_estimators_at_their_clamps(device, estimator, kl_clamp):
+    """Log-ratios r = l_ref - l from -25 to 25 with 0 among them: the +-20 clamp, the cap at 10 and |r|'s kink act."""
+    r = torch.tensor([[-25.0, -3.0, -0.5, 0.0, 0.5, 2.0, 3.0, 25.0]], dtype=torch.float64).repeat(2, 1)
+    logps = -torch.rand(2, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64) - 0.5
+    ref_logps, adv, mask = logps + r, torch.tensor([0.5, -1.0], dtype=torch.float64), torch.ones(2, 8)
+    results = []
+    for impl, dev in ((grpo_ext, device), (reference, "cpu")):
+        leaf = logps.to(dev).clone().requires_grad_(True)
+        out = impl.grpo_loss(leaf, adv.to(dev), mask.to(dev), ref_logps=ref_logps.to(dev), beta=0.1,
+                             kl_estimator=estimator, kl_clamp=kl_clamp, loss_type="dapo")  # fmt: skip
+        out.loss.backward()
+        results.append((out.loss, leaf.grad, out.metrics["kl"]))
+    (loss, grad, kl), (want_loss, want_grad, want_kl) = results
+    assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert_close(kl, want_kl, rtol=1e-12, atol=1e-12)
+    if estimator.endswith("+"):  # straight-through: k2's gradient on the raw r, clamps or not
+        assert_close(want_grad.cpu(), (-adv.unsqueeze(1) + 0.1 * -r) / 16, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

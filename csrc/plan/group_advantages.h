@@ -29,9 +29,10 @@ inline Aggregation parse_aggregation(c10::string_view s) {
 #define GRPO_GROUP_ADVANTAGES_PARAMS                                                                           \
   const at::Tensor &rewards, const std::optional<at::Tensor>&reward_weights, int64_t group_size,               \
       c10::string_view scale_rewards, c10::string_view baseline, c10::string_view multi_objective_aggregation, \
-      double eps, int64_t std_ddof
-#define GRPO_GROUP_ADVANTAGES_ARGS \
-  rewards, reward_weights, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof
+      double eps, int64_t std_ddof, c10::string_view singleton_groups
+#define GRPO_GROUP_ADVANTAGES_ARGS                                                                          \
+  rewards, reward_weights, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof, \
+      singleton_groups
 
 using GroupAdvantagesResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -63,6 +64,8 @@ inline GroupAdvantagesPlan plan_group_advantages(GRPO_GROUP_ADVANTAGES_PARAMS) {
   plan.params.aggregation = parse_aggregation(multi_objective_aggregation);
   plan.params.eps = eps;
   plan.params.std_ddof = std_ddof;
+  static constexpr Choice<bool> kSingletonChoices[] = {{"zero", false}, {"verl", true}};
+  plan.params.verl_singletons = parse_choice("singleton_groups", singleton_groups, kSingletonChoices);
   plan.rewards.data = rewards.data_ptr();
   plan.rewards.dtype = dtype_tag(rewards.scalar_type(), "rewards");
   plan.rewards.row_stride = rewards.stride(0);

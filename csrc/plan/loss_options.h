@@ -67,8 +67,13 @@ inline LossType parse_loss_type(c10::string_view s) {
 }
 
 inline KLEstimator parse_kl_estimator(c10::string_view s) {
-  static constexpr Choice<KLEstimator> kChoices[] = {
-      {"k1", KLEstimator::kK1}, {"k2", KLEstimator::kK2}, {"k3", KLEstimator::kK3}};
+  static constexpr Choice<KLEstimator> kChoices[] = {{"k1", KLEstimator::kK1},
+                                                     {"k2", KLEstimator::kK2},
+                                                     {"k3", KLEstimator::kK3},
+                                                     {"abs", KLEstimator::kAbs},
+                                                     {"k1+", KLEstimator::kK1Plus},
+                                                     {"k3+", KLEstimator::kK3Plus},
+                                                     {"low_var_kl", KLEstimator::kLowVarKL}};
   return parse_choice("kl_estimator", s, kChoices);
 }
 

@@ -7,7 +7,7 @@ maps each op to its files.
 
 import torch
 
-from . import _C, ops, reference  # ops before reference: the reference imports ops.options
+from . import _C, nn, ops, reference  # ops before reference: the reference imports ops.options
 from .ops import (
     group_advantages,
     grpo_loss,
@@ -61,6 +61,7 @@ __all__ = [
     "grpo_loss",
     "grpo_loss_from_hidden",
     "grpo_loss_from_logits",
+    "nn",
     "process_advantages",
     "reference",
     "selective_log_softmax",

@@ -21,6 +21,7 @@ from .ops.options import (
     LOSS_TYPES,
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALE_REWARDS,
+    SINGLETON_GROUPS,
     LossOptions,
 )
 
@@ -135,6 +136,7 @@ def validate_group_advantages_args(
     multi_objective_aggregation: str,
     eps: float,
     std_ddof: int,
+    singleton_groups: str = "zero",
 ) -> tuple[int, float, int]:
     """Checks group_advantages' arguments (shared with the native op's wrapper); returns group_size, eps, std_ddof.
 
@@ -154,6 +156,7 @@ def validate_group_advantages_args(
     check_choice("multi_objective_aggregation", multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
     eps = check_positive("eps", eps)
     std_ddof = check_int("std_ddof", std_ddof, 0)
+    check_choice("singleton_groups", singleton_groups, SINGLETON_GROUPS)
     return group_size, eps, std_ddof
 
 

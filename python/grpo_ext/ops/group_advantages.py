@@ -26,6 +26,7 @@ def group_advantages(
     multi_objective_aggregation: str = "sum_then_normalize",
     eps: float = 1e-4,
     std_ddof: int = 1,
+    singleton_groups: str = "zero",
 ) -> GroupAdvantages:
     """Group-normalized advantages (docs/math.md section 1), one kernel launch.
 
@@ -39,26 +40,30 @@ def group_advantages(
         multi_objective_aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"`` (GDPO).
         eps: added to the std (never inside a sqrt).
         std_ddof: delta degrees of freedom of every std (1: Bessel, as TRL and verl).
+        singleton_groups: ``"zero"`` (a group of one row is its own mean: A = 0) or ``"verl"`` (verl's mean 0 and
+            std 1: A = R / (1 + eps), or R with ``scale_rewards="none"``); sum_then_normalize only.
 
     Returns:
         GroupAdvantages: ``advantages [B]``, ``group_mean [B/G]``, ``group_std [B/G]`` (float32, float64 for float64
         rewards) and ``zero_std [B/G]`` bool. No NaN ever leaves the op.
     """
     group_size, eps, std_ddof = validate_group_advantages_args(
-        rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof
+        rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof, singleton_groups
     )
     if reward_weights is not None:
         num_rewards = rewards.shape[1] if rewards.dim() == 2 else 1
         weights_dtype = reward_weights.dtype if isinstance(reward_weights, Tensor) else torch.float64
         reward_weights = reward_weights_tensor(reward_weights, num_rewards, weights_dtype, rewards.device)
     out = torch.ops.grpo_ext.group_advantages(
-        rewards, reward_weights, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof
+        rewards, reward_weights, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof,
+        singleton_groups,
     )
     return GroupAdvantages(*out)
 
 
 @torch.library.register_fake("grpo_ext::group_advantages")
-def _group_advantages_fake(rewards, reward_weights, group_size, scale_rewards, baseline, aggregation, eps, std_ddof):
+def _group_advantages_fake(rewards, reward_weights, group_size, scale_rewards, baseline, aggregation, eps, std_ddof,
+                           singleton_groups="zero"):  # fmt: skip
     torch._check(rewards.dim() in (1, 2), lambda: f"rewards must have shape [B] or [B, K], got {tuple(rewards.shape)}")
     batch = rewards.shape[0]
     torch._check(batch % group_size == 0, lambda: f"rewards.shape[0] is not divisible by group_size={group_size}")

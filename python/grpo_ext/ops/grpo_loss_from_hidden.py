@@ -24,6 +24,18 @@ from .grpo_loss_from_logits import (
 )
 from .lm_head import chunk_rows, project
 from .options import NUM_METRICS, LossOptions, metrics_dict, takes_loss_options
+from .selective_log_softmax import selective_log_softmax
+
+#: A reference model's LM head: (``[N, H']`` hidden states, ``[V, H']`` weight, ``[V]`` bias or None).
+RefHead = tuple[Tensor, Tensor, Tensor | None]
+
+
+@torch.no_grad()
+def _write_ref_logps(ref_head: RefHead, ids: Tensor, start: int, end: int, temperature: float, out: Tensor) -> None:
+    """``out[start:end]`` = the reference head's log-probs of ``ids[start:end]`` (one chunk of logits, no grad)."""
+    ref_hidden, ref_weight, ref_bias = ref_head
+    logits = project(ref_hidden[start:end], ref_weight, ref_bias)
+    out[start:end] = selective_log_softmax(logits, ids[start:end], temperature=temperature).logps
 
 
 def _accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -47,13 +59,15 @@ def _hidden_loss_forward(
     temperature: float,
     chunk_size: int,
     needs: tuple[bool, bool, bool],
+    ref_head: RefHead | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """The chunked forward: (loss, metrics vector, mean entropy, d/d hidden, d/d weight, d/d bias).
 
     Per chunk of token rows: logits = hidden @ weight.T (+ bias) through torch (cuBLAS), the fused logits kernel
     in place (log-probs, entropy, and the gradient over the chunk's logits), then grad_hidden = g @ weight and
     grad_weight += g.T @ hidden (float32 accumulator). Sequence-level losses first run every chunk for the
-    log-probs alone, then recompute each chunk's logits for the gradient.
+    log-probs alone, then recompute each chunk's logits for the gradient. With ``ref_head``, each chunk first
+    writes its reference log-probs into ``options.ref_logps`` (the rows the chunk's pass then reads), no_grad.
     """
     batch, length = completion_mask.shape
     rows, vocab = hidden.shape[0], weight.shape[0]
@@ -83,6 +97,8 @@ def _hidden_loss_forward(
     two_phase = compute_grad and not token_level
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
+        if ref_head is not None:
+            _write_ref_logps(ref_head, ids, start, end, temperature, options.ref_logps.view(-1))
         logits = chunk_logits(start, end)
         grad_now = compute_grad and token_level
         op = ops.grpo_loss_from_logits_pass_ if grad_now else ops.grpo_loss_from_logits_pass
@@ -114,10 +130,11 @@ class _HiddenLossFunction(torch.autograd.Function):
     """Eager autograd for the chunked hidden-state loss: gradients computed in the forward, scaled in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, advantages, completion_mask, options, temperature, chunk_size):
+    def forward(ctx, hidden, weight, bias, ids, advantages, completion_mask, options, temperature, chunk_size,
+                ref_head=None):  # fmt: skip
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         loss, metrics, entropy, *grads = _hidden_loss_forward(
-            hidden, weight, bias, ids, advantages, completion_mask, options, temperature, chunk_size, needs
+            hidden, weight, bias, ids, advantages, completion_mask, options, temperature, chunk_size, needs, ref_head
         )
         ctx.saved_grads = tuple(grads)
         ctx.mark_non_differentiable(metrics, entropy)
@@ -127,7 +144,7 @@ class _HiddenLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_metrics, grad_entropy):
         grads = take_saved_grads(ctx, "grpo_loss_from_hidden")
         scaled = tuple(None if g is None else scale_grad(g, grad_loss) for g in grads)
-        return scaled + (None,) * 6
+        return scaled + (None,) * 7
 
 
 # The chunked loss as one opaque op for torch.compile; every gradient computed (bias' empty without bias).
@@ -218,6 +235,52 @@ def grpo_loss_from_hidden(
     Returns:
         GRPOLossOutput: as :func:`grpo_loss_from_logits` (``loss`` with autograd to hidden, weight and bias).
     """
+    return hidden_loss(hidden, lm_head_weight, completion_ids, advantages, completion_mask, lm_head_bias=lm_head_bias,
+                       temperature=temperature, chunk_size=chunk_size, **options)  # fmt: skip
+
+
+def _check_ref_head(ref_head: RefHead, rows: int, vocab: int, like: Tensor) -> RefHead:
+    """``ref_head`` flattened to ``[N, H']`` rows, after checking it scores the policy's N rows over the same V."""
+    ref_hidden, ref_weight, ref_bias = ref_head
+    if not isinstance(ref_hidden, Tensor) or not ref_hidden.is_floating_point() or ref_hidden.dim() not in (2, 3):
+        raise ValueError(f"ref_input must be a floating [B, T, H] or [N, H] tensor, got "
+                         f"{getattr(ref_hidden, 'shape', None)}")  # fmt: skip
+    flat = ref_hidden.reshape(-1, ref_hidden.shape[-1])
+    if flat.shape[0] != rows or ref_hidden.device != like.device:
+        raise ValueError(f"ref_input must hold the policy's {rows} token rows on {like.device}, got "
+                         f"{tuple(ref_hidden.shape)} on {ref_hidden.device}")  # fmt: skip
+    if (not isinstance(ref_weight, Tensor) or tuple(ref_weight.shape) != (vocab, flat.shape[1])
+            or ref_weight.dtype != ref_hidden.dtype or ref_weight.device != like.device):  # fmt: skip
+        raise ValueError(f"ref_weight must have shape [V, H]=({vocab}, {flat.shape[1]}) and ref_input's dtype and "
+                         f"device, got {tuple(getattr(ref_weight, 'shape', ()))}")  # fmt: skip
+    if ref_bias is not None and (
+        not isinstance(ref_bias, Tensor) or tuple(ref_bias.shape) != (vocab,) or ref_bias.dtype != ref_hidden.dtype
+    ):
+        raise ValueError(f"ref_bias must be a [V]=({vocab},) tensor of ref_input's dtype")
+    return flat.detach().contiguous(), ref_weight.detach().contiguous(), None if ref_bias is None else ref_bias.detach()
+
+
+def hidden_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    lm_head_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    ref_head: RefHead | None = None,
+    **options,
+) -> GRPOLossOutput:
+    """:func:`grpo_loss_from_hidden`, and with ``ref_head`` the reference log-probs from a reference LM head.
+
+    ``ref_head`` = (ref hidden ``[B, T, H']`` or ``[N, H']``, ref weight ``[V, H']``, ref bias ``[V]`` or None): each
+    chunk's reference log-probs are computed under no_grad in the same chunked pass, just before the chunk's
+    policy logits (docs/math.md section 2, same temperature), instead of being passed as ``ref_logps``.
+    """
+    if ref_head is not None and options.get("ref_logps") is not None:
+        raise ValueError("pass either ref_logps or a reference head (ref_input/ref_weight), not both")
     if not isinstance(hidden, Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be a floating [B, T, H] or [N, H] tensor, got {getattr(hidden, 'shape', None)}")
     size = hidden.shape[-1]
@@ -239,6 +302,9 @@ def grpo_loss_from_hidden(
     flat_ids = check_ids_and_mask(flat_hidden.shape[0], hidden.device, completion_ids, completion_mask)
     temperature = check_positive("temperature", temperature)
     batch, length = completion_mask.shape
+    if ref_head is not None:
+        ref_head = _check_ref_head(ref_head, flat_hidden.shape[0], vocab, hidden)
+        options["ref_logps"] = torch.zeros((batch, length), dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
     resolved = resolve_loss_options("grpo_loss_from_hidden", batch, length, hidden, advantages, completion_mask,
                                     options)  # fmt: skip
     rows = flat_hidden.shape[0]
@@ -256,15 +322,20 @@ def grpo_loss_from_hidden(
     if not grad_wanted:
         loss, metrics, entropy, *_ = _hidden_loss_forward(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, temperature,
-            chunk_size, (False, False, False),
+            chunk_size, (False, False, False), ref_head,
         )  # fmt: skip
     elif torch.compiler.is_compiling():
+        if ref_head is not None:  # the opaque op takes ref_logps: fill them first, chunk by chunk
+            for start in range(0, rows, chunk_size):
+                end = min(rows, start + chunk_size)
+                _write_ref_logps(ref_head, flat_ids, start, end, temperature, resolved.ref_logps.view(-1))
         loss, metrics, entropy, *_ = torch.ops.grpo_ext.grpo_loss_from_hidden(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, *resolved.op_args(), temperature,
             chunk_size,
         )
     else:
         loss, metrics, entropy = _HiddenLossFunction.apply(
-            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, temperature, chunk_size
+            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, temperature, chunk_size,
+            ref_head,
         )
     return GRPOLossOutput(loss, metrics_dict(metrics, resolved, entropy))

@@ -25,11 +25,16 @@ LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cisp
 CLIP_FAMILY_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 #: The loss types normalized by the tokens of the batch, ``num_items_in_batch`` (docs/math.md section 5).
 TOKEN_LEVEL_LOSS_TYPES: tuple[str, ...] = ("dapo", "cispo")
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+#: k1-k3 (Schulman), and verl's ``abs``, straight-through ``k1+``/``k3+`` and ``low_var_kl`` (docs/math.md section 4).
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "k1+", "k3+", "low_var_kl")
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 BASELINES: tuple[str, ...] = ("mean", "leave_one_out")
 MULTI_OBJECTIVE_AGGREGATIONS: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
+#: group_advantages' singleton_groups: "zero" (A = 0 alone in a group) or "verl" (mean 0, std 1; docs/math.md 1).
+SINGLETON_GROUPS: tuple[str, ...] = ("zero", "verl")
+#: verl's clamp of the k3 estimate for ``low_var_kl`` and ``k3+`` (``kLowVarKLCap`` in csrc/grpo_loss_math.h).
+LOW_VAR_KL_CAP: float = 10.0
 
 #: Default absolute ratio cap of ``loss_type="cispo"`` when ``epsilon_high`` is left unset (docs/math.md section 3).
 CISPO_DEFAULT_CAP: float = 5.0
@@ -52,7 +57,7 @@ class LossOptions(NamedTuple):
             the ratio (default 5.0).
         delta: two-sided clipping cap on the unclipped ratio (INTELLECT-2), must exceed 1.
         beta: KL coefficient.
-        kl_estimator: ``k1``, ``k2`` or ``k3``.
+        kl_estimator: ``k1``, ``k2``, ``k3``, ``abs``, ``k1+``, ``k3+`` or ``low_var_kl`` (verl's).
         kl_clamp: clamp of ``ref - logps`` before the estimator.
         use_bias_correction_kl: multiply the KL by the importance ratio (DeepSeek-V3.2).
         importance_sampling_level: ``token`` or ``sequence`` (GSPO).

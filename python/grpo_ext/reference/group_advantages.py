@@ -23,6 +23,7 @@ def group_advantages(
     multi_objective_aggregation: str = "sum_then_normalize",
     eps: float = 1e-4,
     std_ddof: int = 1,
+    singleton_groups: str = "zero",
 ) -> GroupAdvantages:
     """Group-relative advantages (docs/math.md section 1).
 
@@ -43,6 +44,8 @@ def group_advantages(
         eps: added to the std (never inside a sqrt); must be > 0.
         std_ddof: delta degrees of freedom of every std (1 = Bessel, as TRL); a std over fewer than
             ``std_ddof + 1`` scored members is 0.
+        singleton_groups: ``"zero"`` (a group of one row has its own mean: A = 0) or ``"verl"`` (mean 0 and std 1,
+            so A = R / (1 + eps), R with ``scale_rewards="none"``); sum_then_normalize only.
 
     Returns:
         :class:`GroupAdvantages` with ``advantages [B]``, ``group_mean [B/G]``, ``group_std [B/G]`` in the compute
@@ -53,7 +56,7 @@ def group_advantages(
             unknown option strings, ``eps <= 0`` or ``std_ddof < 0``.
     """
     group_size, eps, std_ddof = validate_group_advantages_args(
-        rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof
+        rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof, singleton_groups
     )
     batch = rewards.shape[0]
 
@@ -109,6 +112,14 @@ def group_advantages(
             advantages = centered
         # a NaN row, or a leave-one-out row with no other scored member, gets A = 0
         advantages = torch.where(has_baseline, advantages, torch.zeros_like(advantages)).reshape(batch)
+        if singleton_groups == "verl" and group_size == 1:  # verl: a group of one row has mean 0 and std 1
+            reward = torch.where(row_scored, grouped, torch.zeros_like(grouped)).reshape(batch)
+            if scale_rewards == "group":
+                advantages = reward / (1 + eps)
+            elif scale_rewards == "batch":
+                advantages = reward / (nan_mean_std(combined, std_ddof)[1] + eps)
+            else:
+                advantages = reward
 
     # group statistics of the combined reward (every mode)
     group_mean, group_std, group_count = nan_mean_std(combined.reshape(num_groups, group_size), std_ddof)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.options import CLIP_FAMILY_LOSS_TYPES, LossOptions, takes_loss_options
+from ..ops.options import CLIP_FAMILY_LOSS_TYPES, LOW_VAR_KL_CAP, LossOptions, takes_loss_options
 from ..results import GRPOLossOutput
 from ..validation import validate_grpo_loss_args
 from ._common import compute_dtype, per_row
@@ -36,7 +36,8 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
             ratio cap (default 5.0); > 0.
         delta: optional upper cap of the unclipped ratio (two-sided clipping, INTELLECT-2); must exceed 1.
         beta: KL coefficient, >= 0; the KL term is computed only when ``beta != 0``.
-        kl_estimator: ``"k3"`` (``exp(r) - r - 1``), ``"k1"`` (``-r``) or ``"k2"`` (``r^2 / 2``), ``r = l_ref - l``.
+        kl_estimator: ``"k3"`` (``exp(r) - r - 1``), ``"k1"`` (``-r``) or ``"k2"`` (``r^2 / 2``), ``r = l_ref - l``;
+            verl's ``"abs"``, ``"low_var_kl"`` (k3 capped at 10) and straight-through ``"k1+"``/``"k3+"``.
         kl_clamp: optional > 0 bound: ``r`` is clamped to ``[-kl_clamp, kl_clamp]``.
         use_bias_correction_kl: multiply KL by ``rho`` (with its gradient), DeepSeek-V3.2.
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
@@ -113,15 +114,23 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
     if o.beta != 0:
         assert o.ref_logps is not None  # checked above
         l_ref = torch.where(keep, o.ref_logps.detach().to(dtype), zero)
-        r = l_ref - l
+        r_raw = l_ref - l
+        r = r_raw
         if o.kl_clamp is not None:
             r = torch.clamp(r, -o.kl_clamp, o.kl_clamp)
-        if o.kl_estimator == "k3":
+        if o.kl_estimator in ("k3", "k3+", "low_var_kl"):
             kl = torch.exp(r) - r - 1
-        elif o.kl_estimator == "k1":
+            if o.kl_estimator != "k3":  # verl clamps the k3 estimate to [-10, 10]
+                kl = torch.clamp(kl, -LOW_VAR_KL_CAP, LOW_VAR_KL_CAP)
+        elif o.kl_estimator in ("k1", "k1+"):
             kl = -r
+        elif o.kl_estimator == "abs":
+            kl = r.abs()
         else:  # "k2"
             kl = r**2 / 2
+        if o.kl_estimator.endswith("+"):  # straight-through (verl): this value, the gradient of k2 on the raw r
+            k2 = r_raw**2 / 2
+            kl = k2 - k2.detach() + kl.detach()
         if o.use_bias_correction_kl:
             kl = rho * kl
         per_token = per_token + o.beta * kl
