@@ -63,12 +63,15 @@ def without_timing(row: dict) -> dict:
     ("field", "value"),
     [
         ("num_generations", 1), ("learning_rate", 0.0), ("learning_rate", float("nan")), ("beta", -0.1),
-        ("epsilon", 0), ("delta", 1.0), ("top_p", 1.5), ("temperature", -1.0), ("loss_type", "ppo"),
+        ("epsilon", -0.1), ("delta", 1.0), ("top_p", 1.5), ("temperature", -1.0), ("loss_type", "ppo"),
         ("scale_rewards", "rank"), ("importance_sampling_level", "sentence"), ("num_iterations", 0),
         ("max_completion_length", 0), ("gradient_accumulation_steps", 2.5), ("max_steps", 0),
         ("reward_weights", "1,2"), ("reward_weights", [1.0, float("inf")]), ("max_grad_norm", 0.0),
         ("warmup_ratio", 1.0), ("lr_scheduler_type", "cosine_restarts"), ("adam_beta2", 1.0),
         ("kl_target", -1.0), ("kl_target", 0.1), ("logps_backend", "triton"),
+        # a string is not a boolean: "false" used to turn bf16 on
+        ("bf16", "false"), ("mask_truncated_completions", "false"), ("disable_tqdm", "no"), ("log_completions", 1),
+        ("plot", "true"), ("learning_rate", "1e-3"), ("output_dir", 3), ("max_consecutive_nonfinite_steps", 0),
     ],
 )  # fmt: skip
 def test_config_rejects_bad_values_naming_the_field(field, value):
@@ -88,8 +91,9 @@ def test_config_defaults_and_unknown_keys():
     config = GRPOConfig(gradient_accumulation_steps=3, num_generations=3, per_device_train_batch_size=3)
     assert config.steps_per_generation == 3
     assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
-    with pytest.raises(ValueError, match=r"no field.*learning_rat"):
+    with pytest.raises(ValueError, match=r"no field 'learning_rat' \(did you mean 'learning_rate'\?\)"):
         GRPOConfig.from_dict({"learning_rat": 1e-3})
+    assert GRPOConfig(epsilon=0.0, epsilon_high=0.28).epsilon == 0.0  # a zero lower clip range is legitimate
 
 
 def test_trainer_checks_reward_weights_length(tmp_path):
@@ -282,7 +286,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, loss_type):
         torch.testing.assert_close(value, big.model.state_dict()[name], atol=1e-6, rtol=1e-5)
 
 
-def test_cli_train_on_a_local_model_folder_and_jsonl(tmp_path):
+def test_cli_train_on_a_local_model_folder_and_jsonl(tmp_path, capsys):
     tokenizer = build_tokenizer()
     build_model(tokenizer).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -306,8 +310,11 @@ def test_cli_train_on_a_local_model_folder_and_jsonl(tmp_path):
     resumed = read_metrics(out / "metrics.jsonl")
     assert [without_timing(r) for r in resumed] == [without_timing(r) for r in rows]
     shutil.rmtree(out / "checkpoint-2")
-    with pytest.raises(FileNotFoundError):
-        cli_main([*argv, "--resume"])
+    capsys.readouterr()
+    assert cli_main([*argv, "--resume"]) == 1
+    assert f"grpo-ext: error: no checkpoint-N folder in {out} to resume from" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):  # --debug: the exception itself, with its traceback
+        cli_main([*argv, "--resume", "--debug"])
 
 
 def test_parse_overrides_reads_yaml_values():
