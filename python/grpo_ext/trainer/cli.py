@@ -180,6 +180,7 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
 
     from . import distributed
     from .config import GRPOConfig, unknown_keys_error
+    from .run_folder import check_fresh_run
     from .trainer import GRPOTrainer
 
     options = dict(options)
@@ -197,6 +198,7 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
         reward_specs = [reward_specs]
     config = GRPOConfig.from_dict(options)
     # Everything that can be checked before a process group exists or a model loads.
+    check_fresh_run(Path(config.output_dir), bool(resume), config.overwrite_output_dir)
     check_model_folder(model_path)
     rows = load_jsonl(dataset_path)
     reward_funcs = [resolve_reward(s) for s in reward_specs]

@@ -182,8 +182,6 @@ class GRPOConfig:
                 _fail(name, "must be an integer", value)
             if value < minimum:
                 _fail(name, f"must be >= {minimum}", value)
-        if not isinstance(self.fsdp, bool):
-            _fail("fsdp", "must be a boolean", self.fsdp)
         for name in ("max_prompt_length", "save_total_limit"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -181,10 +181,18 @@ class MetricsLogger:
         self._tb_writer = SummaryWriter(log_dir=str(self.output_dir / "runs"), purge_step=step + 1)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Append ``metrics`` as a JSON line, and to TensorBoard as ``train/<name>`` at ``step``."""
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
-            f.flush()
+        """Append ``metrics`` as a JSON line, and to TensorBoard as ``train/<name>`` at ``step``.
+
+        Raises:
+            OSError: naming the file when it cannot be written (a full disk: the run stops, the checkpoints stay).
+        """
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+                f.flush()
+        except OSError as err:
+            raise OSError(err.errno, f"cannot append step {step} to {self.metrics_path}: {err.strerror}; free some "
+                          "space and resume with --resume") from err  # fmt: skip
         if self._tb_writer is not None:
             for name, value in metrics.items():
                 if name != "step":

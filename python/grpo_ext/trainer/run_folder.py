@@ -110,6 +110,19 @@ class RunFolderLock:
             self._fd = None
 
 
+def check_fresh_run(folder: Path, resume: bool, overwrite: bool) -> None:
+    """Raises OutputFolderError when a fresh run (neither ``resume`` nor ``overwrite``) finds a previous run's outputs
+    in ``folder``."""
+    old = previous_outputs(folder)
+    if old and not resume and not overwrite:
+        names = ", ".join(p.name for p in old[:4]) + (", ..." if len(old) > 4 else "")
+        raise OutputFolderError(
+            f"{folder} holds the outputs of a previous run ({names}); a new run would overwrite them. Resume it "
+            "(--resume), start over deleting them (--overwrite, GRPOConfig.overwrite_output_dir), or use another "
+            "output_dir"
+        )
+
+
 def prepare_output_dir(folder: Path, resume: bool, overwrite: bool) -> RunFolderLock:
     """Create and lock ``folder`` for a run, refusing to mix a fresh run with a previous one; clean killed saves.
 
@@ -129,16 +142,9 @@ def prepare_output_dir(folder: Path, resume: bool, overwrite: bool) -> RunFolder
     lock = RunFolderLock(folder)
     lock.acquire()
     try:
-        old = previous_outputs(folder)
-        if old and not resume:
-            if not overwrite:
-                names = ", ".join(p.name for p in old[:4]) + (", ..." if len(old) > 4 else "")
-                raise OutputFolderError(
-                    f"{folder} holds the outputs of a previous run ({names}); a new run would overwrite them. "
-                    "Resume it (--resume), start over deleting them (--overwrite, GRPOConfig.overwrite_output_dir), "
-                    "or use another output_dir"
-                )
-            for path in old:
+        check_fresh_run(folder, resume, overwrite)
+        if not resume:
+            for path in previous_outputs(folder):  # only with overwrite, after check_fresh_run
                 if path.is_dir():
                     shutil.rmtree(path)
                 else:
