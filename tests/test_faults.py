@@ -4,7 +4,7 @@ A ``kill -9`` in the middle of a checkpoint save, SIGINT from outside, SIGTERM, 
 not a finite number, a step whose loss is NaN, a second run into the same folder (one after the other, or at the
 same time), a full disk. Each fault ends in a clear error or a clean stop, and a resumed run reproduces the metrics
 of an uninterrupted one. Two tests run ``grpo-ext train`` in a child process (tests/fault_child.py) so that the
-signal really comes from outside; the rest run in this process. About 35 s on 2 CPU cores (the child processes have a
+signal really comes from outside; the rest run in this process. About 30 s on 2 CPU cores (the child processes have a
 180 s time limit each).
 """
 

@@ -6,15 +6,17 @@ ranks of a torch.distributed run stop at the same step.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import signal
+import sys
 import threading
 import warnings
 from pathlib import Path
 from types import FrameType
 
 import torch
-from tqdm.auto import tqdm
 
 from . import distributed as dist_utils
 
@@ -73,9 +75,11 @@ class StopSignals:
         if self.received is not None:  # the second signal: stop now
             raise KeyboardInterrupt
         self.received = signum
-        if self.verbose:
-            tqdm.write(f"{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
-                       "(send it again to stop at once)")  # fmt: skip
+        if self.verbose:  # a raw write: a buffered print here could re-enter one the signal interrupted
+            name = signal.Signals(signum).name
+            note = f"\n{name}: finishing this step and saving a checkpoint (again: stop at once)\n"
+            with contextlib.suppress(OSError):
+                os.write(sys.stderr.fileno(), note.encode())
 
     def requested(self, device: torch.device) -> int | None:
         """The signal to stop on, agreed by every rank (the largest any rank received), or None."""
