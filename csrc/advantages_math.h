@@ -1,5 +1,5 @@
 // Group statistics of docs/math.md section 1 (group_advantages) and the process-supervision advantages, written once
-// for the CPU and CUDA kernels. NaN marks an unscored reward; no NaN ever leaves these functions.
+// for the CPU and CUDA kernels. NaN marks an unscored reward (+-inf too); no NaN ever leaves these functions.
 #pragma once
 
 #include "common.h"
@@ -20,6 +20,13 @@ struct AdvantageParams {
 // Groups whose std is at most this are zero_std (all rewards equal).
 constexpr double kZeroStdTolerance = 1e-8;
 
+// Whether a reward (or a combined reward R) counts: a finite value. NaN means "not scored", and +-inf is treated
+// alike (docs/math.md section 1), so that no NaN leaves the op. r - r is 0 exactly for a finite r.
+template <typename T>
+GRPO_HD bool is_scored(T r) {
+  return r - r == T(0);
+}
+
 // NaN-aware std from a sum of squared deviations: 0 when fewer than ddof + 1 members are scored.
 template <typename T>
 GRPO_HD T std_from_sum_sq(T sum_sq_dev, T count, int64_t ddof) {
@@ -39,7 +46,7 @@ GRPO_HD T combine_rewards(const StridedMatrix& rewards, const StridedMatrix& wei
   bool any = false;
   for (int64_t j = 0; j < k; ++j) {
     const T r = rewards.load<T>(row, j);
-    if (r != r) continue;
+    if (!is_scored(r)) continue;
     total += (weights.present() ? weights.load<T>(0, j) : T(1)) * r;
     any = true;
   }
@@ -50,7 +57,7 @@ GRPO_HD T combine_rewards(const StridedMatrix& rewards, const StridedMatrix& wei
 // leave-one-out row with no other scored member.
 template <typename T>
 GRPO_HD T advantage_from(T reward, T baseline, bool baseline_valid, T sigma, const AdvantageParams& p) {
-  if (reward != reward) return T(0);
+  if (!is_scored(reward)) return T(0);
   if (p.verl_singletons && p.group_size == 1) {  // verl: mean 0, std 1, so A = R / (1 + eps), or R unscaled
     return p.scale == ScaleRewards::kNone ? reward
                                           : reward / ((p.scale == ScaleRewards::kGroup ? T(1) : sigma) + T(p.eps));
@@ -68,7 +75,7 @@ GRPO_HD T baseline_for(T reward, T group_sum, T group_count, const AdvantagePara
     return safe_mean(group_sum, group_count);
   }
   const T others = group_count - T(1);
-  *valid = reward == reward && others > T(0);
+  *valid = is_scored(reward) && others > T(0);
   return *valid ? (group_sum - reward) / others : T(0);
 }
 

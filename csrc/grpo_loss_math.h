@@ -118,11 +118,20 @@ GRPO_HD void clip_flags(const TokenConsts<T>& c, T rho, T adv, T* low, T* high, 
   *cispo_clipped = ((rho > c.cispo_cap) & (adv > T(0))) ? T(1) : T(0);
 }
 
+// l - l_old, made NaN when either is not finite (docs/math.md "Non-finite inputs"): l = -inf against a finite l_old
+// would otherwise give rho = 0 and a finite loss. x - x is 0 for a finite x and NaN otherwise (no fast-math here).
+template <typename T>
+GRPO_HD T log_ratio_of(T l, T l_old) {
+  return (l - l_old) + ((l - l) + (l_old - l_old));
+}
+
 // Per-token loss, KL, their derivatives and the clip conditions for one policy family and KL estimator; only
-// selects depend on the data, so the CPU compiler vectorizes a loop over this.
+// selects depend on the data, so the CPU compiler vectorizes a loop over this. A token with a non-finite input (rho
+// is NaN when l or l_old is not finite, see log_ratio_of) gets NaN terms: loss, KL and both derivatives.
 template <typename T, PolicyFamily kFamily, KLKind kKL, bool kBias>
 GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv, T is_weight, T rho) {
   TokenTerms<T> out;
+  T poison = (l - l) + (adv - adv) + (is_weight - is_weight) + (rho == rho ? T(0) : rho);  // 0 or NaN
   T policy, dpolicy_drho = T(0), dpolicy_dl = T(0);
   if constexpr (kFamily == PolicyFamily::kCispo) {
     const T w = rho < c.cispo_cap ? rho : c.cispo_cap;  // a stop-gradient weight
@@ -144,11 +153,13 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
     dpolicy_drho = -minimum_grad(a, b, drho_c * adv, drho_clip * adv);
   }
   out.loss = policy * is_weight;
-  out.dloss_drho = dpolicy_drho * is_weight;
+  // cispo: no gradient through its stop-gradient ratio weight, not even 0 * a non-finite is_weight (NaN)
+  out.dloss_drho = kFamily == PolicyFamily::kCispo ? T(0) : dpolicy_drho * is_weight;
   out.dloss_dl = dpolicy_dl * is_weight;
   out.kl = T(0);
 
   if constexpr (kKL != KLKind::kNone) {
+    poison += l_ref - l_ref;
     const T r_raw = l_ref - l;
     T r = r_raw;
     const bool inside = (r >= -c.kl_clamp) & (r <= c.kl_clamp);  // torch.clamp passes the gradient at its bounds
@@ -193,6 +204,12 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
       out.dloss_dl += c.beta * dkl_dl;
     }
     out.loss += c.beta * out.kl;
+  }
+  out.loss += poison;
+  out.kl += poison;
+  out.dloss_dl += poison;
+  if constexpr (kFamily != PolicyFamily::kCispo || (kKL != KLKind::kNone && kBias)) {
+    out.dloss_drho += poison;  // cispo's rho is a stop-gradient weight: no gradient flows through it
   }
 
   clip_flags(c, rho, adv, &out.low, &out.high, &out.cispo_clipped);
@@ -301,7 +318,7 @@ GRPO_HD T logits_row_weight(LossType t, T count, T global_scale) {
 template <typename T>
 GRPO_HD T token_logp_grad(const TokenConsts<T>& c, PolicyFamily family, KLKind kl, bool bias_correction, bool has_old,
                           T l, T l_old, T l_ref, T adv, T is_weight) {
-  const T rho = has_old ? math_exp(l - l_old) : T(1);
+  const T rho = math_exp(log_ratio_of(l, has_old ? l_old : l));  // 1 on-policy (NaN for a non-finite l)
   const TokenTerms<T> tt = token_terms<T>(c, family, kl, bias_correction, l, l_ref, adv, is_weight, rho);
   return tt.dloss_dl + tt.dloss_drho * rho;
 }

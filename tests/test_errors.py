@@ -23,11 +23,17 @@ LOSS_CASES = [
     (dict(kl_estimator="k4", beta=0.1, ref_logps="ref"), "kl_estimator"),
     (dict(importance_sampling_level="row"), "importance_sampling_level"),
     (dict(beta=0.1), "ref_logps is required"),
-    (dict(epsilon=0.0), "epsilon"),
     (dict(epsilon=-0.1), "epsilon"),
-    (dict(epsilon_high=0.0), "epsilon_high"),
+    (dict(epsilon=float("nan")), "epsilon"),
+    (dict(epsilon_high=-0.1), "epsilon_high"),
     (dict(delta=1.0), "delta"),
     (dict(beta=-1.0, ref_logps="ref"), "beta"),
+    (dict(beta=float("inf"), ref_logps="ref"), "beta must be a finite number"),
+    (dict(loss_scale=float("nan")), "loss_scale must be a finite number"),
+    (dict(loss_scale=float("inf")), "loss_scale must be a finite number"),
+    (dict(loss_type="dapo", num_items_in_batch="meta"), "num_items_in_batch is on device meta"),
+    (dict(loss_scale="meta"), "loss_scale is on device meta"),
+    (dict(sample_mask="nan_float_rows"), "sample_mask holds NaN"),
     (dict(kl_clamp=0.0, beta=0.1, ref_logps="ref"), "kl_clamp"),
     (dict(max_completion_length=0), "max_completion_length"),
     (dict(num_items_in_batch=0), "num_items_in_batch"),
@@ -49,6 +55,10 @@ def test_loss_argument_errors(impl, batch, kwargs, match):
             value = batch.logps[:, :3]
         elif value == "short_rows":
             value = batch.sample_mask[:3]
+        elif value == "meta":  # a tensor on another device than logps (the CPU kernel would read garbage)
+            value = torch.tensor(5.0, device="meta")
+        elif value == "nan_float_rows":
+            value = torch.tensor([1.0, float("nan"), *[1.0] * (batch.logps.shape[0] - 2)])
         resolved[key] = value
     with pytest.raises(ValueError, match=match):
         impl.grpo_loss(batch.logps, batch.advantages, batch.mask, **resolved)
@@ -68,6 +78,55 @@ def test_loss_tensor_errors(impl, batch):
         impl.grpo_loss(batch.logps[:0], batch.advantages[:0], batch.mask[:0])
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["kernel", "reference"])
+def test_nan_in_a_float_mask_is_rejected(impl, batch):
+    mask = batch.mask.float()
+    mask[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="completion_mask holds NaN"):
+        impl.grpo_loss(batch.logps, batch.advantages, mask)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["kernel", "reference"])
+@pytest.mark.parametrize("options", [dict(loss_type="grpo", epsilon_high=0.0), dict(loss_type="cispo")])
+def test_zero_clip_ranges_are_accepted_and_match(impl, batch, options):
+    """epsilon = 0 (no lower clip range; Liger's and open-instruct's CISPO tests use it) and epsilon_high = 0."""
+    logps = batch.logps.double().requires_grad_()
+    kwargs = dict(old_logps=batch.old_logps.double(), epsilon=0.0, **options)
+    out = impl.grpo_loss(logps, batch.advantages.double(), batch.mask, **kwargs)
+    out.loss.backward()
+    expected_logps = batch.logps.double().requires_grad_()
+    expected = reference.grpo_loss(expected_logps, batch.advantages.double(), batch.mask, **kwargs)
+    expected.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    torch.testing.assert_close(logps.grad, expected_logps.grad)
+    assert torch.isfinite(out.loss) and logps.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda lg, ids, m: grpo_ext.grpo_loss(lg.logsumexp(-1) - 3.0, torch.ones(2), m),
+        lambda lg, ids, m: grpo_ext.selective_log_softmax(lg, ids),
+        lambda lg, ids, m: grpo_ext.grpo_loss_from_logits(lg, ids, torch.ones(2), m),
+        lambda lg, ids, m: grpo_ext.grpo_loss_from_hidden(lg, torch.randn(5, 5, dtype=lg.dtype), ids, torch.ones(2), m),
+    ],
+    ids=["grpo_loss", "selective_log_softmax", "grpo_loss_from_logits", "grpo_loss_from_hidden"],
+)
+def test_double_backward_is_refused_not_silently_zero(call):
+    """create_graph=True (a gradient penalty) would get a zero second derivative from the kernels: it raises."""
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 5, (2, 3))
+
+    def scalar():
+        out = call(logits, ids, torch.ones(2, 3))
+        return out.loss if hasattr(out, "loss") else out.logps.sum()
+
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(scalar(), logits, create_graph=True)
+    (first_order,) = torch.autograd.grad(scalar(), logits)  # without create_graph: as before
+    assert torch.isfinite(first_order).all() and first_order.abs().sum() > 0
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 def test_mixed_devices(batch):
     with pytest.raises(ValueError, match="old_logps is on device"):
@@ -83,6 +142,8 @@ ADVANTAGE_CASES = [
     (dict(reward_weights=[1.0, 2.0, 3.0]), "reward_weights"),
     (dict(std_ddof=-1), "std_ddof"),
     (dict(eps=0.0), "eps"),
+    (dict(reward_weights=torch.ones(2, device="meta")), "reward_weights is on device meta"),
+    (dict(reward_weights=[1.0, float("nan")]), "reward_weights must be finite"),
 ]
 
 

@@ -105,3 +105,65 @@ def test_deterministic_and_large(device, dtype):
 
 
 # --------------------------------------------------------------------------------------------- process_advantages
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_normalize_then_sum_leaves_unscorable_rows_out_of_the_batch_statistics(device):
+    """GDPO: a row whose rewards are all NaN has R = NaN (not 0): it is not in the batch mean and std, and gets A = 0.
+    A group with no scored member reports group_mean = group_std = 0 (docs/math.md section 1)."""
+    nan = float("nan")
+    rewards = torch.tensor(
+        [[1.0, 0.0], [0.0, 1.0], [nan, nan], [1.0, 1.0],  # a group with an unscorable row
+         [2.0, nan], [0.0, 3.0], [1.0, 2.0], [nan, 1.0],
+         [nan, nan], [nan, nan], [nan, nan], [nan, nan]],  # a group with no scored member
+        dtype=torch.float64,
+    )  # fmt: skip
+    weights, eps = torch.tensor([1.0, 0.5], dtype=torch.float64), 1e-4
+    # The contract written out: z-score each column in its group, weighted nansum, unscorable rows NaN, then the
+    # z-score of R over its scored rows.
+    by_group = rewards.reshape(3, 4, 2)
+    counts = (~by_group.isnan()).sum(1, keepdim=True)
+    mean = by_group.nansum(1, keepdim=True) / counts.clamp(min=1)
+    std = (((by_group - mean) ** 2).nansum(1, keepdim=True) / (counts - 1).clamp(min=1)).sqrt() * (counts > 1)
+    combined = ((by_group - mean) / (std + eps) * weights).nansum(2).reshape(12)
+    combined[rewards.isnan().all(1)] = nan
+    scored = combined[~combined.isnan()]
+    expected = ((combined - scored.mean()) / (scored.std() + eps)).nan_to_num(0.0)
+    for impl in (reference, grpo_ext):
+        out = impl.group_advantages(rewards.to(device), 4, reward_weights=[1.0, 0.5],
+                                    multi_objective_aggregation="normalize_then_sum")  # fmt: skip
+        assert_close(out.advantages, expected, rtol=1e-12, atol=1e-12, msg=impl.__name__)
+        assert out.advantages[2] == 0 and (out.advantages[8:] == 0).all()
+        assert out.group_mean[2] == 0 and out.group_std[2] == 0 and not out.zero_std[2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("scale", "baseline", "aggregation"), MODES)
+def test_infinite_rewards_count_as_unscored_and_no_nan_leaves(device, scale, baseline, aggregation):
+    """+-inf is not a reward: it is treated as NaN (not scored), so the advantages stay finite (docs/math.md 1)."""
+    rewards = random_rewards(16, 2, seed=31)
+    infinite = rewards.clone()
+    infinite[3, 0], infinite[9, 1], infinite[12] = float("inf"), float("-inf"), float("inf")
+    unscored = torch.where(torch.isfinite(infinite), infinite, float("nan"))
+    kwargs = dict(scale_rewards=scale, baseline=baseline, multi_objective_aggregation=aggregation)
+    expected = reference.group_advantages(unscored, 4, **kwargs)
+    for impl in (reference, grpo_ext):
+        got = impl.group_advantages(infinite.to(device), 4, **kwargs)
+        assert torch.isfinite(got.advantages).all() and torch.isfinite(got.group_mean).all(), impl.__name__
+        for name in ("advantages", "group_mean", "group_std"):
+            assert_close(getattr(got, name), getattr(expected, name), rtol=1e-6, atol=1e-6, msg=name)
+        assert torch.equal(got.zero_std.cpu(), expected.zero_std)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_infinite_step_rewards_count_as_unscored(device):
+    step_rewards = torch.rand(4, 3, dtype=torch.float64)
+    step_end = torch.tensor([[1, 3, 5], [0, 2, -1], [4, 5, 6], [2, 6, -1]])
+    infinite = step_rewards.clone()
+    infinite[0, 1], infinite[2, 2] = float("inf"), float("-inf")
+    unscored = torch.where(torch.isfinite(infinite), infinite, float("nan"))
+    expected = reference.process_advantages(unscored, step_end, 2, 7)
+    for impl in (reference, grpo_ext):
+        got = impl.process_advantages(infinite.to(device), step_end.to(device), 2, 7)
+        assert torch.isfinite(got).all(), impl.__name__
+        assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=impl.__name__)

@@ -255,3 +255,51 @@ def test_no_grad_mode_and_grad_scaling(device):
     grpo_ext.grpo_loss(logps2, batch.advantages, batch.mask, old_logps=batch.old_logps, loss_scale=3.0).loss.backward()
     assert_close(logps.grad, logps2.grad, rtol=1e-6, atol=1e-9)
     assert not any(v.requires_grad for v in out_grad.metrics.values())
+
+
+def expected_nan_grad(bad: torch.Tensor, kept: torch.Tensor, level: str, loss_type: str, where: str) -> torch.Tensor:
+    """Where a non-finite kept input must make the gradient NaN (docs/math.md "Non-finite inputs"): its own token,
+    and at the sequence level every kept token of its row when the value reaches the row's ratio (through the
+    log-ratio, or through the gradient with respect to the ratio, which cispo stops)."""
+    reaches_ratio = where in ("logps", "old_logps") or loss_type != "cispo"
+    if level == "sequence" and reaches_ratio:
+        return kept & bad.any(dim=1, keepdim=True)
+    return bad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("value", [float("-inf"), float("inf"), float("nan")], ids=["-inf", "inf", "nan"])
+@pytest.mark.parametrize(
+    ("where", "on_policy"),
+    [(name, False) for name in ("logps", "old_logps", "ref_logps", "advantages", "is_weights")]
+    + [(name, True) for name in ("logps", "ref_logps", "advantages", "is_weights")],
+)
+def test_non_finite_kept_input_makes_the_loss_and_its_gradients_nan(device, level, loss_type, value, where, on_policy):
+    """A non-finite kept input is NaN in the loss and in every gradient entry it reaches, kernel and reference alike:
+    never an infinite loss or a huge finite gradient (an unmasked -inf log-prob with beta > 0 gave 1e36 before)."""
+    batch = make_loss_batch(seed=21, batch=8, seq_len=5, per_token_advantages=where == "advantages")
+    kept = batch.mask & batch.sample_mask[:, None]
+    row, col = 2, int(kept[2].nonzero()[0])  # a kept token; other rows stay finite
+    if where == "advantages":
+        batch.advantages[row, col] = value
+    else:
+        getattr(batch, where)[row, col] = value
+    kwargs = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, ref_logps="ref_logps",
+                  is_weights="is_weights", sample_mask="sample_mask")  # fmt: skip
+    if not on_policy:
+        kwargs["old_logps"] = "old_logps"
+    out, grad, ref, ref_grad = run_both(batch, device, torch.float32, **kwargs)
+    bad = torch.zeros_like(kept)
+    bad[row, col] = True
+    nan_grad = expected_nan_grad(bad, kept, level, loss_type, where)
+    assert torch.isnan(out.loss) and torch.isnan(ref.loss)
+    assert torch.isnan(out.metrics["kl"]) and torch.isnan(ref.metrics["kl"])
+    assert torch.equal(torch.isnan(ref_grad), nan_grad), "the reference"
+    assert torch.equal(torch.isnan(grad.cpu()), nan_grad), "the kernel"
+    assert (grad.cpu()[~kept] == 0).all()
+    assert_close(grad[~nan_grad.to(device)], ref_grad[~nan_grad], rtol=1e-4, atol=1e-6)
+    for name, value in ref.metrics.items():  # the clip shares skip the NaN ratio alike
+        if name != "kl":
+            assert_close(out.metrics[name], value, rtol=1e-5, atol=1e-6, msg=name)

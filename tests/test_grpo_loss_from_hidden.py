@@ -151,3 +151,17 @@ def test_errors():
         grpo_ext.grpo_loss_from_hidden(hidden, weight, ids[:, :2], adv, mask)
     with pytest.raises(ValueError, match="token rows"):
         grpo_ext.grpo_loss_from_hidden(hidden[:, :4], weight, ids, adv, mask)
+
+
+def test_reference_never_reads_masked_rows():
+    """NaN hidden states in masked rows reach no gradient (0 * NaN in g.T @ hidden would): reference and kernel."""
+    hidden, weight, bias, ids, adv, mask, old, _ = make_problem(seed=17)
+    clean, clean_grads = run(reference, hidden, weight, bias, ids, adv, mask, old_logps=old)
+    masked_nan = hidden.clone()
+    masked_nan[~mask] = float("nan")
+    for impl in (reference, grpo_ext):
+        got, grads = run(impl, masked_nan, weight, bias, ids, adv, mask, old_logps=old)
+        assert_close(got.loss, clean.loss, rtol=1e-12, atol=1e-12, msg=impl.__name__)
+        for grad, expected in zip(grads, clean_grads, strict=True):
+            assert torch.isfinite(grad).all(), impl.__name__
+            assert_close(grad, expected, rtol=1e-10, atol=1e-12, msg=impl.__name__)

@@ -275,3 +275,25 @@ def test_errors():
     bad_ids[2, 1] = 50
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         grpo_ext.grpo_loss_from_logits(logits, bad_ids, adv, mask)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_reference_never_reads_masked_rows_and_keeps_nan_rows_nan(level):
+    """The reference (a documented fallback) follows the contract as the kernels do: NaN logits in masked rows give
+    a zero gradient there and change nothing; a kept NaN row makes the loss and the entropy NaN (not 0)."""
+    logits, ids, adv, mask, old, _ = make_problem(seed=16)
+    kwargs = dict(old_logps=old, importance_sampling_level=level)
+    clean, clean_grad = run(reference, logits, ids, adv, mask, **kwargs)
+    masked_nan = logits.clone()
+    masked_nan[~mask] = float("nan")
+    for impl in (reference, grpo_ext):
+        got, grad = run(impl, masked_nan, ids, adv, mask, **kwargs)
+        assert torch.isfinite(grad).all() and torch.count_nonzero(grad[~mask]) == 0, impl.__name__
+        assert_close(got.loss, clean.loss, rtol=1e-12, atol=1e-12)
+        assert_close(got.metrics["entropy"], clean.metrics["entropy"], rtol=1e-12, atol=1e-12)
+        assert_close(grad, clean_grad, rtol=1e-10, atol=1e-12)
+    kept_nan = logits.clone()
+    kept_nan[1, 2, 7] = float("nan")  # row 1 is fully kept
+    for impl in (reference, grpo_ext):
+        got, _ = run(impl, kept_nan, ids, adv, mask, **kwargs)
+        assert torch.isnan(got.loss) and torch.isnan(got.metrics["entropy"]), impl.__name__

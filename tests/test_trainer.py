@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 
@@ -13,10 +12,10 @@ import grpo_ext
 from grpo_ext.trainer import GRPOConfig
 from grpo_ext.trainer.cli import load_yaml, parse_overrides
 from grpo_ext.trainer.cli import main as cli_main
-from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward, run_demo
-from grpo_ext.trainer.metrics import TIMING_METRICS
+from grpo_ext.trainer.demo import run_demo
 from grpo_ext.trainer.rewards import graded_answer_reward
 from grpo_ext.trainer.trainer import GRPOTrainer
+from trainer_utils import make_trainer, read_metrics, small_config, without_timing, write_cli_inputs
 
 TRL_METRICS = (
     "reward", "reward_std", "rewards/reversal_reward/mean", "frac_reward_zero_std", "clip_ratio/low_mean",
@@ -29,31 +28,6 @@ TRL_METRICS = (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def small_config(tmp_path, **overrides) -> GRPOConfig:
-    options = dict(
-        output_dir=str(tmp_path / "run"), seed=3, max_steps=4, num_generations=4, per_device_train_batch_size=16,
-        max_completion_length=4, max_prompt_length=None, learning_rate=3e-3, lr_scheduler_type="cosine",
-        warmup_steps=1, report_to="none", disable_tqdm=True, log_completions=False, plot=False,
-    )  # fmt: skip
-    options.update(overrides)
-    return GRPOConfig(**options)
-
-
-def make_trainer(config: GRPOConfig, model_seed: int = 0) -> GRPOTrainer:
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=model_seed)
-    train_rows, _ = reversal_dataset(seed=0)
-    return GRPOTrainer(model, [reversal_reward], train_rows, config, tokenizer=tokenizer)
-
-
-def read_metrics(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def without_timing(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k not in TIMING_METRICS}
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------------------------
@@ -63,12 +37,15 @@ def without_timing(row: dict) -> dict:
     ("field", "value"),
     [
         ("num_generations", 1), ("learning_rate", 0.0), ("learning_rate", float("nan")), ("beta", -0.1),
-        ("epsilon", 0), ("delta", 1.0), ("top_p", 1.5), ("temperature", -1.0), ("loss_type", "ppo"),
+        ("epsilon", -0.1), ("delta", 1.0), ("top_p", 1.5), ("temperature", -1.0), ("loss_type", "ppo"),
         ("scale_rewards", "rank"), ("importance_sampling_level", "sentence"), ("num_iterations", 0),
         ("max_completion_length", 0), ("gradient_accumulation_steps", 2.5), ("max_steps", 0),
         ("reward_weights", "1,2"), ("reward_weights", [1.0, float("inf")]), ("max_grad_norm", 0.0),
         ("warmup_ratio", 1.0), ("lr_scheduler_type", "cosine_restarts"), ("adam_beta2", 1.0),
         ("kl_target", -1.0), ("kl_target", 0.1), ("logps_backend", "triton"),
+        # a string is not a boolean: "false" used to turn bf16 on
+        ("bf16", "false"), ("mask_truncated_completions", "false"), ("disable_tqdm", "no"), ("log_completions", 1),
+        ("plot", "true"), ("learning_rate", "1e-3"), ("output_dir", 3), ("max_consecutive_nonfinite_steps", 0),
     ],
 )  # fmt: skip
 def test_config_rejects_bad_values_naming_the_field(field, value):
@@ -88,8 +65,9 @@ def test_config_defaults_and_unknown_keys():
     config = GRPOConfig(gradient_accumulation_steps=3, num_generations=3, per_device_train_batch_size=3)
     assert config.steps_per_generation == 3
     assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
-    with pytest.raises(ValueError, match=r"no field.*learning_rat"):
+    with pytest.raises(ValueError, match=r"no field 'learning_rat' \(did you mean 'learning_rate'\?\)"):
         GRPOConfig.from_dict({"learning_rat": 1e-3})
+    assert GRPOConfig(epsilon=0.0, epsilon_high=0.28).epsilon == 0.0  # a zero lower clip range is legitimate
 
 
 def test_trainer_checks_reward_weights_length(tmp_path):
@@ -251,6 +229,23 @@ def test_resume_without_checkpoint_fails_clearly(tmp_path):
         make_trainer(small_config(tmp_path)).train(resume_from_checkpoint=True)
 
 
+def test_resume_follows_a_new_schedule_and_refuses_changes_that_redefine_the_run(tmp_path):
+    options = dict(max_steps=2, save_steps=2, warmup_steps=0)
+    make_trainer(small_config(tmp_path, **options)).train()  # cosine over 2 steps: ends at lr 0
+    # A longer run at a new learning rate: the schedule is the new config's at step 2, not the end of the old one.
+    new_options = {**options, "max_steps": 4, "learning_rate": 1e-2, "weight_decay": 0.1}
+    longer = make_trainer(small_config(tmp_path, **new_options))
+    rows = longer.train(resume_from_checkpoint=True)
+    assert [row["learning_rate"] for row in rows] == pytest.approx([1e-2 * (1 + math.cos(math.pi * k / 4)) / 2
+                                                                    for k in (2, 3)])  # fmt: skip
+    assert all(group["weight_decay"] == 0.1 for group in longer.optimizer.param_groups)
+    # Fields that define what is sampled, scored and optimized must stay; every changed one is listed.
+    changed = small_config(tmp_path, **options, loss_type="dapo", seed=4, num_generations=8)
+    with pytest.raises(ValueError, match=r"changed GRPOConfig fields \(seed: 3 -> 4; num_generations: 4 -> 8; "
+                                         r"loss_type: 'grpo' -> 'dapo'\).*may change on resume: .*learning_rate"):
+        make_trainer(changed).train(resume_from_checkpoint=True)
+
+
 def test_num_iterations_two_clips_and_one_does_not(tmp_path):
     on_policy = make_trainer(small_config(tmp_path / "a", max_steps=4, learning_rate=2e-2)).train()
     assert all(r["clip_ratio/region_mean"] == 0 for r in on_policy)  # ratio is exactly 1 on-policy
@@ -282,20 +277,13 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, loss_type):
         torch.testing.assert_close(value, big.model.state_dict()[name], atol=1e-6, rtol=1e-5)
 
 
-def test_cli_train_on_a_local_model_folder_and_jsonl(tmp_path):
-    tokenizer = build_tokenizer()
-    build_model(tokenizer).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    train_rows, _ = reversal_dataset(seed=0)
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows[:40]))
-    (tmp_path / "run.yaml").write_text(
-        f"model_name_or_path: {tmp_path / 'model'}\ndataset: {tmp_path / 'data.jsonl'}\n"
-        "reward_funcs: [graded_answer, accuracy]\nreward_weights: [1.0, 0.5]\nnum_generations: 4\n"
-        "per_device_train_batch_size: 8\nmax_completion_length: 4\nmax_steps: 5\nreport_to: none\n"
-        "disable_tqdm: true\nplot: false\nsave_steps: 2\nadam_epsilon: 1e-6\n"
-    )
+def test_cli_train_on_a_local_model_folder_and_jsonl(tmp_path, capsys):
+    run_file = write_cli_inputs(
+        tmp_path, reward_funcs=["graded_answer", "accuracy"], reward_weights=[1.0, 0.5], save_steps=2,
+        output_dir="elsewhere", learning_rate=0.5,
+    )  # fmt: skip
     out = tmp_path / "out"
-    argv = ["train", "--config", str(tmp_path / "run.yaml"), "--output_dir", str(out), "--learning_rate", "1e-3"]
+    argv = ["train", "--config", str(run_file), "--output_dir", str(out), "--learning_rate", "1e-3"]
     assert cli_main([*argv, "--max_steps", "3"]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -306,8 +294,11 @@ def test_cli_train_on_a_local_model_folder_and_jsonl(tmp_path):
     resumed = read_metrics(out / "metrics.jsonl")
     assert [without_timing(r) for r in resumed] == [without_timing(r) for r in rows]
     shutil.rmtree(out / "checkpoint-2")
-    with pytest.raises(FileNotFoundError):
-        cli_main([*argv, "--resume"])
+    capsys.readouterr()
+    assert cli_main([*argv, "--resume"]) == 1
+    assert f"grpo-ext: error: no checkpoint-N folder in {out} to resume from" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):  # --debug: the exception itself, with its traceback
+        cli_main([*argv, "--resume", "--debug"])
 
 
 def test_parse_overrides_reads_yaml_values():

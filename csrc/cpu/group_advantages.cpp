@@ -11,12 +11,12 @@
 namespace grpo_ext {
 namespace {
 
-// NaN-aware mean and std of values[0..n) (NaN = unscored).
+// NaN-aware mean and std of values[0..n) (NaN or +-inf = unscored).
 template <typename T>
 void nan_moments(const T* values, int64_t n, int64_t ddof, T* mean, T* std_out, T* count_out) {
   T sum = T(0), count = T(0);
   for (int64_t i = 0; i < n; ++i) {
-    if (values[i] == values[i]) {
+    if (is_scored(values[i])) {
       sum += values[i];
       count += T(1);
     }
@@ -24,7 +24,7 @@ void nan_moments(const T* values, int64_t n, int64_t ddof, T* mean, T* std_out, 
   const T mu = safe_mean(sum, count);
   T sum_sq = T(0);
   for (int64_t i = 0; i < n; ++i) {
-    if (values[i] == values[i]) sum_sq += (values[i] - mu) * (values[i] - mu);
+    if (is_scored(values[i])) sum_sq += (values[i] - mu) * (values[i] - mu);
   }
   *mean = mu;
   *std_out = std_from_sum_sq(sum_sq, count, ddof);
@@ -49,14 +49,17 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
     for (int64_t g = begin; g < end; ++g) {
       T* r_group = combined.data() + g * g_size;
       if (gdpo) {  // z-score each reward function inside the group, then nansum with the weights
-        for (int64_t i = 0; i < g_size; ++i) r_group[i] = T(0);
+        // R starts NaN and turns 0 + ... at its first scored reward: an unscorable row stays NaN (docs/math.md 1).
+        for (int64_t i = 0; i < g_size; ++i) r_group[i] = T(NAN);
         for (int64_t j = 0; j < k; ++j) {
           for (int64_t i = 0; i < g_size; ++i) column[i] = plan.rewards.load<T>(g * g_size + i, j);
           T mu, sigma, count;
           nan_moments(column.data(), g_size, p.std_ddof, &mu, &sigma, &count);
           const T w = plan.weights.present() ? plan.weights.load<T>(0, j) : T(1);
           for (int64_t i = 0; i < g_size; ++i) {
-            if (column[i] == column[i]) r_group[i] += w * (column[i] - mu) / (sigma + T(p.eps));
+            if (is_scored(column[i])) {
+              r_group[i] = (r_group[i] == r_group[i] ? r_group[i] : T(0)) + w * (column[i] - mu) / (sigma + T(p.eps));
+            }
           }
         }
       } else if (k == 1 && !plan.weights.present()) {  // one reward function: R is the reward itself
@@ -91,13 +94,14 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
       const T* r_group = combined.data() + g * g_size;
       if (gdpo) {
         for (int64_t i = 0; i < g_size; ++i) {
-          adv[g * g_size + i] = (r_group[i] - batch_mean) / (batch_std + T(p.eps));
+          const T r = r_group[i];
+          adv[g * g_size + i] = is_scored(r) ? (r - batch_mean) / (batch_std + T(p.eps)) : T(0);
         }
         continue;
       }
       T sum = T(0), count = T(0);
       for (int64_t i = 0; i < g_size; ++i) {
-        if (r_group[i] == r_group[i]) {
+        if (is_scored(r_group[i])) {
           sum += r_group[i];
           count += T(1);
         }

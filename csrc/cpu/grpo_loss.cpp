@@ -120,7 +120,7 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
   double log_ratio_sum = 0.0;
   if (p.sequence_level) {  // sum_t m * (l - l_old), through a scratch row so that both loops vectorize
     T* log_ratio = scratch.slot(kNumRowSlots);
-    for (int64_t t = 0; t < n_cols; ++t) log_ratio[t] = mask[t] * (logps[t] - old_logps[t]);
+    for (int64_t t = 0; t < n_cols; ++t) log_ratio[t] = mask[t] * log_ratio_of(logps[t], old_logps[t]);
     log_ratio_sum = lane_sum(log_ratio, n_cols);
   }
   const double count_clamped = count > 1.0 ? count : 1.0;
@@ -163,7 +163,10 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
     // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1), times sum_t w * dP/drho
     const double drho_sum = lane_sum(scratch.slot(kNumRowSlots), n_cols);
     const T through_ratio = T(drho_sum * double(seq_ratio) / count_clamped);
-    for (int64_t t = 0; t < n_cols; ++t) grad_row[t] += through_ratio * mask[t];
+    // A masked token keeps its zero even when the row's ratio is NaN (a non-finite kept input).
+    for (int64_t t = 0; t < n_cols; ++t) {
+      grad_row[t] = mask[t] != T(0) ? grad_row[t] + through_ratio * mask[t] : T(0);
+    }
   }
 }
 

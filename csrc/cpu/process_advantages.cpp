@@ -17,7 +17,7 @@ void process_advantages_cpu_impl(ProcessAdvantagesPlan& plan) {
   auto valid = [&](int64_t row, int64_t j, T* reward) {
     const T r = plan.rewards.load<T>(row, j);
     *reward = r;
-    return r == r && plan.step_end.load<int64_t>(row, j) >= 0;
+    return is_scored(r) && plan.step_end.load<int64_t>(row, j) >= 0;
   };
   at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {

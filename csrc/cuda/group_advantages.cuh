@@ -19,7 +19,7 @@ __device__ __forceinline__ void warp_nan_moments(Load load, int64_t n, int64_t d
   T sum = T(0), cnt = T(0);
   for (int64_t i = lane; i < n; i += 32) {
     const T r = load(i);
-    if (r == r) {
+    if (is_scored(r)) {
       sum += r;
       cnt += T(1);
     }
@@ -30,7 +30,7 @@ __device__ __forceinline__ void warp_nan_moments(Load load, int64_t n, int64_t d
   T sq = T(0);
   for (int64_t i = lane; i < n; i += 32) {
     const T r = load(i);
-    if (r == r) sq += (r - mu) * (r - mu);
+    if (is_scored(r)) sq += (r - mu) * (r - mu);
   }
   sq = warp_sum(sq);
   *mean = mu;
@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(1024)
   for (int64_t g = warp; g < num_groups; g += num_warps) {
     const int64_t base = g * g_size;
     if (gdpo) {
-      for (int64_t i = lane; i < g_size; i += 32) adv[base + i] = T(0);
+      // R starts NaN and turns 0 + ... at its first scored reward: an unscorable row stays NaN (docs/math.md 1).
+      for (int64_t i = lane; i < g_size; i += 32) adv[base + i] = T(NAN);
       for (int64_t j = 0; j < p.num_rewards; ++j) {
         T mu, sigma, cnt;
         warp_nan_moments<T>([&](int64_t i) { return rewards.load<T>(base + i, j); }, g_size, p.std_ddof, &mu, &sigma,
@@ -62,7 +63,10 @@ __global__ void __launch_bounds__(1024)
         const T w = weights.present() ? weights.load<T>(0, j) : T(1);
         for (int64_t i = lane; i < g_size; i += 32) {
           const T r = rewards.load<T>(base + i, j);
-          if (r == r) adv[base + i] += w * (r - mu) / (sigma + T(p.eps));
+          if (is_scored(r)) {
+            const T sum = adv[base + i];
+            adv[base + i] = (sum == sum ? sum : T(0)) + w * (r - mu) / (sigma + T(p.eps));
+          }
         }
       }
     } else {
@@ -86,7 +90,7 @@ __global__ void __launch_bounds__(1024)
     T s[2] = {T(0), T(0)};
     for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
       const T r = adv[i];
-      if (r == r) {
+      if (is_scored(r)) {
         s[0] += r;
         s[1] += T(1);
       }
@@ -96,7 +100,7 @@ __global__ void __launch_bounds__(1024)
     T sq[1] = {T(0)};
     for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
       const T r = adv[i];
-      if (r == r) sq[0] += (r - batch_mean) * (r - batch_mean);
+      if (is_scored(r)) sq[0] += (r - batch_mean) * (r - batch_mean);
     }
     block_sum<T, 1>(sq, scratch);
     batch_std = std_from_sum_sq(sq[0], s[1], p.std_ddof);
@@ -107,13 +111,16 @@ __global__ void __launch_bounds__(1024)
   for (int64_t g = warp; g < num_groups; g += num_warps) {
     const int64_t base = g * g_size;
     if (gdpo) {
-      for (int64_t i = lane; i < g_size; i += 32) adv[base + i] = (adv[base + i] - batch_mean) / (batch_std + T(p.eps));
+      for (int64_t i = lane; i < g_size; i += 32) {
+        const T r = adv[base + i];
+        adv[base + i] = is_scored(r) ? (r - batch_mean) / (batch_std + T(p.eps)) : T(0);
+      }
       continue;
     }
     T sum = T(0), cnt = T(0);
     for (int64_t i = lane; i < g_size; i += 32) {
       const T r = adv[base + i];
-      if (r == r) {
+      if (is_scored(r)) {
         sum += r;
         cnt += T(1);
       }

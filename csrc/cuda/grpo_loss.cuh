@@ -34,7 +34,10 @@ __global__ void __launch_bounds__(512)
         const T m = in.mask_at<T>(row, t);
         if (m == T(0)) continue;
         pass1[0] += m;
-        if (p.sequence_level && p.has_old) pass1[1] += m * (in.logps.load<T>(row, t) - in.old_logps.load<T>(row, t));
+        if (p.sequence_level) {  // on-policy: l - l, 0 or NaN (a non-finite l makes the row's ratio NaN)
+          const T l = in.logps.load<T>(row, t);
+          pass1[1] += m * log_ratio_of(l, p.has_old ? in.old_logps.load<T>(row, t) : l);
+        }
       }
       block_sum<T, 2>(pass1, scratch);
     }
@@ -52,7 +55,8 @@ __global__ void __launch_bounds__(512)
         continue;
       }
       const T l = in.logps.load<T>(row, t);
-      const T rho = p.sequence_level ? seq_ratio : (p.has_old ? math_exp(l - in.old_logps.load<T>(row, t)) : T(1));
+      const T l_old = p.has_old && !p.sequence_level ? in.old_logps.load<T>(row, t) : l;
+      const T rho = p.sequence_level ? seq_ratio : math_exp(log_ratio_of(l, l_old));
       const T adv = in.advantages.load<T>(row, t);
       const T l_ref = want_kl ? in.ref_logps.load<T>(row, t) : T(0);
       const T isw = in.is_weights.present() ? in.is_weights.load<T>(row, t) : T(1);

@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(256)
   auto valid = [&](int64_t row, int64_t j, T* reward) {
     const T r = rewards.load<T>(row, j);
     *reward = r;
-    return r == r && step_end.load<int64_t>(row, j) >= 0;
+    return is_scored(r) && step_end.load<int64_t>(row, j) >= 0;
   };
   for (int64_t g = blockIdx.x; g < num_groups; g += gridDim.x) {
     const int64_t base = g * group_size;

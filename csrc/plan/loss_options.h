@@ -5,6 +5,7 @@
 // (docs/architecture.md). The math of each option: docs/math.md sections 3-7.
 #pragma once
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -146,8 +147,9 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at
   p.kl_estimator = parse_kl_estimator(o.kl_estimator);
   p.sequence_level = parse_sequence_level(o.importance_sampling_level);
   p.row_share_metrics = p.sequence_level && per_row_advantages;
-  TORCH_CHECK(o.epsilon > 0, "epsilon must be > 0, got ", o.epsilon);
-  TORCH_CHECK(o.epsilon_high > 0, "epsilon_high must be > 0, got ", o.epsilon_high);
+  // A zero lower clip range is a legitimate setting (Liger's and open-instruct's CISPO tests use it).
+  TORCH_CHECK(o.epsilon >= 0, "epsilon must be >= 0, got ", o.epsilon);
+  TORCH_CHECK(o.epsilon_high >= 0, "epsilon_high must be >= 0, got ", o.epsilon_high);
   p.epsilon_low = o.epsilon;
   p.epsilon_high = o.epsilon_high;
   if (o.delta.has_value()) {
@@ -155,7 +157,7 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at
     p.has_delta = true;
     p.delta = *o.delta;
   }
-  TORCH_CHECK(o.beta >= 0, "beta must be >= 0, got ", o.beta);
+  TORCH_CHECK(o.beta >= 0 && std::isfinite(o.beta), "beta must be a finite number >= 0, got ", o.beta);
   p.beta = o.beta;
   TORCH_CHECK(o.beta == 0.0 || o.ref_logps.has_value(), "ref_logps is required when beta != 0 (beta=", o.beta, ")");
   if (o.kl_clamp.has_value()) {
@@ -173,6 +175,7 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at
 
   TORCH_CHECK(o.max_completion_length >= 1, "max_completion_length must be >= 1, got ", o.max_completion_length);
   plan.max_completion_length = o.max_completion_length;
+  TORCH_CHECK(std::isfinite(o.loss_scale), "loss_scale must be a finite number, got ", o.loss_scale);
   plan.loss_scale = o.loss_scale;
 
   const auto opts = like.options().dtype(acc);

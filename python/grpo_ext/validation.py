@@ -6,6 +6,7 @@ the host, and returns the arguments normalized; both implementations call it, so
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from collections.abc import Sequence
@@ -69,6 +70,33 @@ def check_non_negative(name: str, value: object) -> float:
     return x
 
 
+def check_finite(name: str, value: object) -> float:
+    """Returns ``value`` as a float, raising ValueError unless it is a finite real number (not NaN, not +-inf)."""
+    x = check_real_number(name, value)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return x
+
+
+def check_scalar_tensor_device(name: str, t: Tensor, reference_name: str, reference: Tensor) -> None:
+    """Raises ValueError unless the 0-dim tensor ``t`` is on ``reference``'s device or on the CPU (read as a number)."""
+    if t.device != reference.device and t.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on device {t.device} but {reference_name} is on device {reference.device}; a tensor "
+            f"{name} must be on {reference.device} or on the CPU"
+        )
+
+
+def check_no_nan_mask(name: str, mask: Tensor) -> None:
+    """Raises ValueError if a floating-point mask on the CPU holds NaN.
+
+    A mask's values are 0 or 1; NaN there is a caller's mistake. Only CPU tensors are checked: reading a CUDA
+    tensor's values would sync the host with the device, so there a NaN mask entry makes the loss NaN instead.
+    """
+    if mask.is_floating_point() and mask.device.type == "cpu" and bool(torch.isnan(mask).any()):
+        raise ValueError(f"{name} holds NaN; a mask's values must be 0 or 1")
+
+
 def check_tensor(name: str, value: object) -> Tensor:
     """Raises ValueError unless ``value`` is a torch.Tensor."""
     if not isinstance(value, Tensor):
@@ -117,6 +145,11 @@ def reward_weights_tensor(
     """Returns the ``[K]`` reward weights in ``dtype`` on ``device`` (ones when None), validating the length."""
     if reward_weights is None:
         return torch.ones(num_rewards, dtype=dtype, device=device)
+    if isinstance(reward_weights, Tensor) and reward_weights.device != device:
+        raise ValueError(
+            f"reward_weights is on device {reward_weights.device} but rewards is on device {device}; "
+            "pass them on the rewards' device"
+        )
     try:
         w = torch.as_tensor(reward_weights, dtype=dtype, device=device)
     except (TypeError, ValueError, RuntimeError) as err:
@@ -125,6 +158,9 @@ def reward_weights_tensor(
         raise ValueError(f"reward_weights must be 1-D with K={num_rewards} entries, got shape {tuple(w.shape)}")
     if w.shape[0] != num_rewards:
         raise ValueError(f"reward_weights must have K={num_rewards} entries, got {w.shape[0]}")
+    if not isinstance(reward_weights, Tensor) and not all(math.isfinite(x) for x in w.tolist()):
+        # (a tensor's values are not read: on a GPU that would sync the host)
+        raise ValueError(f"reward_weights must be finite numbers, got {list(reward_weights)}")
     return w
 
 
@@ -216,15 +252,15 @@ def validate_grpo_loss_args(
     check_choice("loss_type", options.loss_type, LOSS_TYPES)
     check_choice("kl_estimator", options.kl_estimator, KL_ESTIMATORS)
     check_choice("importance_sampling_level", options.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    epsilon = check_positive("epsilon", epsilon)
+    epsilon = check_non_negative("epsilon", epsilon)  # 0: no lower clip range (a legitimate setting)
     if epsilon_high is None:
         epsilon_high = CISPO_DEFAULT_CAP if options.loss_type == "cispo" else epsilon
-    epsilon_high = check_positive("epsilon_high", epsilon_high)
+    epsilon_high = check_non_negative("epsilon_high", epsilon_high)
     if delta is not None:
         delta = check_real_number("delta", delta)
         if not delta > 1:
             raise ValueError(f"delta must exceed 1 (it caps the ratio from above, and rho = 1 on-policy), got {delta}")
-    beta = check_non_negative("beta", beta)
+    beta = check_non_negative("beta", check_finite("beta", beta))
     if kl_clamp is not None:
         kl_clamp = check_positive("kl_clamp", kl_clamp)
     sapo_temperature_pos = check_positive("sapo_temperature_pos", sapo_temperature_pos)
@@ -234,7 +270,7 @@ def validate_grpo_loss_args(
             shape = tuple(loss_scale.shape)
             raise ValueError(f"loss_scale must be a Python number or a 0-dim tensor, got shape {shape}")
     else:
-        loss_scale = check_real_number("loss_scale", loss_scale)
+        loss_scale = check_finite("loss_scale", loss_scale)
 
     check_tensor("logps", logps)
     check_floating("logps", logps)
@@ -272,6 +308,11 @@ def validate_grpo_loss_args(
         is_weights=options.is_weights,
         sample_mask=options.sample_mask,
     )
+    if isinstance(loss_scale, Tensor):
+        check_scalar_tensor_device("loss_scale", loss_scale, "logps", logps)
+    check_no_nan_mask("completion_mask", completion_mask)
+    if options.sample_mask is not None:
+        check_no_nan_mask("sample_mask", options.sample_mask)
     if beta != 0 and options.ref_logps is None:
         raise ValueError("ref_logps is required when beta != 0")
     if max_completion_length is None:
@@ -284,6 +325,7 @@ def validate_grpo_loss_args(
                     f"num_items_in_batch must be a Python number or a 0-dim tensor, "
                     f"got a tensor of shape {tuple(options.num_items_in_batch.shape)}"
                 )
+            check_scalar_tensor_device("num_items_in_batch", options.num_items_in_batch, "logps", logps)
             # its value is not checked: that would sync the host with the device
         else:
             check_positive("num_items_in_batch", options.num_items_in_batch)

@@ -1,4 +1,4 @@
-"""Helpers shared by the op modules: the dtype the kernels accumulate and return statistics in."""
+"""Helpers shared by the op modules: the dtype the kernels accumulate in, and the double-backward guard."""
 
 from __future__ import annotations
 
@@ -8,3 +8,17 @@ import torch
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 for float64 inputs, float32 otherwise (the kernels' statistics and gradient dtype)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def refuse_double_backward(function: str) -> None:
+    """Raises RuntimeError when a backward runs with ``create_graph=True``.
+
+    The ops' gradients come from kernels that are not themselves differentiable, so a gradient of the gradient (a
+    gradient penalty, for instance) would silently be zero. Grad mode is on inside a backward exactly when the
+    caller asked for ``create_graph=True``.
+    """
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"grpo_ext.{function} does not support double backward (create_graph=True): its gradient is computed "
+            f"by a kernel that autograd cannot differentiate. Use grpo_ext.reference.{function} for that."
+        )

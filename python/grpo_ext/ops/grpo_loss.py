@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..results import GRPOLossOutput
 from ..validation import validate_grpo_loss_args
-from ._common import accumulate_dtype
+from ._common import accumulate_dtype, refuse_double_backward
 from .options import NUM_METRICS, LossOptions, metrics_dict, takes_loss_options
 
 
@@ -76,6 +76,7 @@ def _grpo_loss_setup_context(ctx, inputs, output) -> None:
 
 
 def _grpo_loss_backward(ctx, grad_loss, *unused_grads):
+    refuse_double_backward("grpo_loss")
     grad_raw, grad_scale = ctx.saved_tensors
     if grad_raw.dim() != 2:
         raise RuntimeError(

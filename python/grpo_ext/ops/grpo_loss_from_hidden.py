@@ -14,7 +14,7 @@ from torch import Tensor
 from .. import _C
 from ..results import GRPOLossOutput
 from ..validation import check_int, check_positive
-from ._common import accumulate_dtype
+from ._common import accumulate_dtype, refuse_double_backward
 from .grpo_loss_from_logits import (
     check_ids_and_mask,
     masked_mean_entropy,
@@ -85,11 +85,18 @@ def _hidden_loss_forward(
     def chunk_logits(start: int, end: int) -> Tensor:
         return project(hidden[start:end], weight, bias)
 
+    if need_weight:  # rows that are never read: their hidden states (NaN, maybe) must not enter g.T @ hidden
+        kept_rows = completion_mask != 0
+        if options.sample_mask is not None:
+            kept_rows = kept_rows & (options.sample_mask != 0).unsqueeze(1)
+        kept_rows = kept_rows.reshape(rows, 1)
+
     def backward_through_chunk(start: int, end: int, grad_logits: Tensor) -> None:
         if need_hidden:
             torch.mm(grad_logits, weight, out=grad_hidden[start:end])
         if need_weight:
-            _accumulate_product(grad_weight, grad_logits.t(), hidden[start:end])
+            read = torch.where(kept_rows[start:end], hidden[start:end], 0.0)
+            _accumulate_product(grad_weight, grad_logits.t(), read)
         if need_bias:
             grad_bias.add_(grad_logits.sum(0, dtype=acc))
 
@@ -142,6 +149,7 @@ class _HiddenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_metrics, grad_entropy):
+        refuse_double_backward("grpo_loss_from_hidden")
         grads = take_saved_grads(ctx, "grpo_loss_from_hidden")
         scaled = tuple(None if g is None else scale_grad(g, grad_loss) for g in grads)
         return scaled + (None,) * 7
@@ -189,6 +197,7 @@ def _hidden_op_setup_context(ctx, inputs, output) -> None:
 
 
 def _hidden_op_backward(ctx, grad_loss, *unused):
+    refuse_double_backward("grpo_loss_from_hidden")
     grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
     scale = grad_loss.to(grad_hidden.dtype)
     grads = (grad_hidden * scale, grad_weight * scale, grad_bias * scale if ctx.has_bias else None)

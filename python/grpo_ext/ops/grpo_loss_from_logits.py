@@ -16,7 +16,7 @@ from torch import Tensor
 from .. import _C
 from ..results import GRPOLossOutput
 from ..validation import check_positive, validate_grpo_loss_args
-from ._common import accumulate_dtype
+from ._common import accumulate_dtype, refuse_double_backward
 from .options import NUM_METRICS, LossOptions, metrics_dict, takes_loss_options
 
 
@@ -178,6 +178,7 @@ class _LogitsLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_metrics, grad_entropy):
+        refuse_double_backward("grpo_loss_from_logits")
         (grad,) = take_saved_grads(ctx, "grpo_loss_from_logits")
         return scale_grad(grad, grad_loss), None, None, None, None, None, None
 
@@ -215,6 +216,7 @@ def _logits_op_setup_context(ctx, inputs, output) -> None:
 
 
 def _logits_op_backward(ctx, grad_loss, *unused):
+    refuse_double_backward("grpo_loss_from_logits")
     (grad,) = ctx.saved_tensors
     return (grad * grad_loss.to(grad.dtype),) + (None,) * (ctx.num_inputs - 1)
 

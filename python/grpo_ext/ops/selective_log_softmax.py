@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..results import SelectiveLogSoftmax
 from ..validation import validate_selective_log_softmax_args
-from ._common import accumulate_dtype
+from ._common import accumulate_dtype, refuse_double_backward
 
 
 def selective_log_softmax(
@@ -72,6 +72,7 @@ def _selective_log_softmax_setup_context(ctx, inputs, output) -> None:
 
 
 def _selective_log_softmax_backward(ctx, grad_logps, grad_entropy, *unused):
+    refuse_double_backward("selective_log_softmax")
     logits, ids, row_stats = ctx.saved_tensors
     if grad_logps is None:
         grad_logps = torch.zeros(logits.shape[0], dtype=row_stats.dtype, device=logits.device)

@@ -28,7 +28,8 @@ def group_advantages(
     """Group-relative advantages (docs/math.md section 1).
 
     The ``G`` completions of one prompt are contiguous rows. NaN in ``rewards`` means "this reward function did
-    not score this row". All statistics are NaN-aware (computed over scored members only).
+    not score this row" (+-inf is treated the same). All statistics are NaN-aware (computed over scored members
+    only).
 
     Args:
         rewards: ``[B]`` or ``[B, K]`` floating tensor (K reward functions), NaN = not scored.
@@ -62,6 +63,7 @@ def group_advantages(
 
     dtype = compute_dtype(rewards)
     r = rewards.detach().to(dtype)
+    r = torch.where(torch.isfinite(r), r, torch.full_like(r, float("nan")))  # +-inf is not scored, like NaN
     if r.dim() == 1:
         r = r.unsqueeze(1)  # [B, 1]
     num_rewards = r.shape[1]
@@ -74,7 +76,9 @@ def group_advantages(
         mean_gk, std_gk, _ = nan_mean_std(r_by_group, std_ddof)  # [B/G, K]
         z = (r_by_group - mean_gk.unsqueeze(-1)) / (std_gk.unsqueeze(-1) + eps)  # NaN where r is NaN
         z = z.transpose(1, 2).reshape(batch, num_rewards)  # [B, K]
-        combined = torch.nansum(w * z, dim=1)  # [B]; a row with every k NaN gets 0 (torch.nansum, as TRL)
+        combined = torch.nansum(w * z, dim=1)  # [B]
+        # an unscorable row (every k NaN) is NaN, not 0: it stays out of the batch statistics (as in TRL 1.16)
+        combined = torch.where(torch.isnan(r).all(dim=1), torch.full_like(combined, float("nan")), combined)
         # then z-score the combined reward over the whole batch
         batch_mean, batch_std, _ = nan_mean_std(combined, std_ddof)  # 0-dim
         advantages = (combined - batch_mean) / (batch_std + eps)

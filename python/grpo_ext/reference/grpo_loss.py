@@ -80,8 +80,16 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
 
     n = m.sum(dim=1)  # n_i: [B]
 
+    # Non-finite inputs at kept positions ("Non-finite inputs"): a factor of NaN, not torch.where, so that the
+    # gradient of such a token is NaN too. The log-ratio of a token whose l or l_old is not finite is NaN (l = -inf
+    # against a finite l_old would otherwise give rho = 0 and a finite loss).
+    nan = torch.full((), float("nan"), dtype=dtype, device=logps.device)
+    one = torch.ones((), dtype=dtype, device=logps.device)
+    ratio_bad = keep & ~(torch.isfinite(l.detach()) & torch.isfinite(l_old))
+    token_bad = ratio_bad | (keep & ~torch.isfinite(adv))
+
     # ------------------------------------------------------------------ section 3: importance ratio
-    d = l - l_old  # [B, T]
+    d = (l - l_old) * torch.where(ratio_bad, nan, one)  # [B, T]
     if o.importance_sampling_level == "token":
         rho = torch.exp(d)  # [B, T]
         log_s = None
@@ -108,12 +116,14 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
     if o.is_weights is not None:
         w = torch.where(keep, per_row(o.is_weights, dtype), zero)  # [B, T]
         per_token = per_token * w
+        token_bad = token_bad | ~torch.isfinite(w)
 
     # ------------------------------------------------------------------ section 4: KL penalty
     kl = None
     if o.beta != 0:
         assert o.ref_logps is not None  # checked above
         l_ref = torch.where(keep, o.ref_logps.detach().to(dtype), zero)
+        token_bad = token_bad | ~torch.isfinite(l_ref)
         r_raw = l_ref - l
         r = r_raw
         if o.kl_clamp is not None:
@@ -134,6 +144,13 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         if o.use_bias_correction_kl:
             kl = rho * kl
         per_token = per_token + o.beta * kl
+
+    # rho is NaN exactly where the ratio saw a non-finite input: the token's own, or at the sequence level its row's
+    token_bad = token_bad | (keep & torch.isnan(rho.detach()))
+    poison = torch.where(token_bad, nan, one)
+    per_token = per_token * poison
+    if kl is not None:
+        kl = kl * poison
 
     # ------------------------------------------------------------------ section 5: aggregation
     weighted = per_token * m  # [B, T]

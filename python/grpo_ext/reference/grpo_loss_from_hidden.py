@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..ops.options import takes_loss_options
 from ..results import GRPOLossOutput
-from .grpo_loss_from_logits import grpo_loss_from_logits
+from .grpo_loss_from_logits import grpo_loss_from_logits, kept_tokens
 
 
 @takes_loss_options
@@ -38,6 +39,9 @@ def grpo_loss_from_hidden(
     Returns:
         GRPOLossOutput, with ``metrics["entropy"]``.
     """
+    # Masked rows are never read: NaN hidden states there must reach neither gradient (0 * NaN is NaN in a matmul).
+    keep = kept_tokens(completion_mask, options.get("sample_mask")).reshape(*hidden.shape[:-1], 1)
+    hidden = torch.where(keep, hidden, 0.0)
     logits = hidden @ lm_head_weight.t()
     if lm_head_bias is not None:
         logits = logits + lm_head_bias

@@ -37,6 +37,8 @@ def grpo_loss_from_logits(
     """
     batch, length = completion_mask.shape
     logits = logits.reshape(batch, length, logits.shape[-1])
+    # Masked rows are never read (docs/math.md section 2): NaN there must not reach the gradient through the softmax.
+    logits = torch.where(kept_tokens(completion_mask, options.get("sample_mask")).unsqueeze(-1), logits, 0.0)
     selected = selective_log_softmax(
         logits, completion_ids.reshape(batch, length), temperature=temperature, return_entropy=True
     )
@@ -48,3 +50,11 @@ def grpo_loss_from_logits(
     entropy = torch.where(mask != 0, selected.entropy.detach(), 0.0)
     out.metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
     return out
+
+
+def kept_tokens(completion_mask: Tensor, sample_mask: Tensor | None) -> Tensor:
+    """``[B, T]`` bool: the tokens whose ``completion_mask * sample_mask`` is not 0 (the only ones ever read)."""
+    keep = completion_mask != 0
+    if sample_mask is not None:
+        keep = keep & (sample_mask != 0).unsqueeze(1)
+    return keep

@@ -20,11 +20,11 @@ def process_advantages(
 ) -> Tensor:
     """Process-supervision advantages (DeepSeekMath section 4.1.3; docs/math.md section 1).
 
-    A step ``(i, j)`` is valid iff ``step_rewards[i,j]`` is not NaN and ``step_end[i,j] >= 0``. All valid steps of
-    all rows of a group are normalized together: ``rt = (r - mean_group) / (std_group + eps)`` (std with
-    ``std_ddof``, 0 when fewer than ``std_ddof + 1`` valid steps); invalid steps get ``rt = 0``. The token
-    advantage is ``A[i,t] = sum over valid j with step_end[i,j] >= t of rt[i,j]``, so tokens after the last step
-    get 0.
+    A step ``(i, j)`` is valid iff ``step_rewards[i,j]`` is finite (NaN or +-inf: not scored) and
+    ``step_end[i,j] >= 0``. All valid steps of all rows of a group are normalized together:
+    ``rt = (r - mean_group) / (std_group + eps)`` (std with ``std_ddof``, 0 when fewer than ``std_ddof + 1`` valid
+    steps); invalid steps get ``rt = 0``. The token advantage is
+    ``A[i,t] = sum over valid j with step_end[i,j] >= t of rt[i,j]``, so tokens after the last step get 0.
 
     Args:
         step_rewards: ``[B, S]`` floating tensor, NaN-padded.
@@ -49,7 +49,7 @@ def process_advantages(
 
     dtype = compute_dtype(step_rewards)
     r = step_rewards.detach().to(dtype)
-    valid = ~torch.isnan(r) & (step_end >= 0)  # [B, S]
+    valid = torch.isfinite(r) & (step_end >= 0)  # [B, S]; +-inf is not a valid step reward, like NaN
     r_valid = torch.where(valid, r, torch.full_like(r, float("nan")))  # NaN marks "not a valid step"
 
     # group statistics over every valid step of every row of the group

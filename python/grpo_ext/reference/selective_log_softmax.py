@@ -35,6 +35,6 @@ def selective_log_softmax(
     entropy = None
     if return_entropy:
         probs = log_probs.exp()
-        # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing
-        entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum(-1)
+        # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing; a NaN row stays NaN
+        entropy = -torch.where(probs == 0, torch.zeros_like(probs), probs * log_probs).sum(-1)
     return SelectiveLogSoftmax(logps, entropy)

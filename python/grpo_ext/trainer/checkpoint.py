@@ -7,21 +7,22 @@ the ``transformers`` model and tokenizer files.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import random
-import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import distributed as dist_utils
-from .config import GRPOConfig
+from .config import GRPOConfig, check_resume_config
 from .rollout import _concat_rollouts, _map_tensors
-
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+from .run_folder import CHECKPOINT_RE, TEMP_CHECKPOINT_PREFIX, remove_temp_checkpoints
 
 
 class CheckpointManager:
@@ -74,7 +75,7 @@ class CheckpointManager:
         """The ``checkpoint-N`` folder of ``output_dir`` with the largest N, or None."""
         if not self.output_dir.is_dir():
             return None
-        found = [(int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := _CHECKPOINT_RE.match(p.name))]
+        found = [(int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := CHECKPOINT_RE.match(p.name))]
         return max(found)[1] if found else None
 
     def resume_path(self, resume_from_checkpoint: str | os.PathLike | bool) -> str | os.PathLike:
@@ -95,42 +96,61 @@ class CheckpointManager:
         """Write ``output_dir/checkpoint-<step>`` atomically (a temp folder renamed into place) and return it.
 
         Every rank must call it: the full state and every rank's queued micro-batches are gathered, rank 0 alone
-        writes, and no rank returns before the folder is in place.
+        writes, and no rank returns before the folder is in place. A kill at any moment leaves the previous
+        checkpoints intact and at most a ``.tmp-checkpoint-*`` folder, which the next run removes.
 
         Args:
             step: the global step.
             micro_batches: this rank's queued micro-batches (dicts of ``[B, ...]`` tensors).
             trainer_state: the trainer's own entries of ``trainer_state.pt`` (picklable).
+
+        Raises:
+            CheckpointWriteError: on every rank, when rank 0 could not write (a full disk says how much space a
+                checkpoint needs and how much is free).
         """
         final = self.output_dir / f"checkpoint-{step}"
         model_state, optimizer_state = self._full_state_dicts()
         queue = [_map_tensors(mb, lambda t: t.cpu()) for mb in micro_batches]
         queues = dist_utils.gather_objects(queue)  # rank order; None on ranks other than 0
+        failure = None
         if self.is_main_process:
-            tmp = self.output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            torch.save({"model": model_state}, tmp / "model_state.pt")
-            if hasattr(self.model, "save_pretrained"):
-                # A copy: save_pretrained takes entries out of the dict it is given.
-                self.model.save_pretrained(tmp, state_dict=dict(model_state))
-                if self.config.fsdp:
-                    _fix_saved_architecture(tmp, self.model_class_name)
-                if hasattr(self.tokenizer, "save_pretrained"):
-                    self.tokenizer.save_pretrained(tmp)
             state = {
                 "step": step, "optimizer": optimizer_state, "lr_scheduler": self.lr_scheduler.state_dict(),
                 "rng": _rng_state(self.data_generator), "micro_batches_by_rank": queues,
                 "world_size": self.world_size, **trainer_state, "config": self.config.to_dict(),
             }  # fmt: skip
-            torch.save(state, tmp / "trainer_state.pt")
-            (tmp / "config.grpo.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune()
-        dist_utils.barrier()
+            tmp = self.output_dir / f"{TEMP_CHECKPOINT_PREFIX}{step}-{os.getpid()}"
+            try:
+                self._write(tmp, final, model_state, state)
+            except (OSError, RuntimeError) as err:
+                shutil.rmtree(tmp, ignore_errors=True)
+                with_pretrained = hasattr(self.model, "save_pretrained")
+                failure = _write_failure(err, final, model_state, state, with_pretrained)
+        # Instead of a barrier: every rank learns whether rank 0's write failed, so none waits for the others.
+        failure = dist_utils.broadcast_object(failure)
+        if failure is not None:
+            raise CheckpointWriteError(failure)
         return final
+
+    def _write(self, tmp: Path, final: Path, model_state: dict[str, Any], state: dict[str, Any]) -> None:
+        """Rank 0's files of a checkpoint into ``tmp``, then renamed to ``final``; older ones pruned, leftovers gone."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({"model": model_state}, tmp / "model_state.pt")
+        if hasattr(self.model, "save_pretrained"):
+            # A copy: save_pretrained takes entries out of the dict it is given.
+            self.model.save_pretrained(tmp, state_dict=dict(model_state))
+            if self.config.fsdp:
+                _fix_saved_architecture(tmp, self.model_class_name)
+            if hasattr(self.tokenizer, "save_pretrained"):
+                self.tokenizer.save_pretrained(tmp)
+        torch.save(state, tmp / "trainer_state.pt")
+        (tmp / "config.grpo.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._prune()
+        remove_temp_checkpoints(self.output_dir)  # any a killed save left
 
     def _full_state_dicts(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The model's and the optimizer's full state dicts on rank 0 (None elsewhere); a collective under FSDP.
@@ -160,7 +180,7 @@ class CheckpointManager:
         limit = self.config.save_total_limit
         if limit is None:
             return
-        found = sorted((int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := _CHECKPOINT_RE.match(p.name)))
+        found = sorted((int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
         for _, path in found[:-limit]:
             shutil.rmtree(path)
 
@@ -175,11 +195,19 @@ class CheckpointManager:
             The saved ``trainer_state.pt`` dict (the trainer's own entries among others) and this rank's queued
             micro-batches, on this rank's device.
 
+        The learning-rate schedule and the optimizer's hyperparameters follow this run's config (which may change
+        them, :data:`config.RESUMABLE_FIELDS`) at the checkpoint's step.
+
         Raises:
-            ValueError: naming ``per_device_train_batch_size`` when the global batch differs or this world size
-                does not divide it.
+            ValueError: a field outside :data:`config.RESUMABLE_FIELDS` differs from the checkpoint's (every rank
+                raises, before anything is loaded); or naming ``per_device_train_batch_size`` when the global batch
+                differs or this world size does not divide it.
         """
         path = Path(path)
+        saved_config = None
+        if self.is_main_process:
+            saved_config = json.loads((path / "config.grpo.json").read_text())
+        check_resume_config(dist_utils.broadcast_object(saved_config), self.config)
         distributed = self.world_size > 1
         location = "cpu" if distributed else self.device
         model_state, state = None, None
@@ -217,9 +245,86 @@ class CheckpointManager:
         else:
             queue = _reshard_queues(queues, self.rank, per_device, self.tokenizer.pad_token_id)
         micro_batches = [_map_tensors(mb, lambda t: t.to(self.device)) for mb in queue]
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._follow_config_schedule(state["step"])
         _set_rng_state(state["rng"], self.data_generator)
         return state, micro_batches
+
+    def _follow_config_schedule(self, step: int) -> None:
+        """The optimizer's hyperparameters from this run's config, and its scheduler moved to ``step``.
+
+        The saved scheduler state is not restored: a run resumed with a new ``learning_rate`` or ``max_steps`` gets
+        the schedule of its own config at ``step`` (LambdaLR's closed form ``base_lr * lambda(step)``, the value an
+        uninterrupted run computes too, so an unchanged config resumes bit for bit).
+        """
+        cfg = self.config
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                         weight_decay=cfg.weight_decay)  # fmt: skip
+        self.lr_scheduler.base_lrs = [cfg.learning_rate] * len(self.optimizer.param_groups)
+        self.lr_scheduler.last_epoch = step - 1
+        scheduler_step(self.lr_scheduler)  # last_epoch = step, every group's lr = base_lr * lambda(step)
+
+
+def build_optimizer(model: torch.nn.Module, config: GRPOConfig) -> tuple[torch.optim.AdamW, Any]:
+    """AdamW over ``model``'s trainable parameters and the learning-rate schedule of ``config``.
+
+    The schedule is a ``transformers`` LambdaLR over ``max_steps`` with ``warmup_steps`` (or ``warmup_ratio``) of
+    warm-up; a resumed run moves it to the checkpoint's step (:meth:`CheckpointManager.load`).
+    """
+    from transformers import get_scheduler
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+        weight_decay=config.weight_decay,
+    )  # fmt: skip
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * config.max_steps)
+    return optimizer, get_scheduler(
+        config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=config.max_steps
+    )
+
+
+def scheduler_step(lr_scheduler: Any) -> None:
+    """``lr_scheduler.step()``, also where no ``optimizer.step()`` came first (a resume, a skipped step), which torch
+    would warn about: the schedule follows the global step, whether or not the step updated the model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`", category=UserWarning)
+        lr_scheduler.step()
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (the folder and, for a full disk, the space needed are in the message)."""
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested state (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _write_failure(
+    err: BaseException, final: Path, model_state: dict[str, Any], state: dict[str, Any], with_pretrained: bool
+) -> str:
+    """One message for a failed checkpoint write; a full disk (torch says "file write failed") named as such."""
+    needed = _tensor_bytes(model_state) * (2 if with_pretrained else 1) + _tensor_bytes(state)
+    try:
+        free = shutil.disk_usage(final.parent).free
+    except OSError:
+        free = None
+    mib = 1 << 20
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < needed):
+        free_text = f"{free / mib:.1f} MiB are free" if free is not None else "the free space is unknown"
+        return (
+            f"no space left to write {final}: a checkpoint needs about {needed / mib:.1f} MiB and {free_text}. "
+            "Free some space (or lower save_total_limit) and resume with --resume; the previous checkpoints are "
+            f"intact ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        )
+    return f"could not write {final}: {type(err).__name__}: {err}"
 
 
 def check_resume_batch(saved_global_batch: int, world_size: int, config: GRPOConfig) -> int:

@@ -8,11 +8,15 @@ as YAML, so ``--learning_rate 1e-5``, ``--bf16 false`` and ``--reward_weights [1
 Under ``torchrun`` (``torchrun --nproc_per_node=N -m grpo_ext.trainer.cli train ...``) each process joins the
 default process group (NCCL on GPUs, gloo on CPUs) and trains its share with DDP, or FSDP2 with ``--fsdp``;
 ``per_device_train_batch_size`` is per process.
+
+Errors are one line naming the file, line or field and what to do (exit status 1; ``--debug`` shows the
+traceback); SIGINT/SIGTERM save a checkpoint and exit with 130/143 (README "Failure behaviour").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import json
@@ -52,6 +56,34 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_yaml_loader())
 
 
+def load_run_file(path: str | Path) -> dict[str, Any]:
+    """The options of a YAML run file.
+
+    Raises:
+        ValueError: the file is missing, is not valid YAML (naming the line and column), or is not a mapping.
+    """
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such run file (--config)") from None
+    try:
+        options = load_yaml(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{where}: not valid YAML ({problem})") from None
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"{path}: a run file is a mapping of options, one 'key: value' per line, got a {type(options).__name__}"
+        )
+    return options
+
+
 def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
     """``["--lr", "1e-5", "--flag", "true"]`` -> ``{"lr": 1e-05, "flag": True}`` (values parsed as YAML)."""
     overrides: dict[str, Any] = {}
@@ -69,7 +101,10 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
             i += 2
         else:
             raise SystemExit(f"grpo-ext: --{key} needs a value")
-        overrides[key] = load_yaml(raw)
+        try:
+            overrides[key] = load_yaml(raw)
+        except Exception as err:  # yaml.YAMLError: a value that is not YAML
+            raise ValueError(f"--{key} {raw!r}: not a valid value ({type(err).__name__})") from None
     return overrides
 
 
@@ -77,26 +112,58 @@ def resolve_reward(spec: str):
     """A built-in reward by name, or ``module:function``."""
     from .rewards import BUILTIN_REWARDS
 
-    if spec in BUILTIN_REWARDS:
+    if isinstance(spec, str) and spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
-        raise ValueError(f"unknown reward {spec!r}: use one of {', '.join(BUILTIN_REWARDS)} or module:function")
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"reward_funcs: unknown reward {spec!r}; use one of {', '.join(BUILTIN_REWARDS)} or "
+                         "package.module:function")  # fmt: skip
     module_name, func_name = spec.split(":", 1)
-    return getattr(importlib.import_module(module_name), func_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward_funcs: cannot import {module_name!r} for {spec!r} ({err})") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ValueError(f"reward_funcs: module {module_name!r} has no function {func_name!r}")
+    return func
 
 
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; each must have a ``prompt`` string."""
+    """Rows of a JSONL file; each must be an object with a ``prompt`` string.
+
+    Raises:
+        ValueError: the file is missing or empty, or a line is not JSON or has no prompt (naming file and line).
+    """
     rows = []
+    if not Path(path).is_file():
+        raise ValueError(f"dataset: no such file {path}")
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if not isinstance(row.get("prompt"), str):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not a JSON line ({err.msg} at column {err.colno})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise ValueError(f"{path}:{number}: every row needs a 'prompt' string")
             rows.append(row)
+    if not rows:
+        raise ValueError(f"dataset: {path} has no rows")
     return rows
+
+
+def check_model_folder(path: Any) -> None:
+    """Raises ValueError naming ``model_name_or_path`` unless it is a folder that holds a ``config.json``.
+
+    (transformers would report a missing folder as an invalid "Repo id" or try to download it.)
+    """
+    folder = Path(str(path)).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"model_name_or_path: no model folder {path} (give a local folder written by "
+                         "save_pretrained, with config.json and the weights)")  # fmt: skip
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model_name_or_path: {path} has no config.json (is it a model folder?)")
 
 
 def train_from_options(options: dict[str, Any], resume: str | bool | None = None) -> list[dict[str, float]]:
@@ -112,10 +179,15 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import distributed
-    from .config import GRPOConfig
+    from .config import GRPOConfig, unknown_keys_error
+    from .run_folder import check_fresh_run
     from .trainer import GRPOTrainer
 
     options = dict(options)
+    known = [f.name for f in dataclasses.fields(GRPOConfig)] + list(RUN_KEYS)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise unknown_keys_error(unknown, known, "the run config")
     missing = [key for key in RUN_KEYS if key not in options]
     if missing:
         raise ValueError(f"the run config lacks {', '.join(missing)}")
@@ -125,6 +197,11 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     if isinstance(reward_specs, str):
         reward_specs = [reward_specs]
     config = GRPOConfig.from_dict(options)
+    # Everything that can be checked before a process group exists or a model loads.
+    check_fresh_run(Path(config.output_dir), bool(resume), config.overwrite_output_dir)
+    check_model_folder(model_path)
+    rows = load_jsonl(dataset_path)
+    reward_funcs = [resolve_reward(s) for s in reward_specs]
     created_group, device = distributed.init_from_env()  # a process group when launched by torchrun
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -132,9 +209,7 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
             tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForCausalLM.from_pretrained(model_path)
         model.to(device)
-        trainer = GRPOTrainer(
-            model, [resolve_reward(s) for s in reward_specs], load_jsonl(dataset_path), config, tokenizer=tokenizer
-        )
+        trainer = GRPOTrainer(model, reward_funcs, rows, config, tokenizer=tokenizer)
         history = trainer.train(resume_from_checkpoint=resume)
         if trainer.is_main_process:
             print(f"metrics: {trainer.metrics_path}\ncurves: {trainer.plot_path if config.plot else '(plot off)'}")
@@ -145,7 +220,14 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``grpo-ext`` command."""
+    """Entry point of the ``grpo-ext`` command.
+
+    Returns:
+        The exit status: 0, 1 for an error (one line on stderr naming the file, line or field), 128 + the signal
+        number when SIGINT (130) or SIGTERM (143) stopped training after a checkpoint.
+    """
+    from .guards import TrainingInterrupted
+
     parser = argparse.ArgumentParser(prog="grpo-ext", description="GRPO training with grpo_ext's kernels")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a local model on a JSONL dataset")
@@ -153,23 +235,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument(
         "--resume", nargs="?", const=True, default=None, help="resume from the latest checkpoint (or the one given)"
     )
+    train.add_argument("--overwrite", action="store_true", help="delete a previous run's outputs in output_dir first")
     train.add_argument("--fsdp", action="store_true", help="under torchrun: shard the model with FSDP2 (not DDP)")
     demo = sub.add_parser("demo", help="the embedded default: a tiny LLaMA learns to reverse digits")
     demo.add_argument("--num-threads", type=int, default=None)
+    for command in (train, demo):
+        command.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args, rest = parser.parse_known_args(argv)
-    overrides = parse_overrides(rest)
+    try:
+        return _run(args, rest)
+    except TrainingInterrupted as stop:
+        print(f"grpo-ext: {stop}", file=sys.stderr)
+        return stop.exit_code
+    except Exception as err:
+        if args.debug:
+            raise
+        print(f"grpo-ext: error: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
+        return 1
 
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one line: grpo_ext's own errors are one line already; others get their type's name."""
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    return text if isinstance(err, (ValueError, OSError, RuntimeError)) and text else f"{type(err).__name__}: {text}"
+
+
+def _run(args: argparse.Namespace, rest: list[str]) -> int:
+    overrides = parse_overrides(rest)
     if args.command == "demo":
         from .demo import run_demo
 
         result = run_demo(num_threads=args.num_threads, **overrides)
         return 0 if result.learned else 1
 
-    with open(args.config) as f:
-        options = load_yaml(f.read()) or {}
+    if args.overwrite and args.resume:
+        raise ValueError("--overwrite starts over, --resume continues: give one of them")
+    options = load_run_file(args.config)
     options.update(overrides)
     if args.fsdp:
         options["fsdp"] = True
+    if args.overwrite:
+        options["overwrite_output_dir"] = True
     train_from_options(options, resume=args.resume)
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,38 @@ LR_SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
 
 def _fail(field: str, message: str, value: Any) -> None:
     raise ValueError(f"GRPOConfig.{field} {message}, got {value!r}")
+
+
+# What each annotation word of a field accepts, and how an error says it.
+_TYPE_CHECKS: dict[str, tuple[Any, str]] = {
+    "bool": (lambda v: isinstance(v, bool), "a boolean (true or false)"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "list[float]": (lambda v: isinstance(v, list), "a list of numbers"),
+    "None": (lambda v: v is None, "null (None)"),
+}
+
+
+def _check_type(name: str, annotation: str, value: Any) -> None:
+    """Raises naming the field unless ``value`` has one of the types of ``annotation`` (e.g. ``"bool | None"``).
+
+    A YAML run file or a ``--key value`` override can hand over the string ``"false"``, which Python would read as
+    true: a boolean field takes only ``true``/``false``.
+    """
+    kinds = [kind.strip() for kind in annotation.split("|")]
+    if not any(_TYPE_CHECKS[kind][0](value) for kind in kinds):
+        expected = " or ".join(_TYPE_CHECKS[kind][1] for kind in kinds)
+        raise ValueError(f"GRPOConfig.{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def unknown_keys_error(unknown: list[str], known: list[str], where: str) -> ValueError:
+    """A ValueError naming the unknown keys of ``where``, each with the closest valid key when one is close."""
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ValueError(f"{where} has no field {', '.join(parts)}")
 
 
 @dataclasses.dataclass
@@ -100,6 +133,13 @@ class GRPOConfig:
     disable_tqdm: bool = False
     plot: bool = True  # write metrics.png with the curves at the end of train()
 
+    # Faults (README "Failure behaviour")
+    # A fresh run (no resume) into an output_dir holding a previous run's outputs is refused unless this is set; then
+    # those outputs (checkpoint-N, metrics.jsonl, metrics.png, runs/) are deleted first.
+    overwrite_output_dir: bool = False
+    # A step whose loss or gradient norm is not finite is skipped (no update); this many in a row stop the run.
+    max_consecutive_nonfinite_steps: int = 3
+
     def __post_init__(self) -> None:
         # TRL accepts booleans for scale_rewards: True means per-group std, False none (Dr. GRPO).
         if self.scale_rewards is True:
@@ -108,6 +148,10 @@ class GRPOConfig:
             self.scale_rewards = "none"
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
+        if isinstance(self.reward_weights, tuple):
+            self.reward_weights = list(self.reward_weights)
+        for field in dataclasses.fields(self):
+            _check_type(field.name, field.type, getattr(self, field.name))
         if self.reward_weights is not None:
             if isinstance(self.reward_weights, (str, bytes)) or not isinstance(self.reward_weights, Sequence):
                 _fail("reward_weights", "must be a list of numbers", self.reward_weights)
@@ -130,6 +174,7 @@ class GRPOConfig:
             "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "steps_per_generation": 1,
             "num_iterations": 1, "warmup_steps": 0, "logging_steps": 1, "save_steps": 0, "log_completions_steps": 1,
             "num_completions_to_print": 0, "kl_horizon": 1, "max_sampling_rounds": 1,
+            "max_consecutive_nonfinite_steps": 1,
         }  # fmt: skip
         for name, minimum in ints.items():
             value = getattr(self, name)
@@ -137,8 +182,6 @@ class GRPOConfig:
                 _fail(name, "must be an integer", value)
             if value < minimum:
                 _fail(name, f"must be >= {minimum}", value)
-        if not isinstance(self.fsdp, bool):
-            _fail("fsdp", "must be a boolean", self.fsdp)
         for name in ("max_prompt_length", "save_total_limit"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -150,10 +193,10 @@ class GRPOConfig:
                 _fail(name, "must be a finite number", value)
             return float(value)
 
-        for name in ("temperature", "learning_rate", "epsilon", "adam_epsilon"):
+        for name in ("temperature", "learning_rate", "adam_epsilon"):
             if number(name) <= 0:
                 _fail(name, "must be > 0", getattr(self, name))
-        for name in ("beta", "weight_decay"):
+        for name in ("beta", "weight_decay", "epsilon"):  # epsilon = 0: no lower clip range (legitimate)
             if number(name) < 0:
                 _fail(name, "must be >= 0", getattr(self, name))
         if not 0 < number("top_p") <= 1:
@@ -201,9 +244,45 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> GRPOConfig:
-        """Build from a dict, rejecting unknown keys with an error that names them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
+        """Build from a dict, rejecting unknown keys with an error that names them and the closest valid ones."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(known))
         if unknown:
-            raise ValueError(f"GRPOConfig has no field(s) {', '.join(unknown)}")
+            raise unknown_keys_error(unknown, known, "GRPOConfig")
         return cls(**options)
+
+
+#: The fields a resumed run may change (README "Failure behaviour"): how long it runs, the optimizer's schedule and
+#: hyperparameters, precision, layout and logging; not what it samples, scores and optimizes. Every other field must
+#: equal the checkpoint's (:func:`check_resume_config`). ``per_device_train_batch_size`` may change with the number
+#: of processes as long as the global batch stays the same (checked when the checkpoint loads).
+RESUMABLE_FIELDS: frozenset[str] = frozenset({
+    "output_dir", "overwrite_output_dir", "max_steps", "max_time_s", "learning_rate", "lr_scheduler_type",
+    "warmup_steps", "warmup_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "per_device_train_batch_size", "fsdp", "bf16", "logps_backend", "logging_steps", "save_steps",
+    "save_total_limit", "report_to", "log_completions", "log_completions_steps", "num_completions_to_print",
+    "disable_tqdm", "plot", "max_consecutive_nonfinite_steps",
+})  # fmt: skip
+
+
+def check_resume_config(saved: dict[str, Any], config: GRPOConfig) -> None:
+    """Raises unless ``config`` differs from a checkpoint's ``saved`` options only in :data:`RESUMABLE_FIELDS`.
+
+    Fields the checkpoint does not know (added to GRPOConfig since) are not compared.
+
+    Raises:
+        ValueError: listing every changed field with its saved and its new value.
+    """
+    current = config.to_dict()
+    changed = [
+        f"{name}: {saved[name]!r} -> {value!r}"
+        for name, value in current.items()
+        if name not in RESUMABLE_FIELDS and name in saved and saved[name] != value
+    ]
+    if changed:
+        raise ValueError(
+            "cannot resume with changed GRPOConfig fields (" + "; ".join(changed) + "): they define what the run "
+            "samples, scores and optimizes. Set them back to the checkpoint's values, or start a new run (another "
+            "output_dir) from the checkpoint's model folder. Fields that may change on resume: "
+            + ", ".join(sorted(RESUMABLE_FIELDS))
+        )

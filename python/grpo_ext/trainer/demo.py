@@ -83,6 +83,7 @@ def demo_config(**overrides: Any) -> GRPOConfig:
         "max_prompt_length": None, "learning_rate": 3e-4, "adam_beta1": 0.9, "adam_beta2": 0.99,
         "max_grad_norm": 1.0, "beta": 0.0, "loss_type": "grpo", "epsilon": 0.2, "lr_scheduler_type": "constant",
         "logging_steps": 1, "log_completions_steps": 200,
+        "overwrite_output_dir": True,  # a canned run: `make demo` again starts over in the same folder
     }  # fmt: skip
     options.update(overrides)
     return GRPOConfig.from_dict(options)
@@ -134,11 +135,7 @@ def run_demo(num_threads: int | None = None, verbose: bool = True, **overrides: 
     start = time.perf_counter()
     torch.set_num_threads(num_threads or min(2, os.cpu_count() or 1))
     config = demo_config(**overrides)
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    if metrics_path.exists():
-        metrics_path.unlink()  # a fresh run: the first-5% vs last-10% comparison needs this run's steps only
+    metrics_path = Path(config.output_dir) / "metrics.jsonl"  # this run's only: the trainer starts it over
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=config.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"

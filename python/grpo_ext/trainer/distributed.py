@@ -14,6 +14,7 @@ the number of processes:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from datetime import timedelta
@@ -143,6 +144,35 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def broadcast_flag(flag: bool, device: torch.device, src: int = 0) -> bool:
+    """Rank ``src``'s ``flag`` on every rank (a decision every rank must take alike)."""
+    if not is_distributed() or world_size() == 1:
+        return flag
+    box = torch.tensor([float(flag)], device=device)
+    dist.broadcast(box, src=src)
+    return bool(box.item())
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None, fsdp: bool) -> float:
+    """The global gradient norm of ``params``, after clipping their gradients to ``max_norm`` (None: no clipping).
+
+    Under FSDP the gradients are DTensors and ``clip_grad_norm_`` reduces the shards' norms across ranks.
+    """
+    if fsdp:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf)  # inf: measure only
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+    if max_norm is not None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    return torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item()
+
+
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Maximum over ranks, in place (no-op with one process); returns ``tensor``."""
+    if is_distributed() and world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (picklable, CPU tensors only), in rank order."""
     if not is_distributed() or world_size() == 1:
@@ -177,6 +207,26 @@ def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=src)
+
+
+def wrap_for_training(
+    model: torch.nn.Module, ref_model: torch.nn.Module | None, fsdp: bool, device: torch.device
+) -> torch.nn.Module:
+    """What the training forward goes through: DDP around ``model`` (its hooks all-reduce the gradients), or with
+    ``fsdp`` the FSDP2-sharded model itself (``ref_model`` sharded too); ``model`` itself with one process.
+
+    Generation and no-grad scoring use ``model`` directly.
+    """
+    if fsdp:
+        shard_fsdp(model)
+        if ref_model is not None:
+            shard_fsdp(ref_model)
+        return model
+    if world_size() > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
 
 
 def shard_fsdp(module: torch.nn.Module) -> torch.nn.Module:

@@ -29,6 +29,27 @@ PLOTTED_METRICS = (
 )
 
 
+def read_metrics(path: str | os.PathLike) -> tuple[list[dict[str, Any]], bool]:
+    """The rows of a metrics JSONL file, and whether its last line was torn (a kill in mid-write: dropped).
+
+    Raises:
+        ValueError: a line other than the last is not JSON (naming the file and the line number).
+    """
+    lines = Path(path).read_text().splitlines()
+    rows, torn = [], False
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                torn = True
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg}); fix or delete that line") from None
+    return rows, torn
+
+
 def rollout_metrics(
     total: Tensor,
     rewards: Tensor,
@@ -160,23 +181,33 @@ class MetricsLogger:
         self._tb_writer = SummaryWriter(log_dir=str(self.output_dir / "runs"), purge_step=step + 1)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Append ``metrics`` as a JSON line, and to TensorBoard as ``train/<name>`` at ``step``."""
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
-            f.flush()
+        """Append ``metrics`` as a JSON line, and to TensorBoard as ``train/<name>`` at ``step``.
+
+        Raises:
+            OSError: naming the file when it cannot be written (a full disk: the run stops, the checkpoints stay).
+        """
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+                f.flush()
+        except OSError as err:
+            raise OSError(err.errno, f"cannot append step {step} to {self.metrics_path}: {err.strerror}; free some "
+                          "space and resume with --resume") from err  # fmt: skip
         if self._tb_writer is not None:
             for name, value in metrics.items():
                 if name != "step":
                     self._tb_writer.add_scalar(f"train/{name}", value, step)
 
     def _truncate_metrics_file(self, step: int) -> None:
-        """Drop lines logged after ``step`` (by a run that died after its last checkpoint)."""
+        """Drop lines logged after ``step`` (by a run that died after its last checkpoint), and a torn last line."""
         if not self.metrics_path.exists():
             return
-        lines = self.metrics_path.read_text().splitlines()
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-        if len(kept) != len(lines):
-            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        rows, torn = read_metrics(self.metrics_path)
+        kept = [row for row in rows if row["step"] <= step]
+        if torn:
+            tqdm.write(f"{self.metrics_path}: dropped a torn last line (a run killed while writing it)")
+        if torn or len(kept) != len(rows):
+            self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
     def print_completions(self, step: int, samples: list[tuple[str, str, float]]) -> None:
         """Print the first ``num_completions_to_print`` of ``(prompt, completion, reward)`` above the progress bar."""
@@ -205,7 +236,7 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    rows, _ = read_metrics(metrics_path)
     fig, axes = plt.subplots(1, len(PLOTTED_METRICS), figsize=(4 * len(PLOTTED_METRICS), 3.2))
     for ax, (key, title) in zip(axes, PLOTTED_METRICS, strict=True):
         points = [(r["step"], r[key]) for r in rows if key in r]

@@ -4,14 +4,20 @@ A reward function is a callable ``f(prompts, completions, **columns) -> list[flo
 ``completions`` are lists of strings of the same length (one entry per completion, the prompt repeated for each of
 its ``G`` completions), ``columns`` holds the dataset's other columns aligned the same way, plus
 ``completion_truncated`` (True where the completion hit ``max_completion_length`` without EOS). ``None`` means
-"not scored" and becomes NaN (ignored by the advantage normalization).
+"not scored" and becomes NaN (ignored by the advantage normalization); a NaN value counts the same. Anything else
+that is not a finite number (+-inf, a string, a missing list) is an error naming the function
+(:func:`score_completions`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # open-r1's format: reasoning inside <think>, the answer inside <answer>, each tag on its own line.
 THINK_ANSWER_PATTERN = r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$"
@@ -121,3 +127,43 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "format": format_reward,
     "graded_answer": graded_answer_reward,
 }
+
+
+def score_completions(
+    reward_funcs: Sequence[Callable], names: Sequence[str], prompts: list[str], completions: list[str],
+    columns: dict[str, list],
+) -> torch.Tensor:
+    """Every reward function on ``N`` completions: ``rewards [N, K]`` float32 (NaN: not scored).
+
+    A function must return ``N`` values, each a number or None (not scored; NaN counts the same).
+
+    Raises:
+        ValueError: naming the reward function (and the row) when it returns something else: None, a generator or
+            another non-sequence, the wrong count, a value that is not a number, or +-inf (not a reward: fix the
+            function, or return None for a completion it cannot score).
+    """
+    import torch
+
+    rewards = torch.empty(len(completions), len(reward_funcs), dtype=torch.float32)
+    for k, (func, name) in enumerate(zip(reward_funcs, names, strict=True)):
+        values = func(prompts, completions, **columns)
+        if not isinstance(values, (Sequence, torch.Tensor)) or isinstance(values, (str, bytes)):
+            kind = "None" if values is None else type(values).__name__
+            raise ValueError(f"reward function {name} returned {kind}; it must return a list of {len(completions)} "
+                             "floats (None for a completion it does not score)")  # fmt: skip
+        if len(values) != len(completions):
+            raise ValueError(f"reward function {name} returned {len(values)} values for {len(completions)} "
+                             "completions")  # fmt: skip
+        for row, value in enumerate(values.tolist() if isinstance(values, torch.Tensor) else values):
+            try:
+                number = math.nan if value is None else float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"reward function {name} returned {value!r} ({type(value).__name__}) for row {row}; "
+                                 "rewards must be numbers, or None when not scored") from None  # fmt: skip
+            if math.isinf(number):
+                raise ValueError(
+                    f"reward function {name} returned {number} for row {row} (completion {completions[row][:80]!r}); "
+                    "a reward must be finite: fix the function, or return None for a completion it cannot score"
+                )
+            rewards[row, k] = number
+    return rewards

@@ -7,7 +7,6 @@ The training loop and the GRPO-specific steps live here; sampling is in :mod:`.r
 from __future__ import annotations
 
 import copy
-import math
 import os
 import sys
 import time
@@ -24,10 +23,13 @@ import grpo_ext
 
 from ..ops.options import TOKEN_LEVEL_LOSS_TYPES
 from . import distributed as dist_utils
-from .checkpoint import CheckpointManager, seed_everything
+from .checkpoint import CheckpointManager, build_optimizer, scheduler_step, seed_everything
 from .config import GRPOConfig
+from .guards import NonFiniteSteps, StopSignals, TrainingInterrupted, is_finite_step
 from .metrics import MetricsLogger, StepMetrics
+from .rewards import score_completions
 from .rollout import RolloutGenerator, bf16_autocast
+from .run_folder import claim_output_dir
 
 RewardFunc = Callable[..., list]
 
@@ -123,33 +125,11 @@ class GRPOTrainer:
         # The sampling policy's log-probs are needed only when the policy can move between generation and use.
         self.needs_old_logps = cfg.num_iterations > 1 or cfg.steps_per_generation > 1
 
-        # _train_model is what the training forward goes through: the DDP wrapper (its hooks all-reduce the
-        # gradients), or the FSDP2-sharded model itself. Generation and no-grad scoring use self.model directly.
-        self._train_model: torch.nn.Module = model
         model_class_name = type(model).__name__  # FSDP2 swaps in a generated subclass
-        if cfg.fsdp:
-            dist_utils.shard_fsdp(model)
-            if self.ref_model is not None:
-                dist_utils.shard_fsdp(self.ref_model)
-        elif self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
+        self._train_model = dist_utils.wrap_for_training(model, self.ref_model, cfg.fsdp, self.device)
 
-            self._train_model = DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None
-            )
-
-        params = [p for p in model.parameters() if p.requires_grad]
         param_names = [name for name, p in model.named_parameters() if p.requires_grad]  # optimizer order
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-            weight_decay=cfg.weight_decay,
-        )  # fmt: skip
-        from transformers import get_scheduler
-
-        warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * cfg.max_steps)
-        self.lr_scheduler = get_scheduler(
-            cfg.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=cfg.max_steps
-        )
+        self.optimizer, self.lr_scheduler = build_optimizer(model, cfg)
 
         self.global_step = 0
         self._micro_batches: list[dict[str, Any]] = []  # scored rollouts waiting to be trained on
@@ -166,6 +146,7 @@ class GRPOTrainer:
         )  # fmt: skip
         self.metrics_logger = MetricsLogger(self.output_dir, cfg)
         self.metrics_path, self.plot_path = self.metrics_logger.metrics_path, self.metrics_logger.plot_path
+        self.nonfinite = NonFiniteSteps(cfg.max_consecutive_nonfinite_steps, verbose=self.is_main_process)
         seed_everything(cfg.seed)
 
     @property
@@ -192,17 +173,13 @@ class GRPOTrainer:
         return self.rollouts.decode_completions(completion_ids, completion_mask)
 
     def _score_completions(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> Tensor:
-        """Every reward function on ``N`` completions: ``rewards [N, K]`` float32 on the CPU (NaN: not scored)."""
-        rewards = torch.empty(len(completions), len(self.reward_funcs), dtype=torch.float32)
-        for k, func in enumerate(self.reward_funcs):
-            values = func(prompts, completions, **columns)
-            if len(values) != len(completions):
-                raise ValueError(
-                    f"reward function {self.reward_names[k]} returned {len(values)} values for {len(completions)} "
-                    "completions"
-                )
-            rewards[:, k] = torch.tensor([math.nan if v is None else float(v) for v in values])
-        return rewards
+        """Every reward function on ``N`` completions: ``rewards [N, K]`` float32 on the CPU (NaN: not scored).
+
+        Raises:
+            ValueError: naming the reward function that returned something else than N numbers or None (an
+                infinite reward included), see :func:`rewards.score_completions`.
+        """
+        return score_completions(self.reward_funcs, self.reward_names, prompts, completions, columns)
 
     def token_logps(self, model: torch.nn.Module, batch: dict[str, Any], with_entropy: bool = False):
         """Per-token log-probs of the completion tokens under ``model``.
@@ -328,24 +305,23 @@ class GRPOTrainer:
         metrics, loss_sum, entropy_mean = sums.reduce(step_tokens, row_total)
 
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self.use_fsdp:
-            # DTensor gradients: clip_grad_norm_ reduces the shards' norms across ranks (inf: measure only).
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
-            grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-        elif cfg.max_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
-        else:
-            grad_norm = torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item()
+        grad_norm = dist_utils.clip_grad_norm(params, cfg.max_grad_norm, self.use_fsdp)
         learning_rate = self.lr_scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.lr_scheduler.step()
+        loss = loss_sum / world
+        # A non-finite loss or gradient norm (global numbers: every rank decides alike) skips the update, never a
+        # NaN model; the schedule still follows the step.
+        skipped = not is_finite_step(loss, grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        scheduler_step(self.lr_scheduler)
         self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite.record(self.global_step + 1, loss, grad_norm, skipped)
 
         if self.beta != 0:
             metrics["beta"] = self.beta
-        if cfg.kl_target is not None:
+        if cfg.kl_target is not None and not skipped:
             self._update_beta(metrics["kl"])  # a global kl: beta stays the same on every rank
-        metrics.update(loss=loss_sum / world, grad_norm=grad_norm, learning_rate=learning_rate, entropy=entropy_mean)
+        metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, entropy=entropy_mean)
         return metrics
 
     def _update_beta(self, kl: float) -> None:
@@ -362,14 +338,30 @@ class GRPOTrainer:
         Returns:
             The logged metrics, one dict per logged step (also in ``output_dir/metrics.jsonl``). Under
             torch.distributed every rank returns them; only rank 0 writes files, TensorBoard events and progress.
+
+        Raises:
+            OutputFolderError: another run holds ``output_dir``, or a fresh run finds a previous run's outputs there
+                (without ``config.overwrite_output_dir``).
+            TrainingInterrupted: SIGINT or SIGTERM, after a checkpoint of the last finished step was saved.
+            NonFiniteStepsError: ``config.max_consecutive_nonfinite_steps`` skipped steps in a row.
         """
         cfg = self.config
-        if self.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-        if resume_from_checkpoint:
-            self.load_checkpoint(self.checkpoints.resume_path(resume_from_checkpoint))
-        if self.is_main_process:
-            self.metrics_logger.open(self.global_step)
+        resume = bool(resume_from_checkpoint)
+        with claim_output_dir(self.output_dir, resume, cfg.overwrite_output_dir, self.is_main_process):
+            if resume:
+                self.load_checkpoint(self.checkpoints.resume_path(resume_from_checkpoint))
+            if self.is_main_process:
+                self.metrics_logger.open(self.global_step)
+            with StopSignals(verbose=self.is_main_process) as stop:
+                history = self._run_steps(stop)
+            if cfg.plot and self.is_main_process:
+                self.metrics_logger.plot()
+            dist_utils.barrier()  # rank 0's files are complete when train() returns on any rank
+        return history
+
+    def _run_steps(self, stop: StopSignals) -> list[dict[str, float]]:
+        """The loop of :meth:`train`: steps, logging, checkpoints, and the stops (time, signals, non-finite steps)."""
+        cfg = self.config
         history: list[dict[str, float]] = []
         start = time.perf_counter()
         bar = tqdm(
@@ -385,6 +377,7 @@ class GRPOTrainer:
                 metrics.update(self._rollout_metrics)
                 metrics["step_time"] = time.perf_counter() - step_start
                 metrics["tokens_per_second"] = self._rollout_metrics["num_tokens"] / metrics["step_time"]
+                metrics["nonfinite_steps"] = float(self.nonfinite.total)
                 metrics["step"] = self.global_step
                 bar.update(1)
                 if self.global_step % cfg.logging_steps == 0 or self.global_step == cfg.max_steps:
@@ -394,8 +387,13 @@ class GRPOTrainer:
                     bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
                 if cfg.log_completions and self.global_step % cfg.log_completions_steps == 0 and self.is_main_process:
                     self.metrics_logger.print_completions(self.global_step, self._sample_completions)
+                saved = None
                 if cfg.save_steps and self.global_step % cfg.save_steps == 0:
-                    self.save_checkpoint()
+                    saved = self.save_checkpoint()
+                self.nonfinite.raise_if_exceeded(self.global_step)
+                signal_number = stop.requested(self.device)  # the same on every rank
+                if signal_number and self.global_step < cfg.max_steps:
+                    raise TrainingInterrupted(signal_number, self.global_step, saved or self.save_checkpoint())
                 if cfg.max_time_s is not None and self._out_of_time(start):
                     if self.is_main_process:
                         tqdm.write(f"stopping at step {self.global_step}: max_time_s={cfg.max_time_s} reached")
@@ -403,19 +401,11 @@ class GRPOTrainer:
         finally:
             bar.close()
             self.metrics_logger.close()
-        if cfg.plot and self.is_main_process:
-            self.metrics_logger.plot()
-        dist_utils.barrier()  # rank 0's files are complete when train() returns on any rank
         return history
 
     def _out_of_time(self, start: float) -> bool:
         """Whether ``max_time_s`` has passed, by rank 0's clock: every rank must stop at the same step."""
-        late = time.perf_counter() - start > self.config.max_time_s
-        if self.world_size == 1:
-            return late
-        flag = torch.tensor([float(late)], device=self.device)
-        torch.distributed.broadcast(flag, src=0)
-        return bool(flag.item())
+        return dist_utils.broadcast_flag(time.perf_counter() - start > self.config.max_time_s, self.device)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints
@@ -431,7 +421,8 @@ class GRPOTrainer:
         Under torch.distributed every rank must call it: the full (unsharded) state and every rank's queued
         micro-batches are gathered, rank 0 alone writes, and no rank returns before the folder is in place.
         """
-        state = {"rollout_metrics": self._rollout_metrics, **self.rollouts.state_dict(), "beta": self.beta}
+        state = {"rollout_metrics": self._rollout_metrics, **self.rollouts.state_dict(), "beta": self.beta,
+                 "nonfinite_steps": self.nonfinite.total}  # fmt: skip
         return self.checkpoints.save(self.global_step, self._micro_batches, state)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -452,3 +443,4 @@ class GRPOTrainer:
         self._rollout_metrics = state["rollout_metrics"]
         self.rollouts.load_state_dict(state)
         self.beta = state["beta"]
+        self.nonfinite.total = state.get("nonfinite_steps", 0)

@@ -1,0 +1,98 @@
+"""``grpo-ext train``'s errors: one line on stderr naming the file, line or field and what to do; exit status 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_ext.trainer.cli import main as cli_main
+from trainer_utils import write_cli_inputs
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    write_cli_inputs(folder, max_steps=1)
+    return folder
+
+
+def run_with(inputs, tmp_path, capsys, run_text: str, *extra: str) -> str:
+    """``grpo-ext train`` on a run file holding ``run_text``; asserts one error line, returns it."""
+    run_file = tmp_path / "bad.yaml"
+    run_file.write_text(run_text)
+    capsys.readouterr()
+    assert cli_main(["train", "--config", str(run_file), "--output_dir", str(tmp_path / "out"), *extra]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("grpo-ext")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("grpo-ext: error: ") and lines[0].endswith("(--debug shows the traceback)")
+    return lines[0]
+
+
+def good_run(inputs) -> str:
+    return (inputs / "run.yaml").read_text()
+
+
+def test_a_run_file_that_is_a_list_or_a_scalar(inputs, tmp_path, capsys):
+    assert "bad.yaml: a run file is a mapping of options" in run_with(inputs, tmp_path, capsys, "- a\n- b\n")
+    assert "got a list" in run_with(inputs, tmp_path, capsys, "- a\n- b\n")
+    assert "got a str" in run_with(inputs, tmp_path, capsys, "just text\n")
+
+
+def test_yaml_syntax_error_names_file_line_and_column(inputs, tmp_path, capsys):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "learning_rate: [1e-3\nseed: 1\n")
+    assert "bad.yaml:" in line and "not valid YAML" in line
+    assert run_with(inputs, tmp_path, capsys, "a: b\n  c: d\n").split("bad.yaml:")[1].startswith("2:")
+
+
+def test_missing_run_file(inputs, tmp_path, capsys):
+    capsys.readouterr()
+    assert cli_main(["train", "--config", str(tmp_path / "nope.yaml")]) == 1
+    assert "nope.yaml: no such run file (--config)" in capsys.readouterr().err
+
+
+def test_garbled_jsonl_line_names_file_and_line(inputs, tmp_path, capsys):
+    data = (inputs / "data.jsonl").read_text().splitlines()
+    data[6] = data[6][:-3]  # a line cut short
+    (tmp_path / "data.jsonl").write_text("\n".join(data) + "\n")
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs), "--dataset", str(tmp_path / "data.jsonl"))
+    assert f"{tmp_path / 'data.jsonl'}:7: not a JSON line" in line
+    (tmp_path / "data.jsonl").write_text('{"question": "no prompt"}\n')
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs), "--dataset", str(tmp_path / "data.jsonl"))
+    assert "data.jsonl:1: every row needs a 'prompt' string" in line
+
+
+def test_missing_model_folder_is_named_not_a_repo_id(inputs, tmp_path, capsys):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs), "--model_name_or_path", str(tmp_path / "no-model"))
+    assert f"model_name_or_path: no model folder {tmp_path / 'no-model'}" in line and "Repo id" not in line
+
+
+def test_unknown_key_names_the_closest_field(inputs, tmp_path, capsys):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "learning_rat: 0.1\n")
+    assert "the run config has no field 'learning_rat' (did you mean 'learning_rate'?)" in line
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "datset: x\n")
+    assert "(did you mean 'dataset'?)" in line
+
+
+def test_a_string_boolean_is_refused(inputs, tmp_path, capsys):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + 'bf16: "false"\n')
+    assert "GRPOConfig.bf16 must be a boolean (true or false) or null (None), got 'false' (str)" in line
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("return None", "reward function broken returned None"),
+        ("return (1.0 for _ in completions)", "reward function broken returned generator"),
+        ("return [1.0] * (len(completions) - 1)", "reward function broken returned 7 values for 8 completions"),
+    ],
+)
+def test_a_reward_returning_the_wrong_thing_is_named(inputs, tmp_path, capsys, monkeypatch, body, message):
+    module = f"rewards_{tmp_path.name}"  # a module of its own per case (imports are cached)
+    (tmp_path / f"{module}.py").write_text(f"def broken(prompts, completions, **columns):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"reward_funcs: {module}:broken\n")
+    assert message in line
+
+
+def test_a_reward_that_cannot_be_imported_is_named(inputs, tmp_path, capsys):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "reward_funcs: no_such_module:f\n")
+    assert "reward_funcs: cannot import 'no_such_module'" in line

@@ -1,0 +1,333 @@
+"""Fault injection into GRPOTrainer and ``grpo-ext train``: nothing lost, nothing silent (README "Failure behaviour").
+
+A ``kill -9`` in the middle of a checkpoint save, SIGINT from outside, SIGTERM, a torn metrics line, a reward that is
+not a finite number, a step whose loss is NaN, a second run into the same folder (one after the other, or at the
+same time), a full disk. Each fault ends in a clear error or a clean stop, and a resumed run reproduces the metrics
+of an uninterrupted one. Two tests run ``grpo-ext train`` in a child process (tests/fault_child.py) so that the
+signal really comes from outside; the rest run in this process. About 30 s on 2 CPU cores (the child processes have a
+180 s time limit each).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_ext.trainer import checkpoint as checkpoint_module
+from grpo_ext.trainer.checkpoint import CheckpointWriteError
+from grpo_ext.trainer.cli import main as cli_main
+from grpo_ext.trainer.demo import reversal_reward
+from grpo_ext.trainer.guards import NonFiniteStepsError, TrainingInterrupted
+from grpo_ext.trainer.metrics import plot_metrics
+from grpo_ext.trainer.run_folder import LOCK_NAME, OutputFolderError, RunFolderLock
+from trainer_utils import make_trainer, read_metrics, small_config, without_timing, write_cli_inputs
+
+TESTS = Path(__file__).parent
+CHILD_TIMEOUT_S = 180
+
+# the tiny models gain nothing from threads; one keeps the tests cheap on shared cores (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def rows_without_timing(path: Path) -> list[dict]:
+    return [without_timing(row) for row in read_metrics(path)]
+
+
+@contextlib.contextmanager
+def child_process(args: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """``grpo-ext train`` (through tests/fault_child.py) in a child process, its output into ``log``; killed if it
+    is still running when the block ends (a failed test leaves no process behind)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    with log.open("w") as out:
+        command = [sys.executable, str(TESTS / "fault_child.py"), *args]
+        child = subprocess.Popen(command, stdout=out, stderr=out, env=env)
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def wait_for(condition, child: subprocess.Popen, log: Path, what: str) -> None:
+    """Poll ``condition()`` until true; fail with the child's output if it exits first or time runs out."""
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while not condition():
+        if child.poll() is not None:
+            pytest.fail(f"the child exited ({child.returncode}) before {what}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """A model folder, a dataset and a run file (5 steps, a checkpoint every 2), and the metrics of the run
+    uninterrupted."""
+    folder = tmp_path_factory.mktemp("cli")
+    run_file = write_cli_inputs(folder, save_steps=2)
+    assert cli_main(["train", "--config", str(run_file)]) == 0
+    return run_file, rows_without_timing(folder / "out" / "metrics.jsonl")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kill -9 during a save, SIGINT and SIGTERM: a clean state, and a resume that reproduces the uninterrupted run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_kill_during_save_leaves_previous_checkpoints_and_resumes_exactly(cli_run, tmp_path):
+    run_file, expected = cli_run
+    out, marker, log = tmp_path / "out", tmp_path / "paused", tmp_path / "child.log"
+    args = ["--pause-in-save", "4", str(marker), "train", "--config", str(run_file), "--output_dir", str(out)]
+    with child_process(args, log) as child:
+        wait_for(marker.exists, child, log, "the save of checkpoint-4")
+        child.kill()  # SIGKILL: no handler runs
+        child.wait(CHILD_TIMEOUT_S)
+    names = sorted(p.name for p in out.iterdir())
+    assert "checkpoint-2" in names and "checkpoint-4" not in names
+    assert any(name.startswith(".tmp-checkpoint-4-") for name in names)  # the torn save
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+    with pytest.warns(UserWarning, match="taking over the lock of a run that died"):  # the killed run's lock file
+        assert cli_main(["train", "--config", str(run_file), "--output_dir", str(out), "--resume"]) == 0
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-checkpoint-")]  # removed at start
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-2", "checkpoint-4"
+    ]  # fmt: skip
+    assert rows_without_timing(out / "metrics.jsonl") == expected
+
+
+def test_sigint_from_outside_saves_a_checkpoint_and_exits_130(cli_run, tmp_path, capsys):
+    run_file, _ = cli_run
+    out, log = tmp_path / "out", tmp_path / "child.log"
+    # Many steps, a constant schedule: the run is stopped in the middle wherever the signal lands, and an
+    # uninterrupted run of as many steps (plus two) is the reference.
+    options = ["--output_dir", str(out), "--max_steps", "10000", "--lr_scheduler_type", "constant", "--save_steps", "0"]
+    metrics = out / "metrics.jsonl"
+    with child_process(["train", "--config", str(run_file), *options], log) as child:
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, child, log, "two steps")
+        child.send_signal(signal.SIGINT)
+        assert child.wait(CHILD_TIMEOUT_S) == 130, log.read_text()[-3000:]
+    last = read_metrics(metrics)[-1]["step"]
+    assert (out / f"checkpoint-{last}" / "trainer_state.pt").is_file()  # the steps since the last save are kept
+    assert "SIGINT at step" in log.read_text() and "--resume" in log.read_text()
+
+    resumed = ["--max_steps", str(last + 2), "--lr_scheduler_type", "constant", "--save_steps", "0"]
+    assert cli_main(["train", "--config", str(run_file), "--output_dir", str(out), "--resume", *resumed]) == 0
+    assert cli_main(["train", "--config", str(run_file), "--output_dir", str(tmp_path / "ref"), *resumed]) == 0
+    assert rows_without_timing(metrics) == rows_without_timing(tmp_path / "ref" / "metrics.jsonl")
+
+
+def test_sigterm_saves_a_checkpoint_and_raises_with_exit_code_143(tmp_path):
+    calls = []
+
+    def terminated_in_step_2(prompts, completions, answer, **columns):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption would
+        return reversal_reward(prompts, completions, answer, **columns)
+
+    terminated_in_step_2.__name__ = "reversal_reward"  # the metrics' names as the reference run's
+    config = small_config(tmp_path, max_steps=4)
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingInterrupted, match="SIGTERM at step 2") as stop:
+        make_trainer(config, reward_funcs=[terminated_in_step_2]).train()
+    assert stop.value.exit_code == 143 and stop.value.step == 2
+    assert signal.getsignal(signal.SIGTERM) is previous  # the trainer's handler is gone
+    assert stop.value.checkpoint == tmp_path / "run" / "checkpoint-2"
+    make_trainer(config).train(resume_from_checkpoint=True)
+    make_trainer(small_config(tmp_path / "ref", max_steps=4)).train()
+    assert rows_without_timing(tmp_path / "run" / "metrics.jsonl") == rows_without_timing(
+        tmp_path / "ref" / "run" / "metrics.jsonl"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# files: a torn metrics line, leftovers, a full disk
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_torn_last_metrics_line_is_dropped_and_temp_leftovers_removed(tmp_path):
+    out = tmp_path / "run"
+
+    def leaves_a_temp_folder(prompts, completions, answer, **columns):
+        if not (out / "metrics.jsonl").exists():  # in step 1
+            (out / ".tmp-checkpoint-99-1").mkdir()  # as a killed save would leave it
+        return reversal_reward(prompts, completions, answer, **columns)
+
+    leaves_a_temp_folder.__name__ = "reversal_reward"
+
+    config = small_config(tmp_path, max_steps=3, save_steps=2)
+    make_trainer(config, reward_funcs=[leaves_a_temp_folder]).train()
+    assert not list(out.glob(".tmp-checkpoint-*"))  # removed after the save of checkpoint-2
+    expected = rows_without_timing(out / "metrics.jsonl")
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 0.12')  # killed in mid-write
+    plot_metrics(out / "metrics.jsonl", tmp_path / "curves.png")  # the plot skips it too
+    make_trainer(config).train(resume_from_checkpoint=True)
+    assert rows_without_timing(out / "metrics.jsonl") == expected
+
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([lines[0], lines[1][:20], lines[2]]) + "\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON line"):  # not torn by a kill: an error
+        make_trainer(config).train(resume_from_checkpoint=True)
+
+
+def test_full_disk_names_the_folder_and_the_space_needed(tmp_path, monkeypatch):
+    def disk_full(obj, path, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")  # torch's words
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: SimpleNamespace(free=4096))
+    config = small_config(tmp_path, max_steps=2, save_steps=1)
+    with pytest.raises(CheckpointWriteError, match=r"no space left to write .*checkpoint-1: a checkpoint needs about "
+                                                   r"[0-9.]+ MiB and 0\.0 MiB are free"):  # fmt: skip
+        make_trainer(config).train()
+    assert not list((tmp_path / "run").glob(".tmp-checkpoint-*"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rewards and steps that are not finite
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def bad_reward(kind: str):
+    def reward(prompts, completions, answer, **columns):
+        values = reversal_reward(prompts, completions, answer, **columns)
+        if kind == "inf":
+            values[5] = float("-inf")
+        elif kind == "string":
+            values[3] = "0.5 points"
+        elif kind == "short":
+            values = values[:-1]
+        elif kind == "generator":
+            values = (v for v in values)
+        elif kind == "none":
+            values = None
+        return values
+
+    reward.__name__ = f"{kind}_reward"
+    return reward
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("inf", r"reward function inf_reward returned -inf for row 5 .* a reward must be finite"),
+        ("string", r"reward function string_reward returned '0\.5 points' \(str\) for row 3"),
+        ("short", r"reward function short_reward returned 15 values for 16 completions"),
+        ("generator", r"reward function generator_reward returned generator; it must return a list of 16 floats"),
+        ("none", r"reward function none_reward returned None; it must return a list"),
+    ],
+)
+def test_a_reward_that_is_not_a_finite_number_names_the_function_and_row(tmp_path, kind, message):
+    trainer = make_trainer(small_config(tmp_path, max_steps=2), reward_funcs=[bad_reward(kind)])
+    initial = {name: value.clone() for name, value in trainer.model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert all(torch.equal(value, initial[name]) for name, value in trainer.model.state_dict().items())
+
+
+class NaNLogits:
+    """A forward hook that makes the training forward's logits NaN at the given (1-based) steps."""
+
+    def __init__(self, trainer, steps: set[int]) -> None:
+        self.trainer, self.steps = trainer, steps
+        trainer.model.register_forward_hook(self)
+
+    def __call__(self, module, inputs, output):
+        if torch.is_grad_enabled() and self.trainer.global_step + 1 in self.steps:  # not generation, not scoring
+            output.logits = output.logits * float("nan")
+        return output
+
+
+def test_a_non_finite_step_is_skipped_and_counted_never_a_nan_model(tmp_path):
+    one_step = make_trainer(small_config(tmp_path / "one", max_steps=1, lr_scheduler_type="constant"))
+    one_step.train()
+    config = small_config(tmp_path / "skip", max_steps=3, lr_scheduler_type="constant")
+    trainer = make_trainer(config)
+    NaNLogits(trainer, steps={2})
+    with pytest.warns(RuntimeWarning, match=r"step 2: loss nan / gradient norm nan is not finite; the step is skipped"):
+        rows = trainer.train()
+    assert [row["nonfinite_steps"] for row in rows] == [0, 1, 1]
+    assert torch.isnan(torch.tensor(rows[1]["loss"])) and torch.isfinite(torch.tensor(rows[2]["loss"]))
+    for name, value in trainer.model.state_dict().items():
+        assert torch.isfinite(value).all(), name
+    # Step 2 left model and optimizer as step 1 did: step 3 is the second update.
+    assert trainer.optimizer.state_dict()["state"][0]["step"].item() == 2
+
+    stopped = make_trainer(small_config(tmp_path / "stop", max_steps=6, lr_scheduler_type="constant",
+                                        max_consecutive_nonfinite_steps=2))  # fmt: skip
+    NaNLogits(stopped, steps={2, 3, 4, 5, 6})
+    with pytest.warns(RuntimeWarning), pytest.raises(NonFiniteStepsError, match=r"steps 2-3: .* 2 times in a row"):
+        stopped.train()
+    for name, value in stopped.model.state_dict().items():  # as after its one good step
+        assert torch.equal(value, one_step.model.state_dict()[name]), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the output folder: one run at a time, no silent overwrite
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_second_run_into_the_folder_is_refused_unless_resumed_or_overwritten(tmp_path):
+    out = tmp_path / "run"
+    make_trainer(small_config(tmp_path, max_steps=2, save_steps=1)).train()
+    (out / "notes.txt").write_text("the user's own file\n")
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(OutputFolderError, match=r"holds the outputs of a previous run \(checkpoint-1, checkpoint-2, "
+                                                r"metrics\.jsonl\).*--resume.*--overwrite"):  # fmt: skip
+        make_trainer(small_config(tmp_path, max_steps=3)).train()
+    assert (out / "metrics.jsonl").read_text() == before and (out / "checkpoint-2").is_dir()
+
+    make_trainer(small_config(tmp_path, max_steps=3, save_steps=1)).train(resume_from_checkpoint=True)
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+
+    make_trainer(small_config(tmp_path, max_steps=1, overwrite_output_dir=True)).train()
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt"]  # old checkpoints gone
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1]
+
+
+def test_a_run_holding_the_folder_blocks_another_and_a_dead_runs_lock_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = RunFolderLock(out)
+    holder.acquire()  # another run, alive (this process, through another open file)
+    try:
+        with pytest.raises(OutputFolderError, match=rf"another run \(pid {os.getpid()} on .*\) is writing to"):
+            make_trainer(small_config(tmp_path, max_steps=1)).train()
+    finally:
+        holder.release()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / LOCK_NAME).write_text(f"pid {int(dead.stdout)} on {socket.gethostname()}\n")  # a run killed with -9 left it
+    with pytest.warns(UserWarning, match="taking over the lock of a run that died"):
+        make_trainer(small_config(tmp_path, max_steps=1)).train()
+    assert not (out / LOCK_NAME).exists()  # released at the end
+
+
+def test_cli_reports_a_used_folder_in_one_line_before_loading_the_model(cli_run, tmp_path, capsys):
+    run_file, _ = cli_run
+    args = ["train", "--config", str(run_file), "--output_dir", str(tmp_path / "out"), "--max_steps", "1"]
+    assert cli_main(args) == 0
+    capsys.readouterr()
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-ext: error: ") and err.count("\n") == 1  # before the model loads: one line only
+    assert "holds the outputs of a previous run" in err
+    assert cli_main([*args, "--overwrite", "--resume"]) == 1
+    assert "give one of them" in capsys.readouterr().err
+    assert cli_main([*args, "--overwrite"]) == 0
+    assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text())["step"] == 1

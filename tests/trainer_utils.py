@@ -1,0 +1,55 @@
+"""Helpers of the trainer tests (tests/test_trainer.py, tests/test_faults.py, tests/test_cli.py): the demo's tiny
+model in a small config, a local model folder and dataset for the CLI, metrics files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grpo_ext.trainer import GRPOConfig
+from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
+from grpo_ext.trainer.metrics import TIMING_METRICS
+from grpo_ext.trainer.trainer import GRPOTrainer
+
+
+def small_config(tmp_path, **overrides) -> GRPOConfig:
+    options = dict(
+        output_dir=str(tmp_path / "run"), seed=3, max_steps=4, num_generations=4, per_device_train_batch_size=16,
+        max_completion_length=4, max_prompt_length=None, learning_rate=3e-3, lr_scheduler_type="cosine",
+        warmup_steps=1, report_to="none", disable_tqdm=True, log_completions=False, plot=False,
+    )  # fmt: skip
+    options.update(overrides)
+    return GRPOConfig(**options)
+
+
+def make_trainer(config: GRPOConfig, model_seed: int = 0, reward_funcs=None) -> GRPOTrainer:
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=model_seed)
+    train_rows, _ = reversal_dataset(seed=0)
+    return GRPOTrainer(model, reward_funcs or [reversal_reward], train_rows, config, tokenizer=tokenizer)
+
+
+def read_metrics(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def without_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMING_METRICS}
+
+
+def write_cli_inputs(folder: Path, num_rows: int = 40, **options) -> Path:
+    """A local model folder, a JSONL dataset and a run file for ``grpo-ext train`` in ``folder``; returns the run
+    file. ``options`` are written into it (after the defaults)."""
+    tokenizer = build_tokenizer()
+    build_model(tokenizer).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    train_rows, _ = reversal_dataset(seed=0)
+    (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows[:num_rows]))
+    run = {
+        "model_name_or_path": str(folder / "model"), "dataset": str(folder / "data.jsonl"),
+        "reward_funcs": ["graded_answer"], "num_generations": 4, "per_device_train_batch_size": 8,
+        "max_completion_length": 4, "max_steps": 5, "report_to": "none", "disable_tqdm": True, "plot": False,
+        "adam_epsilon": 1e-6, "learning_rate": 1e-3, "output_dir": str(folder / "out"), **options,
+    }  # fmt: skip
+    (folder / "run.yaml").write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in run.items()))
+    return folder / "run.yaml"
