@@ -34,6 +34,11 @@ def _as_float64(value):
     return value
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width: a bit-exact comparison, NaN included."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def _outputs(op: str, result, args: list) -> tuple:
     """An op's outputs as a tuple; an in-place op's written argument last."""
     if op in INPLACE:
@@ -84,7 +89,7 @@ def check_op(emu: EmuDevice, op: str, *args, tol=VALUES, names: tuple[str, ...] 
     got = _outputs(op, emu.call(op, *args), list(args))
     if span is not None:
         after = torch.as_strided(args[0], span.shape, (1,))
-        assert torch.equal(after[~covered].view(torch.uint8), span[~covered].view(torch.uint8)), (
+        assert torch.equal(_bits(after[~covered]), _bits(span[~covered])), (
             f"{op} wrote memory between the rows of its strided tensor"
         )
     tols = tol if isinstance(tol, list) else [tol] * len(got)

@@ -159,6 +159,11 @@ def _decode(raw: torch.Tensor, dtype: torch.dtype, sizes: list[int], strides: li
     return torch.as_strided(flat, sizes, strides) if flat.numel() else flat.reshape(sizes) if 0 in sizes else flat
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s elements (bit-exact comparison, NaN payloads included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 class EmuDevice:
     """grpo_ext's raw ops on the emulated device, under every schedule of ``schedules``.
 
@@ -201,7 +206,7 @@ class EmuDevice:
         first_name, first, _ = results[0]
         for name, outputs, _ in results[1:]:
             for i, (a, b) in enumerate(zip(first, outputs, strict=True)):
-                if not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+                if not torch.equal(_bytes(a), _bytes(b)):
                     diff = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
                     raise EmuError(f"{op}: output {i} differs between the {first_name} and {name} schedules "
                                    f"(max abs difference {diff:.3g}): a race or a schedule-dependent kernel")  # fmt: skip

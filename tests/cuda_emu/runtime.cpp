@@ -156,9 +156,11 @@ struct Runtime {
   Site barrier_site;
   int barrier_count = 0;
   std::vector<std::vector<PendingWarpOp>> warp_ops;  // per warp
+  std::vector<unsigned> live_lanes;                  // per warp: its lanes not done
   std::map<std::string, SharedVar> shared;
   size_t shared_bytes = 0;
   std::string error;
+  bool aborting = false;  // the launch failed: every fiber unwinds
   void (*run_thread)(void*) = nullptr;
   void* context = nullptr;
 #if CUDA_EMU_ASAN
@@ -200,7 +202,11 @@ void resume(Fiber& f) {
   rt.current = nullptr;
 }
 
-// From a fiber back to the scheduler; returns when the scheduler resumes this fiber.
+// Thrown inside a fiber to unwind its stack (destructors run) when its launch fails; fiber_entry catches it.
+struct FiberAbort {};
+
+// From a fiber back to the scheduler; returns when the scheduler resumes this fiber (throws FiberAbort when it
+// resumes it to unwind a failed launch).
 void park(Fiber& f) {
 #if CUDA_EMU_ASAN
   void* fake = nullptr;
@@ -211,30 +217,28 @@ void park(Fiber& f) {
 #if CUDA_EMU_ASAN
   __sanitizer_finish_switch_fiber(fake, &rt.scheduler_stack_bottom, &rt.scheduler_stack_size);
 #endif
+  if (rt.aborting && f.state != State::kDone) throw FiberAbort{};
 }
 
 [[noreturn]] void fail_in_fiber(const std::string& message) {
-  Fiber& f = *rt.current;
   if (rt.error.empty()) rt.error = message;
-  f.state = State::kDone;  // abandoned: the scheduler never resumes it
-  park(f);
-  __builtin_unreachable();
+  throw FiberAbort{};
 }
 
-// Makes the given fibers ready, in the schedule's order (ids ascending on entry).
-void make_ready(std::vector<int>& ids) {
+// Makes fibers ids[0..n) ready, in the schedule's order (ids ascending on entry).
+void make_ready(const int* ids, int n) {
   switch (rt.schedule.order) {
     case Order::kForward:
-      for (int i : ids) rt.ready.push_back(i);
+      for (int i = 0; i < n; ++i) rt.ready.push_back(ids[i]);
       break;
     case Order::kReverse:
-      for (auto it = ids.rbegin(); it != ids.rend(); ++it) rt.ready.push_back(*it);
+      for (int i = n - 1; i >= 0; --i) rt.ready.push_back(ids[i]);
       break;
     case Order::kGreedy:  // released threads run first, the highest id first
-      for (int i : ids) rt.ready.push_front(i);
+      for (int i = 0; i < n; ++i) rt.ready.push_front(ids[i]);
       break;
   }
-  for (int i : ids) rt.fibers[i].state = State::kReady;
+  for (int i = 0; i < n; ++i) rt.fibers[ids[i]].state = State::kReady;
 }
 
 std::string fiber_state(const Fiber& f) {
@@ -259,16 +263,7 @@ void try_release_barrier() {
     if (f.state == State::kBarrier) ids.push_back(f.linear);
   }
   rt.barrier_count = 0;
-  make_ready(ids);
-}
-
-unsigned live_lanes(int warp) {
-  unsigned lanes = 0;
-  const int first = warp * 32;
-  for (int l = 0; l < 32 && first + l < static_cast<int>(rt.fibers.size()); ++l) {
-    if (rt.fibers[first + l].state != State::kDone) lanes |= 1u << l;
-  }
-  return lanes;
+  make_ready(ids.data(), static_cast<int>(ids.size()));
 }
 
 // The lane whose value lane `lane` receives (itself when the shuffle leaves its segment).
@@ -289,8 +284,8 @@ int source_lane(const Fiber& f) {
 // Completes warp `warp`'s intrinsic at index `k` when every live lane of its mask has arrived; returns whether it
 // did. Reports a shuffle that reads a lane outside the participants.
 bool try_complete_warp_op(int warp, size_t k) {
-  PendingWarpOp op = rt.warp_ops[warp][k];
-  const unsigned needed = op.mask & live_lanes(warp);
+  const PendingWarpOp op = rt.warp_ops[warp][k];
+  const unsigned needed = op.mask & rt.live_lanes[warp];
   if ((op.arrived & needed) != needed) return false;
   rt.warp_ops[warp].erase(rt.warp_ops[warp].begin() + static_cast<long>(k));
   Fiber* lanes = &rt.fibers[warp * 32];
@@ -298,7 +293,7 @@ bool try_complete_warp_op(int warp, size_t k) {
   for (int l = 0; l < 32; ++l) {
     if (op.arrived & (1u << l)) ballot |= static_cast<uint64_t>(lanes[l].value != 0) << l;
   }
-  std::vector<int> ids;
+  int ids[32], n = 0;
   for (int l = 0; l < 32; ++l) {
     if (!(op.arrived & (1u << l))) continue;
     Fiber& f = lanes[l];
@@ -320,9 +315,9 @@ bool try_complete_warp_op(int warp, size_t k) {
         f.result = lanes[src].value;
       }
     }
-    ids.push_back(f.linear);
+    ids[n++] = f.linear;
   }
-  make_ready(ids);
+  make_ready(ids, n);
   return true;
 }
 
@@ -337,9 +332,17 @@ void fiber_entry() {
 #if CUDA_EMU_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &rt.scheduler_stack_bottom, &rt.scheduler_stack_size);
 #endif
-  rt.run_thread(rt.context);
+  try {
+    if (!rt.aborting) rt.run_thread(rt.context);
+  } catch (const FiberAbort&) {
+  }
   f.state = State::kDone;
   --rt.live;
+  rt.live_lanes[f.warp] &= ~(1u << f.lane);
+  if (rt.aborting) {
+    park(f);  // never resumed
+    __builtin_unreachable();
+  }
   if (rt.barrier_count > 0) {
     std::ostringstream s;
     s << "divergent __syncthreads: " << describe(f.coords) << " exited while other threads of its block wait at "
@@ -384,6 +387,8 @@ void fiber_entry() {
 void run_block(const LaunchSpec& spec, const Coords& base, int threads) {
   rt.fibers.assign(threads, Fiber{});
   rt.warp_ops.assign((threads + 31) / 32, {});
+  rt.live_lanes.assign((threads + 31) / 32, 0);
+  for (int i = 0; i < threads; ++i) rt.live_lanes[i / 32] |= 1u << (i % 32);
   rt.ready.clear();
   rt.live = threads;
   rt.barrier_count = 0;
@@ -400,7 +405,7 @@ void run_block(const LaunchSpec& spec, const Coords& base, int threads) {
     init_context(f);
     ids[i] = i;
   }
-  make_ready(ids);
+  make_ready(ids.data(), threads);
   while (!rt.ready.empty() && rt.error.empty()) {
     const int id = rt.ready.front();
     rt.ready.pop_front();
@@ -420,6 +425,13 @@ void run_block(const LaunchSpec& spec, const Coords& base, int threads) {
       s << " thread " << f.linear << " " << fiber_state(f) << ";";
     }
     rt.error = s.str();
+  }
+  if (!rt.error.empty()) {  // unwind every fiber that has not ended, so that its destructors run
+    rt.aborting = true;
+    for (Fiber& f : rt.fibers) {
+      if (f.state != State::kDone) resume(f);
+    }
+    rt.aborting = false;
   }
   for (auto& [site, var] : rt.shared) operator delete(var.data, std::align_val_t(64));
   rt.shared.clear();
