@@ -120,11 +120,11 @@ def build(csrc: Path | None = None, out_root: Path | None = None, jobs: int | No
 
     Args:
         csrc: a ``csrc/`` tree (default: the repository's; the mutation check passes mutated copies).
-        out_root: cache directory (default ``build/cuda_emu`` in the repository).
+        out_root: cache directory (default: ``$GRPO_EMU_BUILD``, else ``build/cuda_emu`` in the repository).
         jobs: parallel compiler processes (default: the CPU count).
     """
     csrc = Path(csrc or REPO / "csrc").resolve()
-    out_root = Path(out_root or REPO / "build" / "cuda_emu")
+    out_root = Path(out_root or os.environ.get("GRPO_EMU_BUILD") or REPO / "build" / "cuda_emu")
     files = _inputs(csrc)
     digest = hashlib.sha256(_compiler_version().encode())
     for name in sorted(files):

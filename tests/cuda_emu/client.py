@@ -25,10 +25,14 @@ import torch
 
 from .build import build
 
-#: (name, thread order, grid cap): the launcher's grid in forward order; a grid of at most 2 blocks per dimension in
-#: reverse order; one block per dimension, greedy (every grid-stride loop wraps under the last two).
-SCHEDULES: tuple[tuple[str, str, int], ...] = (("forward", "forward", 0), ("reverse", "reverse", 2),
-                                               ("greedy", "greedy", 1))  # fmt: skip
+#: (name, thread order, grid cap): the launcher's grid in forward order; then grids of at most 2, 1 and 3 blocks per
+#: dimension (so that every grid-stride loop wraps) in reverse order and the two greedy orders (runtime.h).
+SCHEDULES: tuple[tuple[str, str, int], ...] = (
+    ("forward", "forward", 0),
+    ("reverse", "reverse", 2),
+    ("greedy-high", "greedy-high", 1),
+    ("greedy-low", "greedy-low", 3),
+)
 
 _DTYPES = {
     torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -209,7 +213,8 @@ class EmuDevice:
                 if not torch.equal(_bytes(a), _bytes(b)):
                     diff = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
                     raise EmuError(f"{op}: output {i} differs between the {first_name} and {name} schedules "
-                                   f"(max abs difference {diff:.3g}): a race or a schedule-dependent kernel")  # fmt: skip
+                                   f"(max abs difference {diff:.3g}): a race, or a kernel that depends on the "
+                                   "thread order or the grid size")  # fmt: skip
         if op in _INPLACE_RETURNS:
             target = args[0]
             torch.as_strided(target, (_span(target),), (1,)).copy_(torch.as_strided(first[-1], (_span(target),), (1,)))

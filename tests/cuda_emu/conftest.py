@@ -1,4 +1,4 @@
-"""The emulated device for the tests of tests/cuda_emu: one set of driver processes for the session.
+"""The emulated device for the tests of tests/cuda_emu: one set of driver processes for all of them.
 
 ``GRPO_EMU_CSRC=<dir>`` runs the tests on another copy of ``csrc/`` (the mutation check, mutate.py, uses it). At the
 end of the session: the sanitizer reports of the drivers (leaks are reported when they exit) fail the session, and,
@@ -40,7 +40,7 @@ def pytest_collection_finish(session) -> None:
     _state["complete"] = files == set(HERE.glob("test_*.py")) and not _state["deselected"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def emu():
     """grpo_ext's raw ops on the emulated device (client.EmuDevice), under every schedule."""
     device = EmuDevice(CSRC)

@@ -1,6 +1,6 @@
 // cuda_emu's driver process: reads op calls on stdin, runs them on the emulated device, writes the outputs on stdout.
 //
-//   cuda_emu_driver --order forward|reverse|greedy --grid-cap N
+//   cuda_emu_driver --order forward|reverse|greedy-high|greedy-low --grid-cap N
 //
 // Request: a line "<op> <number of arguments>", then one line per argument (and, for a tensor, its bytes):
 //   N | I <int> | F <float> | B <0|1> | S <string> | D <dtype> | T <dtype> <ndim> <sizes> <strides> <nbytes>
@@ -93,38 +93,17 @@ DType accumulate_type(DType t) {
 
 grpo_ext::StridedMatrix matrix_view(const Tensor& t, int64_t rows, int64_t cols, bool allow_row_vector) {
   grpo_ext::StridedMatrix v;
-  v.data = t.data();
-  v.dtype = t.dtype;
-  if (t.dim() == 2 && t.size(0) == rows && t.size(1) == cols) {
-    v.row_stride = t.stride(0);
-    v.col_stride = cols == 1 ? 0 : t.stride(1);
-    return v;
+  if (!grpo_ext::strided_matrix_of(t.data(), t.dtype, t.dim(), t.sizes.data(), t.strides.data(), rows, cols,
+                                   allow_row_vector, &v)) {
+    bad_args("a tensor does not have the shape its op expects");
   }
-  const bool row_vector = (t.dim() == 1 && t.size(0) == rows) || (t.dim() == 2 && t.size(0) == rows && t.size(1) == 1);
-  if (!allow_row_vector || !row_vector) bad_args("a tensor does not have the shape its op expects");
-  v.row_stride = t.stride(0);
-  v.col_stride = 0;
   return v;
 }
 
 grpo_ext::LogitsRows logits_rows(const Tensor& logits) {
   if (logits.dim() != 2 && logits.dim() != 3) bad_args("logits must be 2-D or 3-D");
-  grpo_ext::LogitsRows rows;
-  rows.data = logits.data();
-  rows.dtype = logits.dtype;
-  rows.vocab = logits.size(-1);
-  if (logits.dim() == 2) {
-    rows.rows = logits.size(0);
-    rows.inner = rows.rows > 0 ? rows.rows : 1;
-    rows.stride_outer = 0;
-    rows.stride_inner = logits.stride(0);
-  } else {
-    rows.rows = logits.size(0) * logits.size(1);
-    rows.inner = logits.size(1) > 0 ? logits.size(1) : 1;
-    rows.stride_outer = logits.stride(0);
-    rows.stride_inner = logits.stride(1);
-  }
-  return rows;
+  return grpo_ext::logits_rows_of(logits.data(), logits.dtype, logits.dim(), logits.sizes.data(),
+                                  logits.strides.data());
 }
 
 std::map<std::string, Op>& op_table() {
@@ -253,7 +232,8 @@ std::string one_line(std::string s) {
 Order parse_order(const std::string& s) {
   if (s == "forward") return Order::kForward;
   if (s == "reverse") return Order::kReverse;
-  if (s == "greedy") return Order::kGreedy;
+  if (s == "greedy-high") return Order::kGreedyHigh;
+  if (s == "greedy-low") return Order::kGreedyLow;
   std::cerr << "unknown order " << s << "\n";
   std::exit(2);
 }

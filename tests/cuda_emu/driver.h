@@ -82,8 +82,8 @@ class Args {
 
 [[noreturn]] void bad_args(const std::string& message);
 
-// StridedMatrix views and LogitsRows, as csrc/plan/checks.h's matrix_view and plan/grpo_loss_from_logits.h's
-// logits_rows build them.
+// StridedMatrix views and LogitsRows, built by the code the plans use (common.h's strided_matrix_of and
+// logits_rows_of).
 grpo_ext::StridedMatrix matrix_view(const Tensor& t, int64_t rows, int64_t cols, bool allow_row_vector);
 grpo_ext::LogitsRows logits_rows(const Tensor& logits);
 DType accumulate_type(DType t);  // float64 for float64, float32 otherwise

@@ -33,13 +33,13 @@ inline uint16_t float_to_half_bits(float f) {
   const uint32_t all = float_bits(f);
   const uint16_t sign = static_cast<uint16_t>((all >> 16) & 0x8000u);
   const uint32_t u = all & 0x7fffffffu;
-  if (u > 0x7f800000u) return 0x7fffu;             // NaN
-  if (u >= 0x477ff000u) return sign | 0x7c00u;     // 65520 and above round to infinity
-  if (u >= 0x38800000u) {                          // a normal half (2^-14 and above): rebias, round 13 bits off
+  if (u > 0x7f800000u) return 0x7fffu;          // NaN
+  if (u >= 0x477ff000u) return sign | 0x7c00u;  // 65520 and above round to infinity
+  if (u >= 0x38800000u) {                       // a normal half (2^-14 and above): rebias, round 13 bits off
     const uint32_t r = u - 0x38000000u;
     return static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
   }
-  if (u <= 0x33000000u) return sign;               // 2^-25 and below round to zero (2^-25 is a tie, to even)
+  if (u <= 0x33000000u) return sign;  // 2^-25 and below round to zero (2^-25 is a tie, to even)
   // A subnormal half: q * 2^-24 with q = the float's value / 2^-24, rounded to nearest even.
   const uint32_t exponent = u >> 23, mantissa = (u & 0x7fffffu) | 0x800000u;
   const uint32_t shift = 126u - exponent;  // 14..24

@@ -36,7 +36,8 @@ std::vector<Tensor> group_advantages(Args& a) {
   a.done();
   const int64_t batch = rewards.size(0), num_groups = batch / p.group_size;
   p.num_rewards = rewards.dim() == 2 ? rewards.size(1) : 1;
-  grpo_ext::StridedMatrix r{rewards.data(), rewards.dtype, rewards.stride(0), rewards.dim() == 2 ? rewards.stride(1) : 0};
+  grpo_ext::StridedMatrix r{rewards.data(), rewards.dtype, rewards.stride(0),
+                            rewards.dim() == 2 ? rewards.stride(1) : 0};
   grpo_ext::StridedMatrix w;
   if (weights) w = {weights->data(), weights->dtype, 0, weights->stride(0)};
   const DType acc = accumulate_type(rewards.dtype);

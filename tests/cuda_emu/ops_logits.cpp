@@ -47,9 +47,8 @@ std::vector<Tensor> selective_log_softmax_backward(Args& a) {
   const float inv_t = float(1.0 / temperature);
   switch (logits.dtype) {
     case DType::kFloat64:
-      grpo_ext::launch_selective_log_softmax_backward<double, double>(x, id, gl, gh, row_stats.data_as<double>(), rows,
-                                                                      vocab, 1.0 / temperature,
-                                                                      grad.data_as<double>(), nullptr);
+      grpo_ext::launch_selective_log_softmax_backward<double, double>(
+          x, id, gl, gh, row_stats.data_as<double>(), rows, vocab, 1.0 / temperature, grad.data_as<double>(), nullptr);
       break;
     case DType::kFloat32:
       grpo_ext::launch_selective_log_softmax_backward<float, float>(x, id, gl, gh, row_stats.data_as<float>(), rows,
@@ -72,10 +71,9 @@ template <typename T, typename In>
 void run_pass(const LossPlan& loss, const grpo_ext::LogitsRows& logits, const grpo_ext::StridedMatrix& ids,
               const grpo_ext::StridedMatrix& token_grad, int64_t row_offset, bool compute_grad, bool grad_in_logits,
               void* grad_data, double temperature, const Tensor& logps, const Tensor& entropy) {
-  const grpo_ext::LogitsPassArgs args{loss.params,       loss.inputs,
-                                      logits,            ids,
-                                      token_grad,        row_offset,
-                                      compute_grad && grad_data != nullptr, grad_in_logits};
+  const grpo_ext::LogitsPassArgs args{
+      loss.params,   loss.inputs, logits, ids, token_grad, row_offset, compute_grad && grad_data != nullptr,
+      grad_in_logits};
   std::optional<Tensor> row_weight;
   if (args.compute_grad && !token_grad.present()) {
     row_weight = empty({loss.inputs.batch}, logps.dtype);
@@ -84,10 +82,9 @@ void run_pass(const LossPlan& loss, const grpo_ext::LogitsRows& logits, const gr
                                                           loss.has_num_items, T(loss.num_items), num_items_device,
                                                           T(loss.loss_scale), row_weight->data_as<T>(), nullptr);
   }
-  grpo_ext::launch_grpo_loss_from_logits<T, In>(args, T(1.0 / temperature),
-                                                row_weight ? row_weight->data_as<T>() : nullptr,
-                                                static_cast<In*>(grad_data), logps.data_as<T>(),
-                                                entropy.data_as<T>(), nullptr);
+  grpo_ext::launch_grpo_loss_from_logits<T, In>(
+      args, T(1.0 / temperature), row_weight ? row_weight->data_as<T>() : nullptr, static_cast<In*>(grad_data),
+      logps.data_as<T>(), entropy.data_as<T>(), nullptr);
 }
 
 // grpo_loss_from_logits_pass (a new gradient tensor) and grpo_loss_from_logits_pass_ (the gradient over the logits).

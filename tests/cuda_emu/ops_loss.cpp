@@ -24,8 +24,8 @@ LossPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const std::optional<Te
                           const Tensor& advantages, const Tensor& mask, Args& a, bool compute_grad,
                           bool force_token_level) {
   static constexpr std::pair<const char*, LossType> kLossTypes[] = {
-      {"grpo", LossType::kGRPO},   {"bnpo", LossType::kBNPO},   {"dr_grpo", LossType::kDrGRPO},
-      {"dapo", LossType::kDAPO},   {"luspo", LossType::kLUSPO}, {"cispo", LossType::kCISPO},
+      {"grpo", LossType::kGRPO}, {"bnpo", LossType::kBNPO},   {"dr_grpo", LossType::kDrGRPO},
+      {"dapo", LossType::kDAPO}, {"luspo", LossType::kLUSPO}, {"cispo", LossType::kCISPO},
       {"sapo", LossType::kSAPO}};
   static constexpr std::pair<const char*, KLEstimator> kEstimators[] = {
       {"k1", KLEstimator::kK1}, {"k2", KLEstimator::kK2}, {"k3", KLEstimator::kK3}};
@@ -92,11 +92,10 @@ void forward_impl(const LossPlan& plan, const Tensor& grad_raw, const Tensor& lo
                   const Tensor& grad_scale) {
   const Tensor partials = empty({plan.inputs.batch, grpo_ext::kNumRowSlots}, loss.dtype);
   const T* num_items_device = plan.num_items_device ? plan.num_items_device->data_as<T>() : nullptr;
-  grpo_ext::launch_grpo_loss_forward<T>(plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items,
-                                        T(plan.num_items), num_items_device, T(plan.loss_scale),
-                                        plan.params.compute_grad ? grad_raw.data_as<T>() : nullptr,
-                                        partials.data_as<T>(), loss.data_as<T>(), metrics.data_as<T>(),
-                                        grad_scale.data_as<T>(), nullptr);
+  grpo_ext::launch_grpo_loss_forward<T>(
+      plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items, T(plan.num_items), num_items_device,
+      T(plan.loss_scale), plan.params.compute_grad ? grad_raw.data_as<T>() : nullptr, partials.data_as<T>(),
+      loss.data_as<T>(), metrics.data_as<T>(), grad_scale.data_as<T>(), nullptr);
 }
 
 std::vector<Tensor> grpo_loss_forward(Args& a) {
@@ -129,8 +128,8 @@ std::vector<Tensor> grpo_loss_backward(Args& a) {
   if (grad_raw.dtype == DType::kFloat64) {
     if (out_dtype != DType::kFloat64) bad_args("a float64 gradient is written as float64 only");
     grpo_ext::launch_grpo_loss_backward<double, double>(grad_raw.data_as<double>(), grad_loss_acc.data_as<double>(),
-                                                        grad_scale.data_as<double>(), out.data_as<double>(), n,
-                                                        kNumSMs, nullptr);
+                                                        grad_scale.data_as<double>(), out.data_as<double>(), n, kNumSMs,
+                                                        nullptr);
     return {out};
   }
   const float* g = grad_raw.data_as<float>();

@@ -5,7 +5,11 @@
 #include <cxxabi.h>
 #include <sys/mman.h>
 
-#if !defined(__x86_64__)
+// Fibers switch with a few instructions on x86-64, with ucontext elsewhere (or with -DCUDA_EMU_UCONTEXT).
+#if defined(__x86_64__) && !defined(CUDA_EMU_UCONTEXT)
+#define CUDA_EMU_ASM_SWITCH 1
+#else
+#define CUDA_EMU_ASM_SWITCH 0
 #include <ucontext.h>
 #endif
 
@@ -25,7 +29,7 @@
 #define CUDA_EMU_ASAN 0
 #endif
 
-#if defined(__x86_64__)
+#if CUDA_EMU_ASM_SWITCH
 // cuda_emu_switch(&save, to): saves the callee-saved registers and the FP control words on the current stack, stores
 // its stack pointer in *save, and continues on stack `to` where an earlier switch saved it. (glibc's swapcontext
 // makes a system call per switch, and ASan's interceptor clears the new stack's shadow each time: 50x slower.)
@@ -95,7 +99,7 @@ Site site_of(const std::source_location& s) {
 enum class State { kReady, kBarrier, kWarp, kDone };
 
 // A saved execution context: a stack pointer (x86-64), or a ucontext elsewhere.
-#if defined(__x86_64__)
+#if CUDA_EMU_ASM_SWITCH
 using Context = void*;
 #else
 using Context = ucontext_t;
@@ -182,7 +186,7 @@ char* stack_for(int i) {
 }
 
 void switch_context(Context* save, Context* to) {
-#if defined(__x86_64__)
+#if CUDA_EMU_ASM_SWITCH
   cuda_emu_switch(save, *to);
 #else
   swapcontext(save, to);
@@ -234,8 +238,11 @@ void make_ready(const int* ids, int n) {
     case Order::kReverse:
       for (int i = n - 1; i >= 0; --i) rt.ready.push_back(ids[i]);
       break;
-    case Order::kGreedy:  // released threads run first, the highest id first
+    case Order::kGreedyHigh:  // released threads run first, the highest id first
       for (int i = 0; i < n; ++i) rt.ready.push_front(ids[i]);
+      break;
+    case Order::kGreedyLow:  // released threads run first, the lowest id first
+      for (int i = n - 1; i >= 0; --i) rt.ready.push_front(ids[i]);
       break;
   }
   for (int i = 0; i < n; ++i) rt.fibers[ids[i]].state = State::kReady;
@@ -350,7 +357,7 @@ void fiber_entry() {
     if (rt.error.empty()) rt.error = s.str();
   }
   check_warp_ops(f.warp);  // an exited lane no longer holds back its warp's intrinsics
-  park(f);  // never resumed
+  park(f);                 // never resumed
   __builtin_unreachable();
 }
 
@@ -360,7 +367,7 @@ void fiber_entry() {
   // The stack's last fiber never unwound (a fiber ends by switching away): clear its frames' redzones.
   __asan_unpoison_memory_region(f.stack, kStackBytes);
 #endif
-#if defined(__x86_64__)
+#if CUDA_EMU_ASM_SWITCH
   // What cuda_emu_switch pops: the FP control words, six registers, then fiber_entry as the return address, at a
   // 16-byte aligned slot so that fiber_entry starts with the stack alignment of a called function.
   auto* top = reinterpret_cast<uint64_t*>(f.stack + kStackBytes);
@@ -437,8 +444,8 @@ void run_block(const LaunchSpec& spec, const Coords& base, int threads) {
   rt.shared.clear();
   rt.shared_bytes = 0;
   if (!rt.error.empty()) {
-    std::string message = std::string(spec.kernel) + " (" + spec.file + ":" + std::to_string(spec.line) +
-                          "): " + rt.error;
+    std::string message =
+        std::string(spec.kernel) + " (" + spec.file + ":" + std::to_string(spec.line) + "): " + rt.error;
     rt.error.clear();
     throw LaunchError(message);
   }
@@ -559,8 +566,8 @@ uint64_t warp_op(WarpKind kind, unsigned mask, uint64_t value, int lane_arg, int
   Fiber& f = *rt.current;
   const Site site = site_of(where);
   if (!(mask & (1u << f.lane))) {
-    fail("lane " + std::to_string(f.lane) + " calls a warp intrinsic at " + site.str() + " with a mask (" +
-         hex(mask) + ") that does not name it");
+    fail("lane " + std::to_string(f.lane) + " calls a warp intrinsic at " + site.str() + " with a mask (" + hex(mask) +
+         ") that does not name it");
   }
   if (width < 1 || width > 32 || (width & (width - 1)) != 0) fail("shuffle width " + std::to_string(width));
   std::vector<PendingWarpOp>& ops = rt.warp_ops[f.warp];
@@ -598,7 +605,8 @@ void run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* context) 
   rt.context = context;
   const uint64_t blocks = uint64_t(grid.x) * grid.y * grid.z;
   for (uint64_t n = 0; n < blocks; ++n) {
-    const uint64_t id = rt.schedule.order == Order::kReverse ? blocks - 1 - n : n;
+    const bool descending = rt.schedule.order == Order::kReverse || rt.schedule.order == Order::kGreedyHigh;
+    const uint64_t id = descending ? blocks - 1 - n : n;
     Coords c;
     c.block_idx = {static_cast<unsigned>(id % grid.x), static_cast<unsigned>((id / grid.x) % grid.y),
                    static_cast<unsigned>(id / (uint64_t(grid.x) * grid.y))};

@@ -1,6 +1,6 @@
 // cuda_emu: runs grpo_ext's CUDA kernel headers (csrc/cuda/*.cuh) on the CPU, under g++ with AddressSanitizer and
-// UBSan, so that every CI run executes every kernel. Longer than ~300 lines because it is the whole emulated
-// execution model in one place; runtime.cpp holds the scheduler.
+// UBSan, so that every CI run executes every kernel. This header is what the kernels see; runtime.cpp holds the
+// scheduler.
 //
 // What it emulates
 // - Each CUDA thread is a user-space fiber (ucontext, a 64 KiB stack with a guard page). The blocks of a grid run
@@ -20,10 +20,12 @@
 // - Launch checks: block dimensions (x, y <= 1024, z <= 64, at most 1024 threads), grid dimensions (x < 2^31,
 //   y, z <= 65535), the kernel's __launch_bounds__ (build.py reads them from the headers), no dynamic shared memory.
 // - CUDA_KERNEL_ASSERT fails the launch with the condition, the block and the thread.
-// - Schedules (Schedule below): the order in which ready threads run (forward, reverse, or "greedy": a thread
-//   released from a barrier or warp op runs at once, so one warp runs ahead of the others as far as it can), the
-//   order of the blocks, and a cap on the grid size, so that every grid-stride loop wraps. A correct kernel gives
-//   bit-identical results under every schedule; the test driver checks that.
+// - Schedules (Schedule below): the order in which ready threads run, the order of the blocks, and a cap on the
+//   grid size, so that every grid-stride loop wraps. Forward and reverse take turns in thread order (the warps
+//   progress together); the greedy orders run a thread released from a barrier or warp intrinsic at once, so that
+//   one warp runs ahead of the others as far as it can: the highest warp (it overwrites what warp 0 has not read
+//   yet) or warp 0 (it overwrites what the others have not read yet). A correct kernel gives bit-identical results
+//   under every schedule; the test driver checks that.
 // - Device memory: the driver allocates each tensor as one heap block of exactly its size (ASan redzones on both
 //   sides); fresh outputs are filled with 0xff bytes. __nv_bfloat16 and __half (include/) convert with
 //   round-to-nearest-even, as __float2bfloat16_rn and __float2half_rn do.
@@ -80,10 +82,10 @@ struct LaunchError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class Order { kForward, kReverse, kGreedy };
+enum class Order { kForward, kReverse, kGreedyHigh, kGreedyLow };
 
 // How the next launches run: the thread order, and at most `grid_cap` blocks in each grid dimension (0: the
-// launcher's grid). Blocks run in ascending order, or descending under kReverse.
+// launcher's grid). Blocks run in ascending order, descending under kReverse and kGreedyHigh.
 struct Schedule {
   Order order = Order::kForward;
   unsigned grid_cap = 0;
@@ -135,7 +137,7 @@ T from_bits(uint64_t bits) {
 
 // A grid of `run_thread(context)` calls, one per thread of every block.
 struct LaunchSpec {
-  const char* kernel;  // the kernel expression as written at the launch ("name<T, Out>")
+  const char* kernel;     // the kernel expression as written at the launch ("name<T, Out>")
   const char* signature;  // typeid(kernel).name(): which instantiation
   dim3 grid, block;
   size_t shared_bytes;
@@ -178,8 +180,9 @@ class KernelLaunch {
 }  // namespace cuda_emu
 
 // The launch macro of csrc/cuda/launch.cuh, defined here first.
-#define GRPO_LAUNCH(grid, block, shared_bytes, stream, ...) \
-  ::cuda_emu::KernelLaunch(&__VA_ARGS__, ::cuda_emu::LaunchSpec{#__VA_ARGS__, nullptr, grid, block, shared_bytes, stream, __FILE__, __LINE__})
+#define GRPO_LAUNCH(grid, block, shared_bytes, stream, ...)                                                       \
+  ::cuda_emu::KernelLaunch(&__VA_ARGS__, ::cuda_emu::LaunchSpec{#__VA_ARGS__, nullptr, grid, block, shared_bytes, \
+                                                                stream, __FILE__, __LINE__})
 
 #define CUDA_KERNEL_ASSERT(cond) \
   ((cond) ? static_cast<void>(0) : ::cuda_emu::device_assert_fail(#cond, __FILE__, __LINE__))
@@ -192,7 +195,8 @@ class KernelLaunch {
 inline void __syncthreads(const std::source_location& site = std::source_location::current()) {
   ::cuda_emu::syncthreads(site);
 }
-inline void __syncwarp(unsigned mask = 0xffffffffu, const std::source_location& site = std::source_location::current()) {
+inline void __syncwarp(unsigned mask = 0xffffffffu,
+                       const std::source_location& site = std::source_location::current()) {
   ::cuda_emu::warp_op(::cuda_emu::WarpKind::kSync, mask, 0, 0, warpSize, site);
 }
 template <typename T>
@@ -223,11 +227,14 @@ T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize,
 }
 inline unsigned __ballot_sync(unsigned mask, int predicate,
                               const std::source_location& site = std::source_location::current()) {
-  return static_cast<unsigned>(::cuda_emu::warp_op(::cuda_emu::WarpKind::kBallot, mask, predicate != 0, 0, warpSize, site));
+  return static_cast<unsigned>(
+      ::cuda_emu::warp_op(::cuda_emu::WarpKind::kBallot, mask, predicate != 0, 0, warpSize, site));
 }
-inline int __any_sync(unsigned mask, int predicate, const std::source_location& site = std::source_location::current()) {
+inline int __any_sync(unsigned mask, int predicate,
+                      const std::source_location& site = std::source_location::current()) {
   return static_cast<int>(::cuda_emu::warp_op(::cuda_emu::WarpKind::kAny, mask, predicate != 0, 0, warpSize, site));
 }
-inline int __all_sync(unsigned mask, int predicate, const std::source_location& site = std::source_location::current()) {
+inline int __all_sync(unsigned mask, int predicate,
+                      const std::source_location& site = std::source_location::current()) {
   return static_cast<int>(::cuda_emu::warp_op(::cuda_emu::WarpKind::kAll, mask, predicate != 0, 0, warpSize, site));
 }

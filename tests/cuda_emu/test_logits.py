@@ -23,7 +23,7 @@ VOCABS = [1, 7, 33, 1000, 4099, 50257]
 
 def softmax_round_trip(emu, logits, ids, temperature: float, *, entropy: bool = True, grad_entropy: bool = True):
     """The forward, then the backward from the forward's row statistics (as the autograd function chains them)."""
-    logps, ent, row_stats = check_op(emu, "selective_log_softmax_forward", logits, ids, temperature, entropy)
+    logps, _, row_stats = check_op(emu, "selective_log_softmax_forward", logits, ids, temperature, entropy)
     rows = logits.shape[0]
     g = torch.Generator().manual_seed(rows)
     grad_logps = torch.randn(rows, generator=g, dtype=logps.dtype)
@@ -88,9 +88,17 @@ PASS_NAMES = ("logps", "entropy", "grad_logits")
 
 
 def loss_options(loss_type: str, level: str, old, ref, is_weights, sample_mask) -> dict:
-    options = dict(old_logps=old, ref_logps=ref, beta=0.05, loss_type=loss_type, importance_sampling_level=level,
-                   is_weights=is_weights, sample_mask=sample_mask, epsilon_high=1.2 if loss_type == "cispo" else 0.28)
-    return options  # fmt: skip
+    """The options of tests/test_grpo_loss_from_logits.py's test_matches_reference."""
+    return dict(
+        old_logps=old,
+        ref_logps=ref,
+        beta=0.05,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        is_weights=is_weights,
+        sample_mask=sample_mask,
+        epsilon_high=1.2 if loss_type == "cispo" else 0.28,
+    )
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -16,7 +16,7 @@ from conftest import make_loss_batch
 from grpo_ext.ops.options import IMPORTANCE_SAMPLING_LEVELS as LEVELS
 from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 from grpo_ext.validation import validate_grpo_loss_args
-from test_grpo_loss import EXTRAS, KL_CONFIGS, case_kwargs
+from test_grpo_loss import EXTRAS, FLOAT64_BATCH, KL_CONFIGS, case_kwargs, float64_cases
 
 from .checks import LOSS, LOSS_GRAD, check_op
 
@@ -40,7 +40,8 @@ def forward_args(batch, kwargs: dict, *, compute_grad: bool = True, nan_under_ma
         return t.masked_fill(dropped, float("nan"))
 
     logps, advantages = poison(batch.logps), poison(batch.advantages)
-    resolved = {k: poison(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in resolved.items()}
+    resolved = {k: poison(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in resolved.items()}  # fmt: skip
     options = validate_grpo_loss_args(logps, advantages, batch.mask, LossOptions(**resolved))
     return (logps, advantages, batch.mask, *options.op_args(), compute_grad)
 
@@ -72,10 +73,8 @@ def test_every_option(emu, loss_type, level, kl, extra):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_float64(emu, loss_type, level):
-    batch = make_loss_batch(seed=3, batch=12, seq_len=17, group_size=3)
-    for kl in ("k3_clamp", "k2_clamp_bias"):
-        kwargs = case_kwargs(loss_type, level, kl, "is_weights_sample_mask")
-        kwargs["delta"] = 1.3
+    batch = make_loss_batch(**FLOAT64_BATCH)
+    for kwargs in float64_cases(loss_type, level):
         run_forward_backward(emu, forward_args(batch, kwargs))
 
 

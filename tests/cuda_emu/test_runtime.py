@@ -57,7 +57,9 @@ def test_warp_intrinsics(emu, threads):
 
 def test_bf16_and_fp16_conversions_round_to_nearest_even_as_torch(emu):
     g = torch.Generator().manual_seed(0)
-    f16_tiny = torch.tensor([2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14, 2.0**-14 - 2.0**-25, 65504.0, 65519.0, 65520.0])
+    # float16 subnormals and the ties around them, the largest normals, and where rounding overflows to infinity
+    f16_tiny = torch.tensor([2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14, 2.0**-14 - 2.0**-25, 65504.0, 65519.0])
+    f16_tiny = torch.cat([f16_tiny, torch.tensor([65520.0])])
     edges = torch.cat([f16_tiny, -f16_tiny, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1.0, 3e38])])
     ties = torch.tensor([1.0 + k * 2.0**-8 for k in range(1, 8, 2)] + [1.0 + k * 2.0**-11 for k in range(1, 8, 2)])
     values = torch.cat([edges, ties, torch.randn(4000, generator=g) * torch.logspace(-9, 5, 4000)]).float()
