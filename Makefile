@@ -31,17 +31,18 @@ ifneq ($(CUDA_HOME),)
 export CUDACXX := $(CUDA_HOME)/bin/nvcc
 endif
 
-.PHONY: help env verl-env build test lint format wheel wheel-smoke bench kernel-report demo clean
+.PHONY: help env verl-env build test test-cuda-emu lint format wheel wheel-smoke bench kernel-report demo clean
 
 help:
-	@echo "make test         create the environment, build grpo_ext, run the tests"
+	@echo "make test         create the environment, build grpo_ext, run the tests (tests/cuda_emu included)"
+	@echo "make test-cuda-emu  only the CUDA kernels run on the CPU (tests/cuda_emu: g++, ASan, UBSan)"
 	@echo "make bench        run the microbenchmarks (CPU here, CUDA where a GPU is)"
 	@echo "make kernel-report  registers, spills, occupancy, load widths of every CUDA kernel (benchmarks/KERNELS.md)"
 	@echo "make demo         GRPO on an embedded tiny model: learns to reverse digits in under 3 minutes on 2 CPU cores"
 	@echo "make wheel        build a wheel into dist/"
 	@echo "make wheel-smoke  install that wheel into a fresh venv and smoke-test it"
-	@echo "make lint         ruff (Python) and clang-format (csrc/)"
-	@echo "make format       clang-format csrc/ in place"
+	@echo "make lint         ruff (Python) and clang-format (csrc/, tests/cuda_emu/)"
+	@echo "make format       clang-format csrc/ and tests/cuda_emu/ in place"
 
 # This rule runs only when the marker is missing (a fresh venv, as in CI): after changing the list, delete
 # $(VENV)/.installed (or the venv) so that `make test` installs it again. trl is pinned: grpo_ext.integrations.trl
@@ -93,13 +94,20 @@ test: build verl-env
 	GRPO_EXT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl_integration.py
 endif
 
-# ruff for Python; clang-format (.clang-format, pinned above) for every C++/CUDA source of csrc/.
-CXX_SOURCES = $(shell find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.inc')
+# Every CUDA kernel of csrc/cuda run on the CPU, under four thread schedules, with AddressSanitizer and UBSan
+# (tests/cuda_emu/runtime.h says what that emulates). Part of `make test` too; about 1.5 minutes on 2 cores, the
+# harness's build (cached under build/cuda_emu) included. `python tests/cuda_emu/mutate.py` is its mutation check.
+test-cuda-emu: build
+	$(PY) -m pytest -q tests/cuda_emu
+
+# ruff for Python; clang-format (.clang-format, pinned above) for every C++/CUDA source of csrc/ and tests/cuda_emu/.
+CXX_SOURCES = $(shell find csrc tests/cuda_emu -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' \
+                   -o -name '*.inc')
 lint: env
 	$(PY) -m ruff check python tests benchmarks
 	$(CLANG_FORMAT) --dry-run -Werror $(CXX_SOURCES)
 
-# Rewrites csrc/ in the project's C++ style (what `make lint` checks).
+# Rewrites csrc/ and tests/cuda_emu/ in the project's C++ style (what `make lint` checks).
 format: env
 	$(CLANG_FORMAT) -i $(CXX_SOURCES)
 

@@ -85,6 +85,48 @@ struct LogitsRows {
   GRPO_HD int64_t offset(int64_t r) const { return (r / inner) * stride_outer + (r % inner) * stride_inner; }
 };
 
+// The views of a tensor given as data, dtype, sizes and strides, for host code: the plans build them from at::Tensor
+// (plan/checks.h, plan/grpo_loss_from_logits.h) and tests/cuda_emu from its own tensors.
+
+// A [rows, cols] view of a [rows, cols] tensor or, when `allow_row_vector`, of a [rows, 1] or [rows] one (broadcast
+// over cols). False when the shape is none of these.
+inline bool strided_matrix_of(const void* data, DType dtype, int64_t dim, const int64_t* sizes, const int64_t* strides,
+                              int64_t rows, int64_t cols, bool allow_row_vector, StridedMatrix* view) {
+  view->data = data;
+  view->dtype = dtype;
+  if (dim == 2 && sizes[0] == rows && sizes[1] == cols) {
+    view->row_stride = strides[0];
+    view->col_stride = cols == 1 ? 0 : strides[1];
+    return true;
+  }
+  const bool row_vector = (dim == 1 && sizes[0] == rows) || (dim == 2 && sizes[0] == rows && sizes[1] == 1);
+  if (!allow_row_vector || !row_vector) return false;
+  view->row_stride = strides[0];
+  view->col_stride = 0;
+  return true;
+}
+
+// The rows of [R, V] (dim 2) or [B', T', V] (dim 3) logits whose last dimension is contiguous.
+inline LogitsRows logits_rows_of(const void* data, DType dtype, int64_t dim, const int64_t* sizes,
+                                 const int64_t* strides) {
+  LogitsRows rows;
+  rows.data = data;
+  rows.dtype = dtype;
+  rows.vocab = sizes[dim - 1];
+  if (dim == 2) {
+    rows.rows = sizes[0];
+    rows.inner = rows.rows > 0 ? rows.rows : 1;
+    rows.stride_outer = 0;
+    rows.stride_inner = strides[0];
+  } else {
+    rows.rows = sizes[0] * sizes[1];
+    rows.inner = sizes[1] > 0 ? sizes[1] : 1;
+    rows.stride_outer = strides[0];
+    rows.stride_inner = strides[1];
+  }
+  return rows;
+}
+
 // Option codes, parsed once on the host from the user's strings.
 enum class LossType : int32_t { kGRPO = 0, kBNPO, kDrGRPO, kDAPO, kLUSPO, kCISPO, kSAPO };
 // kAbs, kK1Plus, kK3Plus, kLowVarKL: verl's "abs", straight-through "k1+"/"k3+" and "low_var_kl" (docs/math.md 4).

@@ -93,15 +93,26 @@ def test_matches_reference_cpu_float32(loss_type, level, kl, extra):
     assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6, msg="grad")
 
 
+def float64_cases(loss_type: str, level: str) -> list[dict]:
+    """The options of the float64 tests (here and tests/cuda_emu): clamped KL estimators, delta, every weight."""
+    cases = []
+    for kl in ("k3_clamp", "k2_clamp_bias"):
+        kwargs = case_kwargs(loss_type, level, kl, "is_weights_sample_mask")
+        kwargs["delta"] = 1.3
+        cases.append(kwargs)
+    return cases
+
+
+FLOAT64_BATCH = dict(seed=3, batch=12, seq_len=17, group_size=3)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_float64_kernel_equals_reference_to_rounding(device, loss_type, level):
     """The float64 instantiation of the kernel computes the same function as the reference, to 1e-12."""
-    batch = make_loss_batch(seed=3, batch=12, seq_len=17, group_size=3)
-    for kl in ("k3_clamp", "k2_clamp_bias"):
-        kwargs = case_kwargs(loss_type, level, kl, "is_weights_sample_mask")
-        kwargs["delta"] = 1.3
+    batch = make_loss_batch(**FLOAT64_BATCH)
+    for kwargs in float64_cases(loss_type, level):
         out, grad, ref, ref_grad = run_both(batch, device, torch.float64, **kwargs)
         assert_close(out.loss, ref.loss, rtol=1e-12, atol=1e-12)
         assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "../advantages_math.h"
+#include "launch.cuh"
 #include "reduce.cuh"
 
 namespace grpo_ext {
@@ -143,8 +144,8 @@ void launch_group_advantages(const AdvantageParams& p, const StridedMatrix& rewa
   const int64_t num_groups = batch / p.group_size;
   const int64_t want = num_groups * 32;
   const int threads = want >= 1024 ? 1024 : round_up_to_warp(want < 32 ? 32 : want);
-  group_advantages_kernel<T>
-      <<<1, threads, 0, stream>>>(p, rewards, weights, batch, adv, group_mean, group_std, zero_std);
+  GRPO_LAUNCH(1, threads, 0, stream, group_advantages_kernel<T>)(p, rewards, weights, batch, adv, group_mean, group_std,
+                                                                 zero_std);
 }
 
 }  // namespace grpo_ext

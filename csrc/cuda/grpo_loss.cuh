@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "../grpo_loss_math.h"
+#include "launch.cuh"
 #include "reduce.cuh"
 
 namespace grpo_ext {
@@ -169,10 +170,10 @@ void launch_grpo_loss_forward(const LossParams& p, const LossInputs& in, int64_t
                               T* partials, T* loss_out, T* metrics_out, T* grad_scale_out, cudaStream_t stream) {
   const int64_t max_blocks = int64_t(1) << 30;
   const unsigned blocks = static_cast<unsigned>(in.batch < max_blocks ? in.batch : max_blocks);
-  grpo_loss_rows_kernel<T><<<blocks, loss_threads_per_row(in.seq_len), 0, stream>>>(p, in, grad, partials);
-  grpo_loss_finalize_kernel<T><<<1, 256, 0, stream>>>(p, partials, in.batch, max_completion_length, has_num_items,
-                                                      num_items_value, num_items_device, loss_scale, loss_out,
-                                                      metrics_out, grad_scale_out);
+  GRPO_LAUNCH(blocks, loss_threads_per_row(in.seq_len), 0, stream, grpo_loss_rows_kernel<T>)(p, in, grad, partials);
+  GRPO_LAUNCH(1, 256, 0, stream, grpo_loss_finalize_kernel<T>)(p, partials, in.batch, max_completion_length,
+                                                               has_num_items, num_items_value, num_items_device,
+                                                               loss_scale, loss_out, metrics_out, grad_scale_out);
 }
 
 template <typename T, typename Out>
@@ -183,8 +184,8 @@ void launch_grpo_loss_backward(const T* grad_raw, const T* grad_loss, const T* g
   int64_t blocks = (n + threads - 1) / threads;
   const int64_t cap = int64_t(num_sms) * 8;
   if (blocks > cap) blocks = cap;
-  grpo_loss_backward_kernel<T, Out>
-      <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(grad_raw, grad_loss, grad_scale, out, n);
+  GRPO_LAUNCH(static_cast<unsigned>(blocks), threads, 0, stream, grpo_loss_backward_kernel<T, Out>)(grad_raw, grad_loss,
+                                                                                                    grad_scale, out, n);
 }
 
 }  // namespace grpo_ext

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "../grpo_loss_math.h"
+#include "launch.cuh"
 #include "reduce.cuh"
 #include "selective_log_softmax.cuh"
 
@@ -168,7 +169,7 @@ template <typename T>
 void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInputs& in, int64_t max_completion_length,
                                               bool has_num_items, T num_items_value, const T* num_items_device,
                                               T loss_scale, T* row_weight, cudaStream_t stream) {
-  grpo_loss_from_logits_row_weights_kernel<T><<<1, 1024, 0, stream>>>(
+  GRPO_LAUNCH(1, 1024, 0, stream, grpo_loss_from_logits_row_weights_kernel<T>)(
       p, in, max_completion_length, has_num_items, num_items_value, num_items_device, loss_scale, row_weight);
 }
 
@@ -178,8 +179,8 @@ void launch_grpo_loss_from_logits(const LogitsPassArgs& a, T inv_temperature, co
   if (a.logits.rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;  // grid-stride beyond that: any number of rows
   const unsigned blocks = static_cast<unsigned>(a.logits.rows < max_blocks ? a.logits.rows : max_blocks);
-  grpo_loss_from_logits_kernel<T, In>
-      <<<blocks, softmax_threads(a.logits.vocab), 0, stream>>>(a, inv_temperature, row_weight, grad, logps, entropy);
+  GRPO_LAUNCH(blocks, softmax_threads(a.logits.vocab), 0, stream, grpo_loss_from_logits_kernel<T, In>)(
+      a, inv_temperature, row_weight, grad, logps, entropy);
 }
 
 template <typename T, typename Out>
@@ -189,7 +190,8 @@ void launch_scale_rows(const LogitsRows& rows, const T* factor, cudaStream_t str
   int64_t x_blocks = (rows.vocab + threads - 1) / threads;
   if (x_blocks > 64) x_blocks = 64;
   const int64_t y_blocks = rows.rows < 65535 ? rows.rows : 65535;
-  scale_rows_kernel<T, Out><<<dim3(unsigned(x_blocks), unsigned(y_blocks)), threads, 0, stream>>>(rows, factor);
+  GRPO_LAUNCH(dim3(unsigned(x_blocks), unsigned(y_blocks)), threads, 0, stream, scale_rows_kernel<T, Out>)(rows,
+                                                                                                           factor);
 }
 
 }  // namespace grpo_ext

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "../advantages_math.h"
+#include "launch.cuh"
 #include "reduce.cuh"
 
 namespace grpo_ext {
@@ -56,9 +57,9 @@ void launch_process_advantages(const StridedMatrix& rewards, const StridedMatrix
   const int64_t num_groups = batch / group_size;
   if (num_groups == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
-  process_advantages_kernel<T>
-      <<<static_cast<unsigned>(num_groups < max_blocks ? num_groups : max_blocks), 256, 0, stream>>>(
-          rewards, step_end, batch, num_steps, group_size, seq_len, eps, std_ddof, out);
+  GRPO_LAUNCH(static_cast<unsigned>(num_groups < max_blocks ? num_groups : max_blocks), 256, 0, stream,
+              process_advantages_kernel<T>)(rewards, step_end, batch, num_steps, group_size, seq_len, eps, std_ddof,
+                                            out);
 }
 
 }  // namespace grpo_ext

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "../common.h"
+#include "launch.cuh"
 #include "reduce.cuh"
 
 namespace grpo_ext {
@@ -142,9 +143,9 @@ void launch_selective_log_softmax_forward(const StridedMatrix& logits, const Str
                                           cudaStream_t stream) {
   if (rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
-  selective_log_softmax_forward_kernel<T>
-      <<<static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream>>>(
-          logits, ids, rows, vocab, inv_temperature, logps, entropy, row_stats);
+  GRPO_LAUNCH(static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream,
+              selective_log_softmax_forward_kernel<T>)(logits, ids, rows, vocab, inv_temperature, logps, entropy,
+                                                       row_stats);
 }
 
 template <typename T, typename Out>
@@ -154,9 +155,9 @@ void launch_selective_log_softmax_backward(const StridedMatrix& logits, const St
                                            Out* grad_logits, cudaStream_t stream) {
   if (rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
-  selective_log_softmax_backward_kernel<T, Out>
-      <<<static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream>>>(
-          logits, ids, grad_logps, grad_entropy, row_stats, rows, vocab, inv_temperature, grad_logits);
+  GRPO_LAUNCH(static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream,
+              selective_log_softmax_backward_kernel<T, Out>)(logits, ids, grad_logps, grad_entropy, row_stats, rows,
+                                                             vocab, inv_temperature, grad_logits);
 }
 
 }  // namespace grpo_ext

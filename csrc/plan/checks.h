@@ -45,19 +45,14 @@ inline void check_same_device(const at::Tensor& t, const at::Tensor& like, const
 inline StridedMatrix matrix_view(const at::Tensor& t, int64_t rows, int64_t cols, const char* name,
                                  bool allow_row_vector) {
   StridedMatrix v;
-  v.data = t.data_ptr();
-  v.dtype = dtype_tag(t.scalar_type(), name);
-  if (t.dim() == 2 && t.size(0) == rows && t.size(1) == cols) {
-    v.row_stride = t.stride(0);
-    v.col_stride = cols == 1 ? 0 : t.stride(1);
+  const DType dtype = dtype_tag(t.scalar_type(), name);
+  if (strided_matrix_of(t.data_ptr(), dtype, t.dim(), t.sizes().data(), t.strides().data(), rows, cols,
+                        allow_row_vector, &v)) {
     return v;
   }
   TORCH_CHECK(allow_row_vector, name, " must have shape [", rows, ", ", cols, "], got ", t.sizes());
-  const bool row_vector = (t.dim() == 1 && t.size(0) == rows) || (t.dim() == 2 && t.size(0) == rows && t.size(1) == 1);
-  TORCH_CHECK(row_vector, name, " must have shape [", rows, "], [", rows, ", 1] or [", rows, ", ", cols, "], got ",
+  TORCH_CHECK(false, name, " must have shape [", rows, "], [", rows, ", 1] or [", rows, ", ", cols, "], got ",
               t.sizes());
-  v.row_stride = t.stride(0);
-  v.col_stride = 0;
   return v;
 }
 

@@ -41,22 +41,8 @@ inline LogitsRows logits_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.stride(-1) == 1 || logits.size(-1) == 1,
               "logits must be contiguous in the vocabulary dimension (stride(-1) == 1), got strides ", logits.strides(),
               "; pass logits.contiguous()");
-  LogitsRows rows;
-  rows.data = logits.data_ptr();
-  rows.dtype = dtype_tag(logits.scalar_type(), "logits");
-  rows.vocab = logits.size(-1);
-  if (logits.dim() == 2) {
-    rows.rows = logits.size(0);
-    rows.inner = rows.rows > 0 ? rows.rows : 1;
-    rows.stride_outer = 0;
-    rows.stride_inner = logits.stride(0);
-  } else {
-    rows.rows = logits.size(0) * logits.size(1);
-    rows.inner = logits.size(1) > 0 ? logits.size(1) : 1;
-    rows.stride_outer = logits.stride(0);
-    rows.stride_inner = logits.stride(1);
-  }
-  return rows;
+  return logits_rows_of(logits.data_ptr(), dtype_tag(logits.scalar_type(), "logits"), logits.dim(),
+                        logits.sizes().data(), logits.strides().data());
 }
 
 inline LogitsPassPlan plan_grpo_loss_from_logits(const at::Tensor& logits, const at::Tensor& ids, int64_t row_offset,

@@ -1,0 +1,181 @@
+"""Builds cuda_emu's driver (the CUDA kernel headers on the CPU) with the system g++, AddressSanitizer and UBSan.
+
+The kernel headers are compiled as they are, from a copy of ``csrc/`` in which one thing is rewritten: each
+``__shared__`` declaration becomes a reference to per-block heap storage (``::cuda_emu::shared``, see runtime.h), on
+the same line, so that ASan sees an access past a shared array and the harness can poison it. Each copied file
+starts with a ``#line`` directive naming the original, so that reports point into ``csrc/``. The kernels'
+``__launch_bounds__`` are read from the same headers into a table the launch checks.
+
+The result is cached under ``build/cuda_emu/<hash of every input>/``: a second build with the same sources is free.
+``python tests/cuda_emu/build.py`` builds and prints the driver's path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+SOURCES = ("runtime.cpp", "driver.cpp", "ops_advantages.cpp", "ops_loss.cpp", "ops_logits.cpp", "ops_selftest.cpp")
+# Kernel headers of the harness itself, compiled (and rewritten) like csrc's.
+HARNESS_KERNELS = ("selftest_kernels.cuh",)
+HARNESS_FILES = (*SOURCES, *HARNESS_KERNELS, "runtime.h", "half_types.h", "driver.h", "loss_plan.h",
+                 "include/cuda_runtime.h", "include/cuda_bf16.h", "include/cuda_fp16.h", "build.py")  # fmt: skip
+CXX = os.environ.get("CXX", "g++")
+SANITIZE = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all"]
+# -ffp-contract=off: no FMA contraction on the host, whatever the target (nvcc contracts; the tolerances cover it).
+CXXFLAGS = ["-std=c++20", "-O1", "-g", "-fno-omit-frame-pointer", "-ffp-contract=off", "-Wall", "-Wextra",
+            "-Wno-unused-parameter", "-Wno-unknown-pragmas", "-Werror"]  # fmt: skip
+
+_SHARED = re.compile(r"__shared__\s+([^;{}]*);")
+_DECLARATOR = re.compile(r"(\w+)\s*((?:\[[^\[\]]+\]\s*)*)")
+_LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*(\d+)\s*\)\s*(\w+)")
+
+
+class BuildError(RuntimeError):
+    """The headers could not be prepared or compiled."""
+
+
+def _split_top_level(text: str) -> list[str]:
+    """``text`` split at the commas outside (), [] and <>."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([<":
+            depth += 1
+        elif ch in ")]>":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def rewrite_shared(text: str, label: str) -> str:
+    """Each ``__shared__ T a[N], b;`` of ``text`` as ``auto& a = ::cuda_emu::shared<T[N]>("label:line:a"); ...``.
+
+    Raises:
+        BuildError: on a declaration this rewrite does not understand (extern, an initializer, several lines).
+    """
+
+    def replace(match: re.Match) -> str:
+        declaration = match.group(1)
+        line = text.count("\n", 0, match.start()) + 1
+        if "\n" in match.group(0) or "=" in declaration or "extern" in text[max(0, match.start() - 8) : match.start()]:
+            raise BuildError(f"{label}:{line}: cannot rewrite the __shared__ declaration {match.group(0)!r}")
+        parts = _split_top_level(declaration)
+        first = re.fullmatch(r"(.+?)\s+(\w+\s*(?:\[[^\[\]]+\]\s*)*)", parts[0].strip())
+        if first is None:
+            raise BuildError(f"{label}:{line}: cannot rewrite the __shared__ declaration {match.group(0)!r}")
+        type_name, declarators = first.group(1), [first.group(2), *parts[1:]]
+        out = []
+        for declarator in declarators:
+            parsed = _DECLARATOR.fullmatch(declarator.strip())
+            if parsed is None:
+                raise BuildError(f"{label}:{line}: cannot rewrite the __shared__ declarator {declarator!r}")
+            name, dims = parsed.group(1), re.sub(r"\s+", " ", parsed.group(2).strip())
+            out.append(f'auto& {name} = ::cuda_emu::shared<{type_name}{dims}>("{label}:{line}:{name}");')
+        return " ".join(out)
+
+    return _SHARED.sub(replace, text)
+
+
+def launch_bounds(texts: dict[str, str]) -> dict[str, int]:
+    """``{kernel name: __launch_bounds__}`` of every kernel in ``texts`` (file label -> source)."""
+    bounds: dict[str, int] = {}
+    for label, text in texts.items():
+        found = _LAUNCH_BOUNDS.findall(text)
+        if len(found) != text.count("__launch_bounds__("):
+            raise BuildError(f"{label}: a __launch_bounds__ whose argument is not a number (the harness reads them)")
+        for bound, name in found:
+            if bounds.setdefault(name, int(bound)) != int(bound):
+                raise BuildError(f"{name} has two different __launch_bounds__")
+    return bounds
+
+
+def _inputs(csrc: Path) -> dict[str, bytes]:
+    headers = sorted([*csrc.glob("*.h"), *csrc.glob("cuda/*.cuh")])
+    files = {f"csrc/{p.relative_to(csrc)}": p.read_bytes() for p in headers}
+    files.update({f"harness/{name}": (HERE / name).read_bytes() for name in HARNESS_FILES})
+    return files
+
+
+def _compiler_version() -> str:
+    try:
+        return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise BuildError(f"the C++ compiler {CXX!r} is not usable: {e}") from e
+
+
+def build(csrc: Path | None = None, out_root: Path | None = None, jobs: int | None = None) -> Path:
+    """Builds (or finds in the cache) the driver for the kernel headers under ``csrc``; returns its path.
+
+    Args:
+        csrc: a ``csrc/`` tree (default: the repository's; the mutation check passes mutated copies).
+        out_root: cache directory (default: ``$GRPO_EMU_BUILD``, else ``build/cuda_emu`` in the repository).
+        jobs: parallel compiler processes (default: the CPU count).
+    """
+    csrc = Path(csrc or REPO / "csrc").resolve()
+    out_root = Path(out_root or os.environ.get("GRPO_EMU_BUILD") or REPO / "build" / "cuda_emu")
+    files = _inputs(csrc)
+    digest = hashlib.sha256(_compiler_version().encode())
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    digest.update(" ".join(CXXFLAGS + SANITIZE).encode())
+    target = out_root / digest.hexdigest()[:16]
+    exe = target / "cuda_emu_driver"
+    if exe.exists():
+        return exe
+    out_root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tmp-", dir=out_root))
+    try:
+        texts = {}
+        sources = {name.removeprefix("csrc/"): (csrc / name.removeprefix("csrc/"), data) for name, data in
+                   files.items() if name.startswith("csrc/")}  # fmt: skip
+        sources.update({f"harness/{name}": (HERE / name, (HERE / name).read_bytes()) for name in HARNESS_KERNELS})
+        for rel, (origin, data) in sources.items():
+            text = data.decode()
+            texts[rel] = text
+            dest = work / "src" / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(f'#line 1 "{origin}"\n' + rewrite_shared(text, rel))
+        table = "".join(f'{{"{name}", {bound}}},\n' for name, bound in sorted(launch_bounds(texts).items()))
+        (work / "gen").mkdir()
+        (work / "gen" / "launch_bounds.inc").write_text(table)
+        include = ["-I", str(HERE / "include"), "-I", str(HERE), "-I", str(work / "src"), "-I", str(work / "gen")]
+
+        def compile_one(source: str) -> Path:
+            obj = work / (Path(source).stem + ".o")
+            cmd = [CXX, *CXXFLAGS, *SANITIZE, *include, "-c", str(HERE / source), "-o", str(obj)]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise BuildError(f"compiling {source} failed:\n{result.stderr[-6000:]}")
+            return obj
+
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+            objects = list(pool.map(compile_one, SOURCES))
+        link = [CXX, *SANITIZE, *(str(o) for o in objects), "-o", str(work / "cuda_emu_driver")]
+        result = subprocess.run(link, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise BuildError(f"linking the driver failed:\n{result.stderr[-6000:]}")
+        try:
+            work.rename(target)
+        except OSError:  # built meanwhile by another process: keep that one
+            if not exe.exists():
+                raise
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+    return exe
+
+
+if __name__ == "__main__":
+    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))

@@ -1,0 +1,160 @@
+"""The mutation check of cuda_emu: plants one known bug at a time in a copy of csrc/ and shows that the emulated-device
+tests (tests/cuda_emu) fail on it. Not part of the default test run: each mutation rebuilds the driver (about a
+minute on 2 cores) and runs the suite until its first failure.
+
+    python tests/cuda_emu/mutate.py            # every mutation; prints a Markdown table
+    python tests/cuda_emu/mutate.py --only 3 7 # some of them (by number)
+
+Exit status 0 when every mutation expected to be caught was caught (and the unmutated headers pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build import REPO, BuildError, build
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    kind: str
+    what: str
+    file: str  # under csrc/
+    old: str
+    new: str
+    expect_caught: bool = True
+
+
+MUTATIONS = [
+    Mutation("missing __syncthreads", "block_sum: no barrier between the warp partials and warp 0 reading them",
+             "cuda/reduce.cuh", "  }\n  __syncthreads();\n  if (warp == 0) {", "  }\n  if (warp == 0) {"),
+    Mutation("missing __syncthreads", "block_sum: no barrier before the scratch is reused (the trailing one)",
+             "cuda/reduce.cuh", "  __syncthreads();  // the scratch may be reused right after\n", ""),
+    Mutation("missing trailing barrier", "softmax forward: no barrier at the end of the grid-stride row loop",
+             "cuda/selective_log_softmax.cuh", "    __syncthreads();  // warp_states is reused by the next row\n",
+             ""),
+    Mutation("off-by-one", "softmax backward: the vocabulary loop runs to v <= vocab",
+             "cuda/selective_log_softmax.cuh", "v < vocab; v += blockDim.x) {\n      const T z",
+             "v <= vocab; v += blockDim.x) {\n      const T z"),
+    Mutation("off-by-one", "group advantages: the member loop runs to i <= group_size",
+             "cuda/group_advantages.cuh", "i < g_size; i += 32)\n        adv[base + i] = combine",
+             "i <= g_size; i += 32)\n        adv[base + i] = combine"),
+    Mutation("wrong shuffle offset", "warp_sum: the shuffle tree starts at offset 8 (half the warp is lost)",
+             "cuda/reduce.cuh", "for (int offset = 16; offset > 0; offset >>= 1) v +=",
+             "for (int offset = 8; offset > 0; offset >>= 1) v +="),
+    Mutation("barrier in a divergent branch", "block_merge: the barrier inside `if (lane == 0)`",
+             "cuda/selective_log_softmax.cuh", "  if (lane == 0) warp_states[warp] = s;\n  __syncthreads();",
+             "  if (lane == 0) {\n    warp_states[warp] = s;\n    __syncthreads();\n  }"),
+    Mutation("partial shuffle mask", "kFullWarp leaves lane 31 out of every reduction's mask", "cuda/reduce.cuh",
+             "constexpr unsigned kFullWarp = 0xffffffffu;", "constexpr unsigned kFullWarp = 0x7fffffffu;"),
+    Mutation("undersized shared array", "loss rows: scratch for 7 sums where block_sum reduces 8",
+             "cuda/grpo_loss.cuh", "__shared__ T scratch[(kNumRowSlots + 1) * 32];",
+             "__shared__ T scratch[kNumRowSlots * 32];"),
+    Mutation("wrong row offset", "logits pass: logits row r scores token r, not row_offset + r",
+             "cuda/grpo_loss_from_logits.cuh", "const int64_t n = a.row_offset + r,", "const int64_t n = r,"),
+    Mutation("dropped mask factor", "row weights: tokens counted without the sample mask",
+             "cuda/grpo_loss_from_logits.cuh", "count += in.mask_at<T>(b, t);", "count += in.mask.load<T>(b, t);"),
+    Mutation("over-sized launch", "loss rows: up to 1024 threads per row, over __launch_bounds__(512)",
+             "cuda/grpo_loss.cuh", "want > 512 ? 512 : want", "want > 1024 ? 1024 : want"),
+    Mutation("missing write", "loss rows: a masked token's gradient is not written (the output keeps garbage)",
+             "cuda/grpo_loss.cuh", "        if (grad_row) grad_row[t] = T(0);\n", ""),
+    Mutation("wrong grid stride", "scale_rows: the row loop strides by gridDim.x instead of gridDim.y",
+             "cuda/grpo_loss_from_logits.cuh", "r < rows.rows; r += gridDim.y)", "r < rows.rows; r += gridDim.x)"),
+    Mutation("redundant barrier removed", "logits pass: no barrier at the end of the row loop (the next row's "
+             "block_merge barrier already orders every shared access)", "cuda/grpo_loss_from_logits.cuh",
+             "    __syncthreads();  // the shared row values are reused by the next row\n", "", expect_caught=False),
+]  # fmt: skip
+
+# What stopped the suite, most specific first: (pattern, how to say it).
+_EVIDENCE = [
+    (r"AddressSanitizer: ([\w-]+)", "ASan: {0}"),
+    (r"runtime error: ([^\n]{0,80})", "UBSan: {0}"),
+    (r"divergent __syncthreads", "divergent __syncthreads"),
+    (r"exited while other threads of its block wait", "thread exited while its block waits at a barrier"),
+    (r"divergent warp intrinsics", "divergent warp intrinsics"),
+    (r"deadlock", "deadlock"),
+    (r"reads lane \d+, which is (outside|not participating)", "shuffle reads a lane {0} its mask"),
+    (r"does not name it", "lane calls a shuffle whose mask excludes it"),
+    (r"__launch_bounds__\((\d+)\)", "launch over __launch_bounds__({0})"),
+    (r"differs between the ([\w-]+) and ([\w-]+) schedules", "{0} and {1} schedules disagree"),
+    (r"device assert failed", "device assert"),
+    (r"(\w+) (output \d+|[a-z_]+): Tensor-likes are not close!\s+Mismatched elements: (\d+ / \d+)",
+     "{1} differs from the CPU kernel ({2} elements)"),
+    (r"Mismatched elements: (\d+ / \d+)", "differs from the CPU kernel ({0} elements)"),
+]  # fmt: skip
+
+
+def evidence(output: str) -> str:
+    failed = re.search(r"^FAILED (\S+)", output, re.M) or re.search(r"^ERROR (\S+)", output, re.M)
+    where = failed.group(1).split("::", 1)[-1] if failed else "?"
+    for pattern, text in _EVIDENCE:
+        m = re.search(pattern, output)
+        if m:
+            return f"{text.format(*m.groups())}, in {where}"
+    return f"failed: {where}"
+
+
+def build_dir(csrc: Path) -> Path:
+    """Where a mutant's driver is built: beside its copy of csrc/ (removed with it), not in the repository's cache."""
+    return csrc.parent / "build" if csrc != REPO / "csrc" else REPO / "build" / "cuda_emu"
+
+
+def run_suite(csrc: Path) -> tuple[bool, str]:
+    """Runs tests/cuda_emu on ``csrc`` until the first failure; returns (passed, pytest's output)."""
+    env = {**os.environ, "GRPO_EMU_CSRC": str(csrc), "GRPO_EMU_BUILD": str(build_dir(csrc))}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/cuda_emu"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    return result.returncode == 0, result.stdout + result.stderr
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", type=int, nargs="*", help="mutation numbers (1-based)")
+    args = parser.parse_args()
+    chosen = [(i, m) for i, m in enumerate(MUTATIONS, 1) if not args.only or i in args.only]
+    passed, output = run_suite(REPO / "csrc")
+    if not passed:
+        print("the unmutated headers fail the suite:\n" + output[-3000:])
+        return 1
+    rows, ok = [], True
+    for number, m in chosen:
+        start = time.time()
+        with tempfile.TemporaryDirectory(prefix="cuda_emu_mutant_") as tmp:
+            csrc = Path(tmp) / "csrc"
+            shutil.copytree(REPO / "csrc", csrc)
+            path = csrc / m.file
+            text = path.read_text()
+            if text.count(m.old) != 1:
+                raise SystemExit(f"mutation {number}: the text to replace occurs {text.count(m.old)} times in {m.file}")
+            path.write_text(text.replace(m.old, m.new))
+            try:
+                build(csrc, build_dir(csrc))
+            except BuildError as e:
+                rows.append((number, m, "does not compile", str(e).splitlines()[1][:80], time.time() - start))
+                ok = False
+                continue
+            passed, output = run_suite(csrc)
+        caught = not passed
+        ok &= caught or not m.expect_caught
+        verdict = ("caught" if caught else "survived") + ("" if m.expect_caught else " (expected to survive)")
+        rows.append((number, m, verdict, evidence(output) if caught else "-", time.time() - start))
+        print(f"[{number}] {m.kind}: {verdict}", file=sys.stderr)
+    print("| # | kind of bug | planted in | result | first report |")
+    print("| --- | --- | --- | --- | --- |")
+    for number, m, verdict, how, seconds in rows:
+        print(f"| {number} | {m.kind} | {m.file}: {m.what} | {verdict} ({seconds:.0f} s) | {how} |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+// group_advantages and process_advantages on the emulated device: plan/group_advantages.h and
+// plan/process_advantages.h, then cuda/group_advantages.cu and cuda/process_advantages.cu, without torch.
+#include "cuda/group_advantages.cuh"
+#include "cuda/process_advantages.cuh"
+#include "driver.h"
+
+namespace cuda_emu {
+namespace {
+
+using grpo_ext::Aggregation, grpo_ext::Baseline, grpo_ext::ScaleRewards;
+
+template <typename E, size_t N>
+E parse(const std::string& value, const std::pair<const char*, E> (&choices)[N]) {
+  for (const auto& [name, e] : choices) {
+    if (value == name) return e;
+  }
+  bad_args("unknown option value " + value);
+}
+
+std::vector<Tensor> group_advantages(Args& a) {
+  static constexpr std::pair<const char*, ScaleRewards> kScale[] = {
+      {"group", ScaleRewards::kGroup}, {"batch", ScaleRewards::kBatch}, {"none", ScaleRewards::kNone}};
+  static constexpr std::pair<const char*, Baseline> kBaseline[] = {{"mean", Baseline::kMean},
+                                                                   {"leave_one_out", Baseline::kLeaveOneOut}};
+  static constexpr std::pair<const char*, Aggregation> kAggregation[] = {
+      {"sum_then_normalize", Aggregation::kSumThenNormalize}, {"normalize_then_sum", Aggregation::kNormalizeThenSum}};
+  const Tensor rewards = a.tensor();
+  const std::optional<Tensor> weights = a.optional_tensor();
+  grpo_ext::AdvantageParams p;
+  p.group_size = a.integer();
+  p.scale = parse(a.string(), kScale);
+  p.baseline = parse(a.string(), kBaseline);
+  p.aggregation = parse(a.string(), kAggregation);
+  p.eps = a.number();
+  p.std_ddof = a.integer();
+  a.done();
+  const int64_t batch = rewards.size(0), num_groups = batch / p.group_size;
+  p.num_rewards = rewards.dim() == 2 ? rewards.size(1) : 1;
+  grpo_ext::StridedMatrix r{rewards.data(), rewards.dtype, rewards.stride(0),
+                            rewards.dim() == 2 ? rewards.stride(1) : 0};
+  grpo_ext::StridedMatrix w;
+  if (weights) w = {weights->data(), weights->dtype, 0, weights->stride(0)};
+  const DType acc = accumulate_type(rewards.dtype);
+  Tensor adv = empty({batch}, acc), mean = empty({num_groups}, acc), std = empty({num_groups}, acc);
+  Tensor zero_std = empty({num_groups}, DType::kBool);
+  if (batch == 0) return {adv, mean, std, zero_std};
+  if (acc == DType::kFloat64) {
+    grpo_ext::launch_group_advantages<double>(p, r, w, batch, adv.data_as<double>(), mean.data_as<double>(),
+                                              std.data_as<double>(), zero_std.data_as<bool>(), nullptr);
+  } else {
+    grpo_ext::launch_group_advantages<float>(p, r, w, batch, adv.data_as<float>(), mean.data_as<float>(),
+                                             std.data_as<float>(), zero_std.data_as<bool>(), nullptr);
+  }
+  return {adv, mean, std, zero_std};
+}
+
+std::vector<Tensor> process_advantages(Args& a) {
+  const Tensor rewards = a.tensor(), step_end = a.tensor();
+  const int64_t group_size = a.integer(), seq_len = a.integer();
+  const double eps = a.number();
+  const int64_t std_ddof = a.integer();
+  a.done();
+  const int64_t batch = rewards.size(0), num_steps = rewards.size(1);
+  const grpo_ext::StridedMatrix r = matrix_view(rewards, batch, num_steps, false);
+  const grpo_ext::StridedMatrix e = matrix_view(step_end, batch, num_steps, false);
+  Tensor out = empty({batch, seq_len}, accumulate_type(rewards.dtype));
+  if (out.dtype == DType::kFloat64) {
+    grpo_ext::launch_process_advantages<double>(r, e, batch, num_steps, group_size, seq_len, eps, std_ddof,
+                                                out.data_as<double>(), nullptr);
+  } else {
+    grpo_ext::launch_process_advantages<float>(r, e, batch, num_steps, group_size, seq_len, float(eps), std_ddof,
+                                               out.data_as<float>(), nullptr);
+  }
+  return {out};
+}
+
+const RegisterOp kGroupAdvantages("group_advantages", group_advantages);
+const RegisterOp kProcessAdvantages("process_advantages", process_advantages);
+
+}  // namespace
+}  // namespace cuda_emu

@@ -1,0 +1,619 @@
+// cuda_emu's scheduler: fibers for the threads of a block, barriers, warp-level intrinsics, shared memory, launch
+// checks (the semantics are written at the top of runtime.h).
+#include "runtime.h"
+
+#include <cxxabi.h>
+#include <sys/mman.h>
+
+// Fibers switch with a few instructions on x86-64, with ucontext elsewhere (or with -DCUDA_EMU_UCONTEXT).
+#if defined(__x86_64__) && !defined(CUDA_EMU_UCONTEXT)
+#define CUDA_EMU_ASM_SWITCH 1
+#else
+#define CUDA_EMU_ASM_SWITCH 0
+#include <ucontext.h>
+#endif
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <memory>
+#include <new>
+#include <sstream>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define CUDA_EMU_ASAN 1
+#else
+#define CUDA_EMU_ASAN 0
+#endif
+
+#if CUDA_EMU_ASM_SWITCH
+// cuda_emu_switch(&save, to): saves the callee-saved registers and the FP control words on the current stack, stores
+// its stack pointer in *save, and continues on stack `to` where an earlier switch saved it. (glibc's swapcontext
+// makes a system call per switch, and ASan's interceptor clears the new stack's shadow each time: 50x slower.)
+extern "C" void cuda_emu_switch(void** save, void* to);
+asm(R"(
+  .text
+  .globl cuda_emu_switch
+  .type cuda_emu_switch, @function
+cuda_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuda_emu_switch, .-cuda_emu_switch
+)");
+#endif
+
+namespace cuda_emu {
+namespace {
+
+constexpr size_t kStackBytes = 64 * 1024;
+constexpr size_t kGuardBytes = 4096;
+constexpr int kMaxThreads = 1024;
+constexpr size_t kMaxSharedBytes = 48 * 1024;
+
+// The __launch_bounds__ of every kernel, read from the headers by build.py: {"name", bound}, ...
+struct LaunchBound {
+  const char* kernel;
+  int max_threads;
+};
+constexpr LaunchBound kLaunchBounds[] = {
+#include "launch_bounds.inc"
+};
+
+struct Site {
+  const char* file = nullptr;
+  unsigned line = 0, column = 0;
+  bool operator==(const Site& o) const {
+    return line == o.line && column == o.column && (file == o.file || strcmp(file, o.file) == 0);
+  }
+  std::string str() const {
+    const char* base = strrchr(file, '/');
+    return std::string(base ? base + 1 : file) + ":" + std::to_string(line) + ":" + std::to_string(column);
+  }
+};
+Site site_of(const std::source_location& s) {
+  return {s.file_name(), static_cast<unsigned>(s.line()), static_cast<unsigned>(s.column())};
+}
+
+enum class State { kReady, kBarrier, kWarp, kDone };
+
+// A saved execution context: a stack pointer (x86-64), or a ucontext elsewhere.
+#if CUDA_EMU_ASM_SWITCH
+using Context = void*;
+#else
+using Context = ucontext_t;
+#endif
+
+struct Fiber {
+  Context context;
+  char* stack = nullptr;  // kStackBytes above a guard page
+  Coords coords;
+  int linear = 0, warp = 0, lane = 0;
+  State state = State::kReady;
+  Site site;  // where it waits
+  // The warp-level intrinsic it waits in.
+  WarpKind kind = WarpKind::kSync;
+  unsigned mask = 0;
+  int lane_arg = 0, width = 32;
+  uint64_t value = 0, result = 0;
+};
+
+// A warp-level intrinsic some lanes of a warp wait in.
+struct PendingWarpOp {
+  unsigned mask;
+  WarpKind kind;
+  int width;
+  Site site;
+  unsigned arrived = 0;
+};
+
+struct SharedVar {
+  void* data;
+  size_t bytes;
+};
+
+std::string hex(unsigned v) {
+  std::ostringstream s;
+  s << "0x" << std::hex << v;
+  return s.str();
+}
+
+std::string describe(const Coords& c) {
+  std::ostringstream s;
+  s << "block (" << c.block_idx.x << "," << c.block_idx.y << "," << c.block_idx.z << ") thread (" << c.thread_idx.x
+    << "," << c.thread_idx.y << "," << c.thread_idx.z << ")";
+  return s.str();
+}
+
+// The running launch's state. One launch at a time, on the OS thread that called run_grid.
+struct Runtime {
+  Schedule schedule;
+  std::map<std::string, int> launch_log;
+  std::vector<char*> stacks;  // reused by every block
+  Context scheduler;
+  std::vector<Fiber> fibers;
+  std::deque<int> ready;
+  Fiber* current = nullptr;
+  int live = 0;  // fibers not done
+  // The barrier being gathered: its site and the fibers parked at it.
+  Site barrier_site;
+  int barrier_count = 0;
+  std::vector<std::vector<PendingWarpOp>> warp_ops;  // per warp
+  std::vector<unsigned> live_lanes;                  // per warp: its lanes not done
+  std::map<std::string, SharedVar> shared;
+  size_t shared_bytes = 0;
+  std::string error;
+  bool aborting = false;  // the launch failed: every fiber unwinds
+  void (*run_thread)(void*) = nullptr;
+  void* context = nullptr;
+#if CUDA_EMU_ASAN
+  const void* scheduler_stack_bottom = nullptr;
+  size_t scheduler_stack_size = 0;
+  void* fake_stack = nullptr;
+#endif
+};
+Runtime rt;
+
+char* stack_for(int i) {
+  while (static_cast<int>(rt.stacks.size()) <= i) {
+    void* p = mmap(nullptr, kStackBytes + kGuardBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    mprotect(p, kGuardBytes, PROT_NONE);  // a stack overflow faults instead of corrupting the next stack
+    rt.stacks.push_back(static_cast<char*>(p) + kGuardBytes);
+  }
+  return rt.stacks[i];
+}
+
+void switch_context(Context* save, Context* to) {
+#if CUDA_EMU_ASM_SWITCH
+  cuda_emu_switch(save, *to);
+#else
+  swapcontext(save, to);
+#endif
+}
+
+// Switches from the scheduler into fiber f, and back when it parks or ends.
+void resume(Fiber& f) {
+  rt.current = &f;
+#if CUDA_EMU_ASAN
+  __sanitizer_start_switch_fiber(&rt.fake_stack, f.stack, kStackBytes);
+#endif
+  switch_context(&rt.scheduler, &f.context);
+#if CUDA_EMU_ASAN
+  __sanitizer_finish_switch_fiber(rt.fake_stack, nullptr, nullptr);
+#endif
+  rt.current = nullptr;
+}
+
+// Thrown inside a fiber to unwind its stack (destructors run) when its launch fails; fiber_entry catches it.
+struct FiberAbort {};
+
+// From a fiber back to the scheduler; returns when the scheduler resumes this fiber (throws FiberAbort when it
+// resumes it to unwind a failed launch).
+void park(Fiber& f) {
+#if CUDA_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(f.state == State::kDone ? nullptr : &fake, rt.scheduler_stack_bottom,
+                                 rt.scheduler_stack_size);
+#endif
+  switch_context(&f.context, &rt.scheduler);
+#if CUDA_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, &rt.scheduler_stack_bottom, &rt.scheduler_stack_size);
+#endif
+  if (rt.aborting && f.state != State::kDone) throw FiberAbort{};
+}
+
+[[noreturn]] void fail_in_fiber(const std::string& message) {
+  if (rt.error.empty()) rt.error = message;
+  throw FiberAbort{};
+}
+
+// Makes fibers ids[0..n) ready, in the schedule's order (ids ascending on entry).
+void make_ready(const int* ids, int n) {
+  switch (rt.schedule.order) {
+    case Order::kForward:
+      for (int i = 0; i < n; ++i) rt.ready.push_back(ids[i]);
+      break;
+    case Order::kReverse:
+      for (int i = n - 1; i >= 0; --i) rt.ready.push_back(ids[i]);
+      break;
+    case Order::kGreedyHigh:  // released threads run first, the highest id first
+      for (int i = 0; i < n; ++i) rt.ready.push_front(ids[i]);
+      break;
+    case Order::kGreedyLow:  // released threads run first, the lowest id first
+      for (int i = n - 1; i >= 0; --i) rt.ready.push_front(ids[i]);
+      break;
+  }
+  for (int i = 0; i < n; ++i) rt.fibers[ids[i]].state = State::kReady;
+}
+
+std::string fiber_state(const Fiber& f) {
+  switch (f.state) {
+    case State::kReady: return "ready";
+    case State::kDone: return "exited";
+    case State::kBarrier: return "at __syncthreads " + f.site.str();
+    case State::kWarp: {
+      std::ostringstream s;
+      s << "at a warp intrinsic " << f.site.str() << " (mask 0x" << std::hex << f.mask << ")";
+      return s.str();
+    }
+  }
+  return "?";
+}
+
+// Completes the barrier when every live thread has arrived.
+void try_release_barrier() {
+  if (rt.barrier_count == 0 || rt.barrier_count < rt.live) return;
+  std::vector<int> ids;
+  for (Fiber& f : rt.fibers) {
+    if (f.state == State::kBarrier) ids.push_back(f.linear);
+  }
+  rt.barrier_count = 0;
+  make_ready(ids.data(), static_cast<int>(ids.size()));
+}
+
+// The lane whose value lane `lane` receives (itself when the shuffle leaves its segment).
+int source_lane(const Fiber& f) {
+  const int width = f.width, base = f.lane & ~(width - 1), in_segment = f.lane & (width - 1);
+  switch (f.kind) {
+    case WarpKind::kShflIdx: return base + (f.lane_arg & (width - 1));
+    case WarpKind::kShflUp: return in_segment >= f.lane_arg ? f.lane - f.lane_arg : f.lane;
+    case WarpKind::kShflDown: return in_segment + f.lane_arg < width ? f.lane + f.lane_arg : f.lane;
+    case WarpKind::kShflXor: {
+      const int src = f.lane ^ f.lane_arg;
+      return src < base + width ? src : f.lane;  // a later segment: the lane's own value
+    }
+    default: return f.lane;
+  }
+}
+
+// Completes warp `warp`'s intrinsic at index `k` when every live lane of its mask has arrived; returns whether it
+// did. Reports a shuffle that reads a lane outside the participants.
+bool try_complete_warp_op(int warp, size_t k) {
+  const PendingWarpOp op = rt.warp_ops[warp][k];
+  const unsigned needed = op.mask & rt.live_lanes[warp];
+  if ((op.arrived & needed) != needed) return false;
+  rt.warp_ops[warp].erase(rt.warp_ops[warp].begin() + static_cast<long>(k));
+  Fiber* lanes = &rt.fibers[warp * 32];
+  uint64_t ballot = 0;
+  for (int l = 0; l < 32; ++l) {
+    if (op.arrived & (1u << l)) ballot |= static_cast<uint64_t>(lanes[l].value != 0) << l;
+  }
+  int ids[32], n = 0;
+  for (int l = 0; l < 32; ++l) {
+    if (!(op.arrived & (1u << l))) continue;
+    Fiber& f = lanes[l];
+    switch (op.kind) {
+      case WarpKind::kSync: break;
+      case WarpKind::kBallot: f.result = ballot; break;
+      case WarpKind::kAny: f.result = ballot != 0; break;
+      case WarpKind::kAll: f.result = ballot == (op.arrived & 0xffffffffull); break;
+      default: {
+        const int src = source_lane(f);
+        if (src < 0 || src >= 32 || !(op.arrived & (1u << src))) {
+          std::ostringstream s;
+          s << "shuffle at " << op.site.str() << ": " << describe(f.coords) << " (lane " << l << ") reads lane " << src
+            << ", which is " << (src >= 0 && src < 32 && (op.mask & (1u << src)) ? "not participating" : "outside")
+            << " the mask 0x" << std::hex << op.mask << " (its value is undefined)";
+          rt.error = s.str();
+          return true;
+        }
+        f.result = lanes[src].value;
+      }
+    }
+    ids[n++] = f.linear;
+  }
+  make_ready(ids, n);
+  return true;
+}
+
+void check_warp_ops(int warp) {
+  for (size_t k = 0; k < rt.warp_ops[warp].size();) {
+    if (!try_complete_warp_op(warp, k)) ++k;
+  }
+}
+
+void fiber_entry() {
+  Fiber& f = *rt.current;
+#if CUDA_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &rt.scheduler_stack_bottom, &rt.scheduler_stack_size);
+#endif
+  try {
+    if (!rt.aborting) rt.run_thread(rt.context);
+  } catch (const FiberAbort&) {
+  }
+  f.state = State::kDone;
+  --rt.live;
+  rt.live_lanes[f.warp] &= ~(1u << f.lane);
+  if (rt.aborting) {
+    park(f);  // never resumed
+    __builtin_unreachable();
+  }
+  if (rt.barrier_count > 0) {
+    std::ostringstream s;
+    s << "divergent __syncthreads: " << describe(f.coords) << " exited while other threads of its block wait at "
+      << rt.barrier_site.str();
+    if (rt.error.empty()) rt.error = s.str();
+  }
+  check_warp_ops(f.warp);  // an exited lane no longer holds back its warp's intrinsics
+  park(f);                 // never resumed
+  __builtin_unreachable();
+}
+
+// A new fiber's context: its first switch enters fiber_entry on its own stack.
+[[gnu::noinline]] void init_context(Fiber& f) {
+#if CUDA_EMU_ASAN
+  // The stack's last fiber never unwound (a fiber ends by switching away): clear its frames' redzones.
+  __asan_unpoison_memory_region(f.stack, kStackBytes);
+#endif
+#if CUDA_EMU_ASM_SWITCH
+  // What cuda_emu_switch pops: the FP control words, six registers, then fiber_entry as the return address, at a
+  // 16-byte aligned slot so that fiber_entry starts with the stack alignment of a called function.
+  auto* top = reinterpret_cast<uint64_t*>(f.stack + kStackBytes);
+  uint64_t* slot = top - 2;
+  slot[1] = 0;  // fiber_entry's own return address: it never returns
+  slot[0] = reinterpret_cast<uint64_t>(&fiber_entry);
+  uint64_t* sp = slot - 7;
+  for (int i = 1; i < 7; ++i) sp[i] = 0;
+  const uint32_t mxcsr = 0x1f80;
+  const uint16_t fpu_control = 0x037f;
+  memcpy(sp, &mxcsr, sizeof(mxcsr));
+  memcpy(reinterpret_cast<char*>(sp) + 4, &fpu_control, sizeof(fpu_control));
+  f.context = sp;
+#else
+  // getcontext returns twice: here, away from run_block, it makes no caller's local suspect.
+  getcontext(&f.context);
+  f.context.uc_stack.ss_sp = f.stack;
+  f.context.uc_stack.ss_size = kStackBytes;
+  f.context.uc_link = nullptr;
+  makecontext(&f.context, fiber_entry, 0);
+#endif
+}
+
+void run_block(const LaunchSpec& spec, const Coords& base, int threads) {
+  rt.fibers.assign(threads, Fiber{});
+  rt.warp_ops.assign((threads + 31) / 32, {});
+  rt.live_lanes.assign((threads + 31) / 32, 0);
+  for (int i = 0; i < threads; ++i) rt.live_lanes[i / 32] |= 1u << (i % 32);
+  rt.ready.clear();
+  rt.live = threads;
+  rt.barrier_count = 0;
+  std::vector<int> ids(threads);
+  for (int i = 0; i < threads; ++i) {
+    Fiber& f = rt.fibers[i];
+    f.coords = base;
+    f.coords.thread_idx = {i % base.block_dim.x, (i / base.block_dim.x) % base.block_dim.y,
+                           i / (base.block_dim.x * base.block_dim.y)};
+    f.linear = i;
+    f.warp = i / 32;
+    f.lane = i % 32;
+    f.stack = stack_for(i);
+    init_context(f);
+    ids[i] = i;
+  }
+  make_ready(ids.data(), threads);
+  while (!rt.ready.empty() && rt.error.empty()) {
+    const int id = rt.ready.front();
+    rt.ready.pop_front();
+    resume(rt.fibers[id]);
+  }
+  if (rt.error.empty() && rt.live > 0) {
+    std::ostringstream s;
+    s << "deadlock in block (" << base.block_idx.x << "," << base.block_idx.y << "," << base.block_idx.z
+      << "): no thread can run;";
+    int shown = 0;
+    for (const Fiber& f : rt.fibers) {
+      if (f.state == State::kDone) continue;
+      if (shown++ == 8) {
+        s << " ...";
+        break;
+      }
+      s << " thread " << f.linear << " " << fiber_state(f) << ";";
+    }
+    rt.error = s.str();
+  }
+  if (!rt.error.empty()) {  // unwind every fiber that has not ended, so that its destructors run
+    rt.aborting = true;
+    for (Fiber& f : rt.fibers) {
+      if (f.state != State::kDone) resume(f);
+    }
+    rt.aborting = false;
+  }
+  for (auto& [site, var] : rt.shared) operator delete(var.data, std::align_val_t(64));
+  rt.shared.clear();
+  rt.shared_bytes = 0;
+  if (!rt.error.empty()) {
+    std::string message =
+        std::string(spec.kernel) + " (" + spec.file + ":" + std::to_string(spec.line) + "): " + rt.error;
+    rt.error.clear();
+    throw LaunchError(message);
+  }
+}
+
+// The kernel's unqualified name, from the expression at its launch ("ns::name<T, Out>").
+std::string kernel_name(const char* expression) {
+  std::string name(expression, strcspn(expression, "<( "));
+  const size_t colons = name.rfind("::");
+  return colons == std::string::npos ? name : name.substr(colons + 2);
+}
+
+// "name(parameter types)", from the kernel expression and its function type.
+std::string kernel_signature(const LaunchSpec& spec) {
+  const std::string name = kernel_name(spec.kernel);
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(spec.signature, nullptr, nullptr, &status);
+  std::string type = status == 0 && demangled ? demangled : spec.signature;
+  free(demangled);
+  const size_t open = type.find("(*)(");  // "void (*)(float const*, ...)"
+  return name + (open == std::string::npos ? "(" + type + ")" : type.substr(open + 3));
+}
+
+int launch_bound(const char* kernel) {
+  const std::string name = kernel_name(kernel);
+  for (const LaunchBound& b : kLaunchBounds) {
+    if (name == b.kernel) return b.max_threads;
+  }
+  return kMaxThreads;
+}
+
+void check_launch(const LaunchSpec& spec) {
+  const dim3 b = spec.block, g = spec.grid;
+  const uint64_t threads = uint64_t(b.x) * b.y * b.z;
+  std::ostringstream s;
+  if (b.x == 0 || b.y == 0 || b.z == 0 || b.x > 1024 || b.y > 1024 || b.z > 64 || threads > kMaxThreads) {
+    s << "invalid block (" << b.x << "," << b.y << "," << b.z << "): at most 1024 threads, x and y <= 1024, z <= 64";
+  } else if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 0x7fffffffu || g.y > 65535 || g.z > 65535) {
+    s << "invalid grid (" << g.x << "," << g.y << "," << g.z << ")";
+  } else if (threads > static_cast<uint64_t>(launch_bound(spec.kernel))) {
+    s << threads << " threads per block exceed the kernel's __launch_bounds__(" << launch_bound(spec.kernel)
+      << "): the launch would fail (too many resources requested)";
+  } else if (spec.shared_bytes != 0) {
+    s << "dynamic shared memory (" << spec.shared_bytes << " bytes) is not emulated";
+  } else {
+    return;
+  }
+  throw LaunchError(std::string(spec.kernel) + " (" + spec.file + ":" + std::to_string(spec.line) + "): " + s.str());
+}
+
+}  // namespace
+
+void set_schedule(const Schedule& s) {
+  rt.schedule = s;
+}
+
+std::string take_launch_log() {
+  std::string out;
+  for (const auto& [name, count] : rt.launch_log) {
+    out += (out.empty() ? "" : ";") + name + "#" + std::to_string(count);
+  }
+  rt.launch_log.clear();
+  return out;
+}
+
+const Coords& coords() {
+  if (rt.current == nullptr) throw LaunchError("threadIdx/blockIdx/blockDim/gridDim read outside a kernel");
+  return rt.current->coords;
+}
+
+void fail(const std::string& message) {
+  if (rt.current == nullptr) throw LaunchError(message);
+  fail_in_fiber(describe(rt.current->coords) + ": " + message);
+}
+
+void device_assert_fail(const char* condition, const char* file, int line) {
+  const char* base = strrchr(file, '/');
+  fail(std::string("device assert failed: ") + condition + " (" + (base ? base + 1 : file) + ":" +
+       std::to_string(line) + ")");
+}
+
+void* shared_storage(const char* site, size_t bytes, size_t align) {
+  if (rt.current == nullptr) throw LaunchError("__shared__ variable used outside a kernel");
+  auto it = rt.shared.find(site);
+  if (it != rt.shared.end()) {
+    if (it->second.bytes != bytes) fail(std::string("__shared__ ") + site + " declared with two sizes");
+    return it->second.data;
+  }
+  if (align > 64) fail(std::string("__shared__ ") + site + ": alignment over 64 bytes");
+  rt.shared_bytes += bytes;
+  if (rt.shared_bytes > kMaxSharedBytes) {
+    fail("the block's __shared__ variables take " + std::to_string(rt.shared_bytes) + " bytes, over 48 KiB");
+  }
+  void* data = operator new(bytes, std::align_val_t(64));
+  memset(data, 0xff, bytes);  // NaN in every float type: a read before the block wrote it shows
+  rt.shared.emplace(site, SharedVar{data, bytes});
+  return data;
+}
+
+void syncthreads(const std::source_location& where) {
+  Fiber& f = *rt.current;
+  const Site site = site_of(where);
+  if (rt.barrier_count == 0) {
+    rt.barrier_site = site;
+  } else if (!(rt.barrier_site == site)) {
+    fail("divergent __syncthreads: this thread is at " + site.str() + " while others of its block wait at " +
+         rt.barrier_site.str());
+  }
+  f.state = State::kBarrier;
+  f.site = site;
+  ++rt.barrier_count;
+  try_release_barrier();
+  park(f);
+}
+
+uint64_t warp_op(WarpKind kind, unsigned mask, uint64_t value, int lane_arg, int width,
+                 const std::source_location& where) {
+  Fiber& f = *rt.current;
+  const Site site = site_of(where);
+  if (!(mask & (1u << f.lane))) {
+    fail("lane " + std::to_string(f.lane) + " calls a warp intrinsic at " + site.str() + " with a mask (" + hex(mask) +
+         ") that does not name it");
+  }
+  if (width < 1 || width > 32 || (width & (width - 1)) != 0) fail("shuffle width " + std::to_string(width));
+  std::vector<PendingWarpOp>& ops = rt.warp_ops[f.warp];
+  size_t k = 0;
+  for (; k < ops.size(); ++k) {
+    if (!(ops[k].mask & mask)) continue;
+    if (ops[k].mask != mask || ops[k].kind != kind || ops[k].width != width || !(ops[k].site == site)) {
+      fail("divergent warp intrinsics: lane " + std::to_string(f.lane) + " is at " + site.str() + " (mask " +
+           hex(mask) + ") while lanes of its warp wait at " + ops[k].site.str() + " (mask " + hex(ops[k].mask) + ")");
+    }
+    break;
+  }
+  if (k == ops.size()) ops.push_back({mask, kind, width, site, 0});
+  ops[k].arrived |= 1u << f.lane;
+  f.state = State::kWarp;
+  f.site = site;
+  f.kind = kind;
+  f.mask = mask;
+  f.lane_arg = lane_arg;
+  f.width = width;
+  f.value = value;
+  try_complete_warp_op(f.warp, k);
+  park(f);
+  return f.result;
+}
+
+void run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* context) {
+  check_launch(spec);
+  ++rt.launch_log[kernel_signature(spec)];
+  const unsigned cap = rt.schedule.grid_cap;
+  const dim3 grid(cap && spec.grid.x > cap ? cap : spec.grid.x, cap && spec.grid.y > cap ? cap : spec.grid.y,
+                  cap && spec.grid.z > cap ? cap : spec.grid.z);
+  const int threads = static_cast<int>(spec.block.x * spec.block.y * spec.block.z);
+  rt.run_thread = run_thread;
+  rt.context = context;
+  const uint64_t blocks = uint64_t(grid.x) * grid.y * grid.z;
+  for (uint64_t n = 0; n < blocks; ++n) {
+    const bool descending = rt.schedule.order == Order::kReverse || rt.schedule.order == Order::kGreedyHigh;
+    const uint64_t id = descending ? blocks - 1 - n : n;
+    Coords c;
+    c.block_idx = {static_cast<unsigned>(id % grid.x), static_cast<unsigned>((id / grid.x) % grid.y),
+                   static_cast<unsigned>(id / (uint64_t(grid.x) * grid.y))};
+    c.block_dim = spec.block;
+    c.grid_dim = grid;
+    run_block(spec, c, threads);
+  }
+}
+
+}  // namespace cuda_emu

@@ -1,0 +1,240 @@
+// cuda_emu: runs grpo_ext's CUDA kernel headers (csrc/cuda/*.cuh) on the CPU, under g++ with AddressSanitizer and
+// UBSan, so that every CI run executes every kernel. This header is what the kernels see; runtime.cpp holds the
+// scheduler.
+//
+// What it emulates
+// - Each CUDA thread is a user-space fiber (ucontext, a 64 KiB stack with a guard page). The blocks of a grid run
+//   one after another; the threads of a block run on one OS thread and switch only at a synchronization point.
+//   threadIdx, blockIdx, blockDim and gridDim are the running fiber's.
+// - __shared__ variables: one fresh heap allocation per block (ASan sees an access past their end), filled with
+//   0xff bytes (NaN in every float type), so a read before the block wrote them shows. tests/cuda_emu/build.py
+//   turns each `__shared__ T x[N];` of a copy of the headers into a reference to that storage, on the same line;
+//   nothing else of the headers is changed. At most 48 KiB per block (the static shared-memory limit).
+// - __syncthreads() parks a thread until every thread of the block has arrived at the same call site (file, line,
+//   column). Arriving at another site, or exiting while others wait, is reported as a divergent barrier.
+// - __shfl_sync/_up/_down/_xor, __syncwarp, __ballot_sync, __any_sync, __all_sync wait for every live lane named
+//   in the mask, at the same call site with the same mask. Reported: a lane not in its own mask, lanes of a mask at
+//   different sites, overlapping different masks, and a shuffle reading a lane that is outside the mask, absent or
+//   exited (its value would be undefined on a GPU).
+// - A block in which no thread can run and some wait is reported as a deadlock, with where each thread waits.
+// - Launch checks: block dimensions (x, y <= 1024, z <= 64, at most 1024 threads), grid dimensions (x < 2^31,
+//   y, z <= 65535), the kernel's __launch_bounds__ (build.py reads them from the headers), no dynamic shared memory.
+// - CUDA_KERNEL_ASSERT fails the launch with the condition, the block and the thread.
+// - Schedules (Schedule below): the order in which ready threads run, the order of the blocks, and a cap on the
+//   grid size, so that every grid-stride loop wraps. Forward and reverse take turns in thread order (the warps
+//   progress together); the greedy orders run a thread released from a barrier or warp intrinsic at once, so that
+//   one warp runs ahead of the others as far as it can: the highest warp (it overwrites what warp 0 has not read
+//   yet) or warp 0 (it overwrites what the others have not read yet). A correct kernel gives bit-identical results
+//   under every schedule; the test driver checks that.
+// - Device memory: the driver allocates each tensor as one heap block of exactly its size (ASan redzones on both
+//   sides); fresh outputs are filled with 0xff bytes. __nv_bfloat16 and __half (include/) convert with
+//   round-to-nearest-even, as __float2bfloat16_rn and __float2half_rn do.
+//
+// What it cannot show (only a GPU run can)
+// - nvcc's code generation: FMA contraction, fast-math intrinsics, the device math library's last-ulp results.
+// - Register pressure, spills, occupancy, and whether a launch fits the SM's registers (launch_bounds is checked
+//   only against the block size).
+// - Memory ordering and real races: threads run one at a time, so a race shows only when some schedule makes it
+//   change a result; atomics are plain read-modify-writes.
+// - Timing, bandwidth, and anything about streams: launches run to completion, in order, when they are made.
+// - Divergence between call sites inside a helper called from two places (a site is where the intrinsic is
+//   written, not the call stack that reached it).
+#pragma once
+
+#include <math.h>  // float overloads of exp, log, ... in the global namespace, as CUDA's math headers declare them
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <source_location>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <typeinfo>
+#include <utility>
+
+// Device code takes its device paths (fast_math.h: the library exp/expm1, as on the GPU).
+#define __CUDA_ARCH__ 900
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+// build.py rewrites every __shared__ declaration; one left over is a compile error.
+#define __shared__ __shared___must_be_rewritten_by_tests_cuda_emu_build_py
+
+struct uint3 {
+  unsigned x, y, z;
+};
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+using cudaStream_t = struct CUstream_st*;
+constexpr int warpSize = 32;
+
+namespace cuda_emu {
+
+// Why a launch failed (a kernel bug the harness detected, or an invalid launch); the driver reports it.
+struct LaunchError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class Order { kForward, kReverse, kGreedyHigh, kGreedyLow };
+
+// How the next launches run: the thread order, and at most `grid_cap` blocks in each grid dimension (0: the
+// launcher's grid). Blocks run in ascending order, descending under kReverse and kGreedyHigh.
+struct Schedule {
+  Order order = Order::kForward;
+  unsigned grid_cap = 0;
+};
+void set_schedule(const Schedule& s);
+
+// The kernels launched since the last call, with their parameter types and launch counts:
+// "name(types)#count;...".
+std::string take_launch_log();
+
+struct Coords {
+  uint3 thread_idx, block_idx;
+  dim3 block_dim, grid_dim;
+};
+const Coords& coords();  // the running thread's; fails outside a kernel
+
+[[noreturn]] void fail(const std::string& message);  // fails the running launch (from inside a kernel)
+[[noreturn]] void device_assert_fail(const char* condition, const char* file, int line);
+
+// Per-block storage of the __shared__ variable declared at `site` (build.py's rewrite calls this).
+void* shared_storage(const char* site, size_t bytes, size_t align);
+template <typename A>
+A& shared(const char* site) {
+  static_assert(std::is_trivially_copyable_v<A>, "a __shared__ variable must be trivially copyable");
+  return *static_cast<A*>(shared_storage(site, sizeof(A), alignof(A)));
+}
+
+void syncthreads(const std::source_location& site);
+
+enum class WarpKind { kSync, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll };
+// One lane's part in a warp-level intrinsic: its mask, 8 bytes of value, the lane argument and the width. Returns
+// the 8 bytes the intrinsic hands this lane.
+uint64_t warp_op(WarpKind kind, unsigned mask, uint64_t value, int lane_arg, int width,
+                 const std::source_location& site);
+
+template <typename T>
+uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "warp intrinsics take values of at most 8 bytes");
+  uint64_t bits = 0;
+  memcpy(&bits, &v, sizeof(T));
+  return bits;
+}
+template <typename T>
+T from_bits(uint64_t bits) {
+  T v;
+  memcpy(&v, &bits, sizeof(T));
+  return v;
+}
+
+// A grid of `run_thread(context)` calls, one per thread of every block.
+struct LaunchSpec {
+  const char* kernel;     // the kernel expression as written at the launch ("name<T, Out>")
+  const char* signature;  // typeid(kernel).name(): which instantiation
+  dim3 grid, block;
+  size_t shared_bytes;
+  cudaStream_t stream;
+  const char* file;
+  int line;
+};
+void run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* context);
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...): the arguments are converted to the kernel's parameter
+// types once, as a launch copies them, and every thread calls the kernel with its own copy.
+template <typename... P>
+class KernelLaunch {
+ public:
+  KernelLaunch(void (*kernel)(P...), LaunchSpec spec) : kernel_(kernel), spec_(spec) {
+    spec_.signature = typeid(kernel).name();
+  }
+
+  template <typename... A>
+  void operator()(A&&... args) const {
+    static_assert(sizeof...(A) == sizeof...(P), "a kernel launch with the wrong number of arguments");
+    struct Context {
+      void (*kernel)(P...);
+      std::tuple<std::decay_t<P>...> params;
+    } context{kernel_, std::tuple<std::decay_t<P>...>(std::forward<A>(args)...)};
+    run_grid(
+        spec_,
+        [](void* c) {
+          auto* ctx = static_cast<Context*>(c);
+          std::apply(ctx->kernel, ctx->params);  // by-value parameters: each thread its own copy
+        },
+        &context);
+  }
+
+ private:
+  void (*kernel_)(P...);
+  LaunchSpec spec_;
+};
+
+}  // namespace cuda_emu
+
+// The launch macro of csrc/cuda/launch.cuh, defined here first.
+#define GRPO_LAUNCH(grid, block, shared_bytes, stream, ...)                                                       \
+  ::cuda_emu::KernelLaunch(&__VA_ARGS__, ::cuda_emu::LaunchSpec{#__VA_ARGS__, nullptr, grid, block, shared_bytes, \
+                                                                stream, __FILE__, __LINE__})
+
+#define CUDA_KERNEL_ASSERT(cond) \
+  ((cond) ? static_cast<void>(0) : ::cuda_emu::device_assert_fail(#cond, __FILE__, __LINE__))
+
+#define threadIdx (::cuda_emu::coords().thread_idx)
+#define blockIdx (::cuda_emu::coords().block_idx)
+#define blockDim (::cuda_emu::coords().block_dim)
+#define gridDim (::cuda_emu::coords().grid_dim)
+
+inline void __syncthreads(const std::source_location& site = std::source_location::current()) {
+  ::cuda_emu::syncthreads(site);
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu,
+                       const std::source_location& site = std::source_location::current()) {
+  ::cuda_emu::warp_op(::cuda_emu::WarpKind::kSync, mask, 0, 0, warpSize, site);
+}
+template <typename T>
+T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize,
+              const std::source_location& site = std::source_location::current()) {
+  using ::cuda_emu::from_bits, ::cuda_emu::to_bits;
+  return from_bits<T>(::cuda_emu::warp_op(::cuda_emu::WarpKind::kShflIdx, mask, to_bits(var), src_lane, width, site));
+}
+template <typename T>
+T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize,
+                 const std::source_location& site = std::source_location::current()) {
+  using ::cuda_emu::from_bits, ::cuda_emu::to_bits;
+  return from_bits<T>(
+      ::cuda_emu::warp_op(::cuda_emu::WarpKind::kShflUp, mask, to_bits(var), static_cast<int>(delta), width, site));
+}
+template <typename T>
+T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize,
+                   const std::source_location& site = std::source_location::current()) {
+  using ::cuda_emu::from_bits, ::cuda_emu::to_bits;
+  return from_bits<T>(
+      ::cuda_emu::warp_op(::cuda_emu::WarpKind::kShflDown, mask, to_bits(var), static_cast<int>(delta), width, site));
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize,
+                  const std::source_location& site = std::source_location::current()) {
+  using ::cuda_emu::from_bits, ::cuda_emu::to_bits;
+  return from_bits<T>(::cuda_emu::warp_op(::cuda_emu::WarpKind::kShflXor, mask, to_bits(var), lane_mask, width, site));
+}
+inline unsigned __ballot_sync(unsigned mask, int predicate,
+                              const std::source_location& site = std::source_location::current()) {
+  return static_cast<unsigned>(
+      ::cuda_emu::warp_op(::cuda_emu::WarpKind::kBallot, mask, predicate != 0, 0, warpSize, site));
+}
+inline int __any_sync(unsigned mask, int predicate,
+                      const std::source_location& site = std::source_location::current()) {
+  return static_cast<int>(::cuda_emu::warp_op(::cuda_emu::WarpKind::kAny, mask, predicate != 0, 0, warpSize, site));
+}
+inline int __all_sync(unsigned mask, int predicate,
+                      const std::source_location& site = std::source_location::current()) {
+  return static_cast<int>(::cuda_emu::warp_op(::cuda_emu::WarpKind::kAll, mask, predicate != 0, 0, warpSize, site));
+}

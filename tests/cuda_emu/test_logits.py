@@ -1,0 +1,199 @@
+"""The logits kernels on the emulated device, driven by their launchers: selective_log_softmax's forward and backward,
+and the fused pass of grpo_loss_from_logits (its row weights, the pass in a new tensor and in place, scale_grad_).
+V from 1 to 50257 (never a multiple of a block or vector width), every float dtype, temperature != 1, strided and
+3-D logits, masked rows holding NaN and padding ids, -inf and NaN logits, chunked rows (row_offset), batches over 32
+rows (the row-weights kernel's warp loop wraps), every loss type at both importance levels. The cases are the CUDA
+tests' (tests/test_selective_log_softmax.py, tests/test_grpo_loss_from_logits.py) and more."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_ext.ops.options import LOSS_TYPES, LossOptions
+from grpo_ext.validation import validate_grpo_loss_args
+from test_grpo_loss_from_logits import make_problem
+from test_selective_log_softmax import make_logits
+
+from .checks import LOGITS_GRAD, LOSS, LOSS_GRAD, VALUES, check_op
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+VOCABS = [1, 7, 33, 1000, 4099, 50257]
+
+
+def softmax_round_trip(emu, logits, ids, temperature: float, *, entropy: bool = True, grad_entropy: bool = True):
+    """The forward, then the backward from the forward's row statistics (as the autograd function chains them)."""
+    logps, _, row_stats = check_op(emu, "selective_log_softmax_forward", logits, ids, temperature, entropy)
+    rows = logits.shape[0]
+    g = torch.Generator().manual_seed(rows)
+    grad_logps = torch.randn(rows, generator=g, dtype=logps.dtype)
+    grad_ent = torch.randn(rows, generator=g, dtype=logps.dtype) if grad_entropy else None
+    check_op(emu, "selective_log_softmax_backward", grad_logps, grad_ent, logits, ids, row_stats, temperature)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_selective_log_softmax_vocabularies(emu, vocab, temperature):
+    logits, ids = make_logits(6 if vocab < 10000 else 3, vocab, seed=vocab)
+    softmax_round_trip(emu, logits.float(), ids, temperature)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [33, 4099])
+def test_selective_log_softmax_dtypes(emu, dtype, vocab):
+    logits, ids = make_logits(5, vocab, seed=3)
+    softmax_round_trip(emu, logits.to(dtype), ids.int() if dtype == torch.float16 else ids, 0.9,
+                       grad_entropy=dtype != torch.bfloat16)  # fmt: skip
+
+
+def test_selective_log_softmax_strided_infinite_and_nan_logits(emu):
+    logits, ids = make_logits(12, 33, seed=5)
+    logits[2, :5] = float("-inf")  # masked vocabulary entries
+    ids[2] = 10
+    logits[7, 4] = float("nan")  # a NaN logit: the row's outputs are NaN, as torch's
+    wide = torch.zeros(12, 66, dtype=torch.float64)
+    wide[:, ::2] = logits
+    for view in (wide[:, ::2], wide.float()[:, ::2], logits.t().contiguous().t()):  # vocab stride 2; row stride 1
+        assert not view.is_contiguous()
+        softmax_round_trip(emu, view, ids, 1.0)
+    softmax_round_trip(emu, logits.float(), ids, 1.3, entropy=False, grad_entropy=False)
+
+
+def test_selective_log_softmax_confident_tokens(emu):
+    g = torch.Generator().manual_seed(4)
+    logits = 30.0 + 0.5 * torch.randn(8, 1000, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 1000, (8,), generator=g)
+    logits[torch.arange(8), ids] += torch.linspace(14.0, 20.0, 8, dtype=torch.float64)
+    softmax_round_trip(emu, logits.float(), ids, 1.0)
+
+
+def test_selective_log_softmax_id_outside_the_vocabulary_is_a_device_assert(emu):
+    from .client import EmuError
+
+    logits, ids = make_logits(4, 9, seed=1)
+    ids[2] = 9
+    with pytest.raises(EmuError, match="device assert failed: id >= 0 && id < vocab"):
+        emu.selective_log_softmax_forward(logits.float(), ids, 1.0, True)
+
+
+def pass_args(logits, ids, adv, mask, *, token_grad=None, row_offset=0, temperature=0.9, compute_grad=True, **options):
+    """grpo_loss_from_logits_pass' arguments; ``mask`` is the [B, T] completion mask the rows score."""
+    stand_in = torch.empty(mask.shape)
+    resolved = validate_grpo_loss_args(stand_in, adv, mask, LossOptions(**options))
+    return (logits, ids, row_offset, adv, mask, token_grad, *resolved.op_args(), temperature, compute_grad)
+
+
+PASS_TOL = [VALUES, VALUES, LOGITS_GRAD]  # log-probs, entropy, gradient
+PASS_NAMES = ("logps", "entropy", "grad_logits")
+
+
+def loss_options(loss_type: str, level: str, old, ref, is_weights, sample_mask) -> dict:
+    """The options of tests/test_grpo_loss_from_logits.py's test_matches_reference."""
+    return dict(
+        old_logps=old,
+        ref_logps=ref,
+        beta=0.05,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        is_weights=is_weights,
+        sample_mask=sample_mask,
+        epsilon_high=1.2 if loss_type == "cispo" else 0.28,
+    )
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_logits_pass_every_loss(emu, loss_type, level):
+    """The pass as grpo_loss_from_logits chains it: token level in one pass; sequence level as log-probs, the [B, T]
+    loss op's d loss / d logp, then a pass with those per-token gradients."""
+    case = LOSS_TYPES.index(loss_type) * 2 + (level == "sequence")
+    dtype = DTYPES[case % len(DTYPES)]
+    logits, ids, adv, mask, old, ref = make_problem(seed=LOSS_TYPES.index(loss_type))
+    g = torch.Generator().manual_seed(5)
+    is_weights = 0.5 + torch.rand(4, 6, generator=g, dtype=torch.float64)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    options = loss_options(loss_type, level, old.to(acc), ref.to(acc), is_weights.to(acc),
+                           torch.tensor([True, True, False, True]))  # fmt: skip
+    x, flat_ids, adv = logits.to(dtype), ids.reshape(-1), adv.to(acc)
+    if level == "token":
+        check_op(emu, "grpo_loss_from_logits_pass", *pass_args(x, flat_ids, adv, mask, **options), tol=PASS_TOL,
+                 names=PASS_NAMES)  # fmt: skip
+        return
+    logps, _, _ = check_op(emu, "grpo_loss_from_logits_pass", *pass_args(x, flat_ids, adv, mask, compute_grad=False,
+                                                                          **options), tol=PASS_TOL)  # fmt: skip
+    resolved = validate_grpo_loss_args(logps.view(4, 6), adv, mask, LossOptions(**options))
+    _, _, grad_raw, grad_scale = check_op(emu, "grpo_loss_forward", logps.view(4, 6), adv, mask,
+                                          *resolved.op_args(), True, tol=[LOSS, LOSS, LOSS_GRAD, LOSS])  # fmt: skip
+    token_grad = (grad_raw * grad_scale).reshape(-1)
+    check_op(emu, "grpo_loss_from_logits_pass", *pass_args(x, flat_ids, adv, mask, token_grad=token_grad, **options),
+             tol=PASS_TOL, names=PASS_NAMES)  # fmt: skip
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_logits_pass_vocabularies(emu, vocab):
+    logits, ids, adv, mask, old, ref = make_problem(2, 3, vocab, seed=vocab, per_token_adv=True)
+    options = dict(old_logps=old.float(), ref_logps=ref.float(), beta=0.1, loss_type="dapo")
+    args = pass_args(logits.float(), ids.reshape(-1), adv.float(), mask, temperature=0.7, **options)
+    check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_pass_in_place_on_strided_rows(emu, dtype):
+    """[B, T+1, V][:, :-1]: the gradient goes over each row of the view and nowhere between them."""
+    logits, ids, adv, mask, old, _ = make_problem(seed=11)
+    padded = torch.cat([logits, torch.randn(4, 1, 50, dtype=torch.float64)], dim=1).to(dtype)
+    view = padded[:, :-1]
+    assert not view.is_contiguous()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    args = pass_args(view, ids.reshape(-1), adv.to(acc), mask, old_logps=old.to(acc), loss_type="grpo")
+    check_op(emu, "grpo_loss_from_logits_pass_", *args, tol=[VALUES, VALUES, LOGITS_GRAD],
+             names=("logps", "entropy", "logits"))  # fmt: skip
+    args = pass_args(logits.to(dtype).reshape(24, 50), ids.reshape(-1), adv.to(acc), mask, old_logps=old.to(acc))
+    check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+
+
+def test_logits_pass_masked_rows_nan_and_padding_ids(emu):
+    logits, ids, adv, mask, old, _ = make_problem(seed=10)
+    poisoned = logits.clone()
+    poisoned[~mask] = float("nan")  # masked rows are never read
+    padded_ids = ids.clone()
+    padded_ids[~mask] = -100  # nor are their ids looked up
+    for compute_grad in (True, False):
+        args = pass_args(poisoned.float(), padded_ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
+                         compute_grad=compute_grad)  # fmt: skip
+        check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+    nan_row = logits.clone()
+    nan_row[1, 0, 3] = float("nan")  # an unmasked row: NaN, as the reference's
+    args = pass_args(nan_row.float(), ids.reshape(-1), adv.float(), mask, old_logps=old.float())
+    check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+
+
+def test_logits_pass_chunks_and_num_items(emu):
+    """Rows [row_offset, row_offset + R) of the flattened problem, as the hidden-state loss chunks them."""
+    logits, ids, adv, mask, old, ref = make_problem(seed=12)
+    flat, flat_ids = logits.float().reshape(24, 50), ids.reshape(-1)
+    for start, stop in ((0, 7), (7, 19), (19, 24)):
+        for loss_type, num_items in (("dapo", torch.tensor(37.0)), ("grpo", None), ("dr_grpo", None)):
+            args = pass_args(flat[start:stop], flat_ids[start:stop], adv.float(), mask, row_offset=start,
+                             old_logps=old.float(), ref_logps=ref.float(), beta=0.1, loss_type=loss_type,
+                             num_items_in_batch=num_items, max_completion_length=9, loss_scale=0.25)  # fmt: skip
+            check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+
+
+@pytest.mark.parametrize(("batch", "length"), [(40, 3), (1030, 1)])
+def test_logits_pass_many_rows_of_weights(emu, batch, length):
+    """The row-weights kernel (one block of 1024 threads): 40 completions put rows 0 and 32 on warp 0; 1030 wrap its
+    loops over the rows by thread."""
+    logits, ids, adv, mask, old, _ = make_problem(batch, length, 7, seed=14)
+    for loss_type in ("grpo", "bnpo", "sapo"):
+        args = pass_args(logits.float(), ids.reshape(-1), adv.float(), mask, old_logps=old.float(), loss_type=loss_type)
+        check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_grad(emu, dtype):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(3, 5, 600, generator=g, dtype=torch.float64) * 1e-3
+    for grad in (base.to(dtype), base.to(dtype)[:, :4], base.to(dtype)[0]):  # 3-D; strided rows; 2-D
+        for factor in (torch.tensor(2.5), torch.tensor(1.0)):  # 1.0: the kernel returns at once
+            check_op(emu, "scale_grad_", grad.clone() if grad.is_contiguous() else grad, factor, tol=VALUES)

@@ -1,0 +1,131 @@
+"""The loss kernels on the emulated device (grpo_loss_rows_kernel, grpo_loss_finalize_kernel,
+grpo_loss_backward_kernel), driven by their launchers through grpo_loss_forward and grpo_loss_backward: every loss
+type, importance level, KL configuration and extra of the CUDA tests (tests/test_grpo_loss.py), float64 and
+low-precision inputs, masks of every dtype, strided inputs, rows from 1 to 4100 tokens (32 to 512 threads), NaN
+under the mask."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from conftest import make_loss_batch
+from grpo_ext.ops.options import IMPORTANCE_SAMPLING_LEVELS as LEVELS
+from grpo_ext.ops.options import LOSS_TYPES, LossOptions
+from grpo_ext.validation import validate_grpo_loss_args
+from test_grpo_loss import EXTRAS, FLOAT64_BATCH, KL_CONFIGS, case_kwargs, float64_cases
+
+from .checks import LOSS, LOSS_GRAD, check_op
+
+FORWARD_TOL = [LOSS, LOSS, LOSS_GRAD, LOSS]  # loss, metrics, grad_raw, grad_scale
+FORWARD_NAMES = ("loss", "metrics", "grad_raw", "grad_scale")
+
+
+def forward_args(batch, kwargs: dict, *, compute_grad: bool = True, nan_under_mask: bool = True) -> tuple:
+    """grpo_loss_forward's arguments for a LossBatch and test_grpo_loss' case kwargs (names of batch fields).
+
+    ``nan_under_mask``: every [B, T] float input holds NaN where the effective mask is 0 (never read).
+    """
+    resolved = {k: getattr(batch, v) if isinstance(v, str) and hasattr(batch, v) else v for k, v in kwargs.items()}
+    dropped = batch.mask == 0
+    if "sample_mask" in resolved:
+        dropped = dropped | ~resolved["sample_mask"][:, None].bool()
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        if not nan_under_mask or t.dim() != 2 or t.shape != batch.mask.shape:
+            return t
+        return t.masked_fill(dropped, float("nan"))
+
+    logps, advantages = poison(batch.logps), poison(batch.advantages)
+    resolved = {k: poison(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in resolved.items()}  # fmt: skip
+    options = validate_grpo_loss_args(logps, advantages, batch.mask, LossOptions(**resolved))
+    return (logps, advantages, batch.mask, *options.op_args(), compute_grad)
+
+
+def run_forward_backward(emu, args: tuple, out_dtype: torch.dtype | None = None) -> tuple:
+    loss, metrics, grad_raw, grad_scale = check_op(emu, "grpo_loss_forward", *args, tol=FORWARD_TOL,
+                                                   names=FORWARD_NAMES)  # fmt: skip
+    if args[-1]:
+        out_dtype = out_dtype or (torch.float64 if grad_raw.dtype == torch.float64 else torch.float32)
+        check_op(emu, "grpo_loss_backward", torch.tensor(1.7, dtype=loss.dtype), grad_raw, grad_scale, out_dtype,
+                 tol=LOSS_GRAD)  # fmt: skip
+    return loss, metrics, grad_raw, grad_scale
+
+
+@pytest.mark.parametrize("extra", EXTRAS)
+@pytest.mark.parametrize("kl", list(KL_CONFIGS))
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_option(emu, loss_type, level, kl, extra):
+    seed = zlib.crc32(f"{loss_type}-{level}-{kl}-{extra}".encode()) % 1000
+    batch = make_loss_batch(seed=seed, per_token_advantages=extra == "token_advantages").to("cpu", torch.float32)
+    args = forward_args(batch, case_kwargs(loss_type, level, kl, extra))
+    if extra == "plain":
+        run_forward_backward(emu, args)
+    else:
+        check_op(emu, "grpo_loss_forward", *args, tol=FORWARD_TOL, names=FORWARD_NAMES)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_float64(emu, loss_type, level):
+    batch = make_loss_batch(**FLOAT64_BATCH)
+    for kwargs in float64_cases(loss_type, level):
+        run_forward_backward(emu, forward_args(batch, kwargs))
+
+
+@pytest.mark.parametrize("low_precision", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_low_precision(emu, loss_type, low_precision):
+    batch = make_loss_batch(seed=11, batch=32, seq_len=257).to("cpu", low_precision)
+    run_forward_backward(emu, forward_args(batch, case_kwargs(loss_type, "token", "k3", "plain")), low_precision)
+
+
+def test_masks_of_every_dtype_and_strided_inputs(emu):
+    base = make_loss_batch(seed=5, batch=8, seq_len=20).to("cpu", torch.float32)
+    kwargs = case_kwargs("grpo", "token", "k3", "is_weights_sample_mask")
+    for mask_dtype in (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.bfloat16):
+        batch = make_loss_batch(seed=5, batch=8, seq_len=20).to("cpu", torch.float32)
+        batch.mask = base.mask.to(mask_dtype)
+        for name in ("logps", "old_logps", "ref_logps", "is_weights", "mask"):  # transposed views
+            setattr(batch, name, getattr(batch, name).t().contiguous().t())
+        batch.advantages = torch.stack([base.advantages, base.advantages], 1)[:, 0]  # a strided [B]
+        args = forward_args(batch, kwargs, nan_under_mask=False)
+        assert not args[0].is_contiguous() and not args[1].is_contiguous()
+        run_forward_backward(emu, args)
+
+
+@pytest.mark.parametrize(("batch_size", "seq_len"), [(1, 1), (3, 31), (5, 257), (3, 4100), (300, 3)])
+def test_row_lengths(emu, batch_size, seq_len):
+    """1 to 4100 tokens per row: 32 to 512 threads per block, and rows longer than the block (the loops wrap); 300
+    rows: more than the 256 threads of the finalize kernel, whose loop over the rows then wraps."""
+    batch = make_loss_batch(seed=seq_len, batch=batch_size, seq_len=seq_len, group_size=1).to("cpu", torch.float32)
+    if batch_size == 1:
+        batch.mask[:] = True
+    for loss_type, level in itertools.product(("grpo", "dapo", "sapo"), LEVELS):
+        run_forward_backward(emu, forward_args(batch, case_kwargs(loss_type, level, "k3", "plain")))
+
+
+def test_num_items_and_no_grad(emu):
+    batch = make_loss_batch(seed=2).to("cpu", torch.float32)
+    for num_items in (23.0, torch.tensor(23.0), torch.tensor(23)):  # a number; a device tensor
+        for loss_type in ("dapo", "cispo"):
+            args = forward_args(batch, dict(loss_type=loss_type, num_items_in_batch=num_items, old_logps="old_logps"))
+            run_forward_backward(emu, args)
+    for level in LEVELS:
+        run_forward_backward(emu, forward_args(batch, case_kwargs("bnpo", level, "k1", "plain"), compute_grad=False))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_backward_grid_stride(emu, out_dtype):
+    """More elements than one block covers: under the capped grids every block loops."""
+    g = torch.Generator().manual_seed(0)
+    grad_raw = torch.randn(7, 301, generator=g) * torch.logspace(-8, 1, 301)
+    check_op(emu, "grpo_loss_backward", torch.tensor(0.3), grad_raw, torch.tensor(0.01), out_dtype, tol=LOSS_GRAD)
+    f64 = grad_raw.double()
+    check_op(emu, "grpo_loss_backward", torch.tensor(0.3), f64, torch.tensor(0.01, dtype=torch.float64),
+             torch.float64, tol=LOSS_GRAD)  # fmt: skip
