@@ -8,6 +8,7 @@
 #include <string>
 
 #include "../common.h"
+#include "../option_choices.h"
 
 namespace grpo_ext {
 
@@ -59,13 +60,6 @@ inline StridedMatrix matrix_view(const at::Tensor& t, int64_t rows, int64_t cols
 inline std::string to_string(c10::string_view s) {
   return std::string(s.data(), s.size());
 }
-
-// One accepted string of a string option and the value it parses to.
-template <typename E>
-struct Choice {
-  const char* name;
-  E value;
-};
 
 // `value` parsed against `choices`; anything else is an error naming the option and what it accepts.
 template <typename E, size_t N>

@@ -10,20 +10,15 @@
 namespace grpo_ext {
 
 inline ScaleRewards parse_scale_rewards(c10::string_view s) {
-  static constexpr Choice<ScaleRewards> kChoices[] = {
-      {"group", ScaleRewards::kGroup}, {"batch", ScaleRewards::kBatch}, {"none", ScaleRewards::kNone}};
-  return parse_choice("scale_rewards", s, kChoices);
+  return parse_choice("scale_rewards", s, kScaleRewardsChoices);
 }
 
 inline Baseline parse_baseline(c10::string_view s) {
-  static constexpr Choice<Baseline> kChoices[] = {{"mean", Baseline::kMean}, {"leave_one_out", Baseline::kLeaveOneOut}};
-  return parse_choice("baseline", s, kChoices);
+  return parse_choice("baseline", s, kBaselineChoices);
 }
 
 inline Aggregation parse_aggregation(c10::string_view s) {
-  static constexpr Choice<Aggregation> kChoices[] = {{"sum_then_normalize", Aggregation::kSumThenNormalize},
-                                                     {"normalize_then_sum", Aggregation::kNormalizeThenSum}};
-  return parse_choice("multi_objective_aggregation", s, kChoices);
+  return parse_choice("multi_objective_aggregation", s, kAggregationChoices);
 }
 
 #define GRPO_GROUP_ADVANTAGES_PARAMS                                                                           \
@@ -64,8 +59,7 @@ inline GroupAdvantagesPlan plan_group_advantages(GRPO_GROUP_ADVANTAGES_PARAMS) {
   plan.params.aggregation = parse_aggregation(multi_objective_aggregation);
   plan.params.eps = eps;
   plan.params.std_ddof = std_ddof;
-  static constexpr Choice<bool> kSingletonChoices[] = {{"zero", false}, {"verl", true}};
-  plan.params.verl_singletons = parse_choice("singleton_groups", singleton_groups, kSingletonChoices);
+  plan.params.verl_singletons = parse_choice("singleton_groups", singleton_groups, kSingletonGroupsChoices);
   plan.rewards.data = rewards.data_ptr();
   plan.rewards.dtype = dtype_tag(rewards.scalar_type(), "rewards");
   plan.rewards.row_stride = rewards.stride(0);

@@ -60,27 +60,15 @@ struct LossOptionArgs {
 };
 
 inline LossType parse_loss_type(c10::string_view s) {
-  static constexpr Choice<LossType> kChoices[] = {{"grpo", LossType::kGRPO},      {"bnpo", LossType::kBNPO},
-                                                  {"dr_grpo", LossType::kDrGRPO}, {"dapo", LossType::kDAPO},
-                                                  {"luspo", LossType::kLUSPO},    {"cispo", LossType::kCISPO},
-                                                  {"sapo", LossType::kSAPO}};
-  return parse_choice("loss_type", s, kChoices);
+  return parse_choice("loss_type", s, kLossTypeChoices);
 }
 
 inline KLEstimator parse_kl_estimator(c10::string_view s) {
-  static constexpr Choice<KLEstimator> kChoices[] = {{"k1", KLEstimator::kK1},
-                                                     {"k2", KLEstimator::kK2},
-                                                     {"k3", KLEstimator::kK3},
-                                                     {"abs", KLEstimator::kAbs},
-                                                     {"k1+", KLEstimator::kK1Plus},
-                                                     {"k3+", KLEstimator::kK3Plus},
-                                                     {"low_var_kl", KLEstimator::kLowVarKL}};
-  return parse_choice("kl_estimator", s, kChoices);
+  return parse_choice("kl_estimator", s, kKLEstimatorChoices);
 }
 
 inline bool parse_sequence_level(c10::string_view s) {
-  static constexpr Choice<bool> kChoices[] = {{"token", false}, {"sequence", true}};
-  return parse_choice("importance_sampling_level", s, kChoices);
+  return parse_choice("importance_sampling_level", s, kSequenceLevelChoices);
 }
 
 using LossForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

@@ -3,14 +3,16 @@
 #include "cuda/group_advantages.cuh"
 #include "cuda/process_advantages.cuh"
 #include "driver.h"
+#include "option_choices.h"
 
 namespace cuda_emu {
 namespace {
 
 using grpo_ext::Aggregation, grpo_ext::Baseline, grpo_ext::ScaleRewards;
 
+// The option strings the bindings accept (csrc/option_choices.h); anything else is a bad request.
 template <typename E, size_t N>
-E parse(const std::string& value, const std::pair<const char*, E> (&choices)[N]) {
+E parse(const std::string& value, const grpo_ext::Choice<E> (&choices)[N]) {
   for (const auto& [name, e] : choices) {
     if (value == name) return e;
   }
@@ -18,19 +20,13 @@ E parse(const std::string& value, const std::pair<const char*, E> (&choices)[N])
 }
 
 std::vector<Tensor> group_advantages(Args& a) {
-  static constexpr std::pair<const char*, ScaleRewards> kScale[] = {
-      {"group", ScaleRewards::kGroup}, {"batch", ScaleRewards::kBatch}, {"none", ScaleRewards::kNone}};
-  static constexpr std::pair<const char*, Baseline> kBaseline[] = {{"mean", Baseline::kMean},
-                                                                   {"leave_one_out", Baseline::kLeaveOneOut}};
-  static constexpr std::pair<const char*, Aggregation> kAggregation[] = {
-      {"sum_then_normalize", Aggregation::kSumThenNormalize}, {"normalize_then_sum", Aggregation::kNormalizeThenSum}};
   const Tensor rewards = a.tensor();
   const std::optional<Tensor> weights = a.optional_tensor();
   grpo_ext::AdvantageParams p;
   p.group_size = a.integer();
-  p.scale = parse(a.string(), kScale);
-  p.baseline = parse(a.string(), kBaseline);
-  p.aggregation = parse(a.string(), kAggregation);
+  p.scale = parse(a.string(), grpo_ext::kScaleRewardsChoices);
+  p.baseline = parse(a.string(), grpo_ext::kBaselineChoices);
+  p.aggregation = parse(a.string(), grpo_ext::kAggregationChoices);
   p.eps = a.number();
   p.std_ddof = a.integer();
   a.done();

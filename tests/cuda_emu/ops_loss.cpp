@@ -3,6 +3,7 @@
 #include "cuda/grpo_loss.cuh"
 #include "driver.h"
 #include "loss_plan.h"
+#include "option_choices.h"
 
 namespace cuda_emu {
 
@@ -10,8 +11,9 @@ namespace {
 
 using grpo_ext::KLEstimator, grpo_ext::LossType;
 
+// The option strings the bindings accept (csrc/option_choices.h); anything else is a bad request.
 template <typename E, size_t N>
-E parse(const std::string& value, const std::pair<const char*, E> (&choices)[N]) {
+E parse(const std::string& value, const grpo_ext::Choice<E> (&choices)[N]) {
   for (const auto& [name, e] : choices) {
     if (value == name) return e;
   }
@@ -23,13 +25,6 @@ E parse(const std::string& value, const std::pair<const char*, E> (&choices)[N])
 LossPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const std::optional<Tensor>& logps, DType acc,
                           const Tensor& advantages, const Tensor& mask, Args& a, bool compute_grad,
                           bool force_token_level) {
-  static constexpr std::pair<const char*, LossType> kLossTypes[] = {
-      {"grpo", LossType::kGRPO}, {"bnpo", LossType::kBNPO},   {"dr_grpo", LossType::kDrGRPO},
-      {"dapo", LossType::kDAPO}, {"luspo", LossType::kLUSPO}, {"cispo", LossType::kCISPO},
-      {"sapo", LossType::kSAPO}};
-  static constexpr std::pair<const char*, KLEstimator> kEstimators[] = {
-      {"k1", KLEstimator::kK1}, {"k2", KLEstimator::kK2}, {"k3", KLEstimator::kK3}};
-  static constexpr std::pair<const char*, bool> kLevels[] = {{"token", false}, {"sequence", true}};
   LossPlan plan;
   grpo_ext::LossInputs& in = plan.inputs;
   in.batch = batch;
@@ -46,7 +41,7 @@ LossPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const std::optional<Te
   if (sample_mask) in.sample_mask = matrix_view(*sample_mask, batch, 1, true);
 
   grpo_ext::LossParams& p = plan.params;
-  p.loss_type = parse(a.string(), kLossTypes);
+  p.loss_type = parse(a.string(), grpo_ext::kLossTypeChoices);
   p.epsilon_low = a.number();
   p.epsilon_high = a.number();
   if (const std::optional<double> delta = a.optional_number()) {
@@ -54,13 +49,13 @@ LossPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const std::optional<Te
     p.delta = *delta;
   }
   p.beta = a.number();
-  p.kl_estimator = parse(a.string(), kEstimators);
+  p.kl_estimator = parse(a.string(), grpo_ext::kKLEstimatorChoices);
   if (const std::optional<double> clamp = a.optional_number()) {
     p.has_kl_clamp = true;
     p.kl_clamp = *clamp;
   }
   p.bias_correction = a.boolean();
-  p.sequence_level = parse(a.string(), kLevels) && !force_token_level;
+  p.sequence_level = parse(a.string(), grpo_ext::kSequenceLevelChoices) && !force_token_level;
   p.row_share_metrics = p.sequence_level && per_row_advantages;
   p.has_old = old_logps.has_value();
   p.compute_grad = compute_grad;
