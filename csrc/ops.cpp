@@ -8,10 +8,12 @@
 #include "plan/loss_options.h"
 
 // The pass ops' arguments after `logits`: the ids they score, where they start in the [B, T] problem, the loss
-// inputs, per-token gradients for the second pass of sequence-level losses, the options and the temperature.
+// inputs, per-token gradients for the second pass of sequence-level losses, the options and the logits options
+// (temperature, logit_scale, logit_softcap: 0 for no cap; docs/math.md section 2).
 #define GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA                                           \
   "Tensor ids, int row_offset, Tensor advantages, Tensor completion_mask, Tensor? " \
-  "token_grad, " GRPO_LOSS_OPTIONS_SCHEMA "float temperature, bool compute_grad"
+  "token_grad, " GRPO_LOSS_OPTIONS_SCHEMA                                           \
+  "float temperature, float logit_scale, float logit_softcap, bool compute_grad"
 
 #ifndef GRPO_EXT_VERSION
 #define GRPO_EXT_VERSION "0.0.0"
@@ -39,11 +41,12 @@ TORCH_LIBRARY(grpo_ext, m) {
         "bool compute_grad) -> (Tensor loss, Tensor metrics, Tensor grad_raw, Tensor grad_scale)");
   m.def("grpo_loss_backward(Tensor grad_loss, Tensor grad_raw, Tensor grad_scale, ScalarType out_dtype) -> Tensor");
   m.def(
-      "selective_log_softmax_forward(Tensor logits, Tensor ids, float temperature, bool return_entropy) -> "
+      "selective_log_softmax_forward(Tensor logits, Tensor ids, float temperature, float logit_scale, "
+      "float logit_softcap, bool return_entropy) -> "
       "(Tensor logps, Tensor entropy, Tensor row_stats)");
   m.def(
       "selective_log_softmax_backward(Tensor grad_logps, Tensor? grad_entropy, Tensor logits, Tensor ids, "
-      "Tensor row_stats, float temperature) -> Tensor");
+      "Tensor row_stats, float temperature, float logit_scale, float logit_softcap) -> Tensor");
   // grpo_loss_from_logits' fused pass over rows of logits (token-level gradient in the same pass; see
   // cuda/grpo_loss_from_logits.cuh). The `_` op writes the gradient over the logits instead of a new tensor.
   m.def("grpo_loss_from_logits_pass(Tensor logits, " GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA

@@ -8,6 +8,7 @@ import torch
 import grpo_ext
 from conftest import DEVICES, assert_close, cast_kwargs
 from grpo_ext import reference
+from grpo_ext.ops.grpo_loss_from_hidden import hidden_loss
 from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 
 
@@ -119,12 +120,14 @@ def test_opcheck_and_compile(device):
     w = weight.clone().requires_grad_(True)
     options = LossOptions(old_logps=old, epsilon_high=0.2, importance_sampling_level="sequence",
                           max_completion_length=3)  # fmt: skip
-    op_args = (flat, w, bias, ids.reshape(-1), adv, mask, *options.op_args(), 0.9, 4)
-    torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_hidden.default, op_args)
+    for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):  # (temperature, logit_scale, logit_softcap)
+        op_args = (flat, w, bias, ids.reshape(-1), adv, mask, *options.op_args(), *logit_args, 4)
+        torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_hidden.default, op_args)
 
     def fn(h, weight):
         out = grpo_ext.grpo_loss_from_hidden(h, weight, ids, adv, mask, lm_head_bias=bias, old_logps=old,
-                                             temperature=0.9, chunk_size=4)  # fmt: skip
+                                             temperature=0.9, logit_scale=0.7, logit_softcap=2.5,
+                                             chunk_size=4)  # fmt: skip
         return out.loss
 
     torch._dynamo.reset()
@@ -147,6 +150,10 @@ def test_errors():
         grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, lm_head_bias=bias[:3])
     with pytest.raises(ValueError, match="chunk_size"):
         grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, chunk_size=0)
+    with pytest.raises(ValueError, match="logit_scale must be finite and > 0"):
+        grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, logit_scale=float("inf"))
+    with pytest.raises(ValueError, match="logit_softcap must be finite and > 0"):
+        grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, logit_softcap=-1.0)
     with pytest.raises(ValueError, match="completion_ids must have shape"):
         grpo_ext.grpo_loss_from_hidden(hidden, weight, ids[:, :2], adv, mask)
     with pytest.raises(ValueError, match="token rows"):
@@ -165,3 +172,55 @@ def test_reference_never_reads_masked_rows():
         for grad, expected in zip(grads, clean_grads, strict=True):
             assert torch.isfinite(grad).all(), impl.__name__
             assert_close(grad, expected, rtol=1e-10, atol=1e-12, msg=impl.__name__)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("logit_scale,logit_softcap", [(0.6, None), (1.0, 1.5), (1.7, 2.0)])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_logit_scale_and_softcap_match_reference(device, logit_scale, logit_softcap, level):
+    """Cohere's scale and Gemma 2's soft-cap (docs/math.md section 2), gradients through the raw logits to hidden,
+    weight and bias; float64, float32 and bf16 (error at most twice the reference's in bf16); the reference head."""
+    hidden, weight, bias, ids, adv, mask, old, ref = make_problem(seed=31)
+    hidden = 2.0 * hidden  # logits of a few units: the caps of 1.5-2 bend them
+    g = torch.Generator().manual_seed(3)  # old and ref near the policy's own log-probs under these options
+    own = reference.selective_log_softmax(hidden @ weight.t() + bias, ids, temperature=0.8, logit_scale=logit_scale,
+                                          logit_softcap=logit_softcap).logps  # fmt: skip
+    old = own + 0.25 * torch.randn(own.shape, generator=g, dtype=torch.float64)
+    ref = own + 0.2 * torch.randn(own.shape, generator=g, dtype=torch.float64)
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.05, importance_sampling_level=level, temperature=0.8,
+                  logit_scale=logit_scale, logit_softcap=logit_softcap)  # fmt: skip
+    expected, expected_grads = run(reference, hidden, weight, bias, ids, adv, mask, **kwargs)
+    _, plain_grads = run(reference, hidden, weight, bias, ids, adv, mask,
+                             **{**kwargs, "logit_scale": 1.0, "logit_softcap": None})  # fmt: skip
+    assert (plain_grads[1] - expected_grads[1]).abs().max() > 1e-4  # the options matter here
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 3e-5)):
+        got, grads = run(grpo_ext, hidden.to(device, dtype), weight.to(device, dtype), bias.to(device, dtype),
+                         ids.to(device), adv.to(device, dtype), mask.to(device), chunk_size=3,
+                         **cast_kwargs(device, dtype, kwargs))  # fmt: skip
+        assert_close(got.loss, expected.loss, rtol=tol, atol=tol, msg=f"loss {dtype}")
+        for name, a, b in zip(("hidden", "weight", "bias"), grads, expected_grads, strict=True):
+            assert_close(a, b, rtol=10 * tol, atol=tol, msg=f"grad {name} {dtype}")
+        assert_close(got.metrics["entropy"], expected.metrics["entropy"], rtol=tol, atol=tol, msg="entropy")
+    low = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
+    low_kwargs = cast_kwargs("cpu", torch.float32, kwargs)
+    truth, truth_grads = run(reference, *[t.double() for t in low], ids, adv, mask, **kwargs)
+    ref_low, ref_grads = run(reference, *low, ids, adv.float(), mask, **low_kwargs)
+    got, grads = run(grpo_ext, *[t.to(device) for t in low], ids.to(device), adv.float().to(device),
+                     mask.to(device), chunk_size=5, **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    for name, a, r, t in zip(("loss", "hidden", "weight", "bias"), [got.loss, *grads], [ref_low.loss, *ref_grads],
+                             [truth.loss, *truth_grads], strict=True):  # fmt: skip
+        err = (a.double().cpu() - t).abs().max().item()
+        ref_err = (r.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + 1e-6, (name, err, ref_err)
+    # the reference log-probs from a reference head go through the same options
+    ref_weight = weight + 0.05
+    ref_logps = reference.selective_log_softmax(
+        hidden @ ref_weight.t() + bias, ids, temperature=0.8, logit_scale=logit_scale, logit_softcap=logit_softcap
+    ).logps.detach()
+    args = [t.to(device) for t in (hidden, weight, ids, adv, mask)]
+    with_logps = hidden_loss(*args, lm_head_bias=bias.to(device),
+                             **cast_kwargs(device, torch.float64, {**kwargs, "ref_logps": ref_logps}))  # fmt: skip
+    policy_kwargs = cast_kwargs(device, torch.float64, {k: v for k, v in kwargs.items() if k != "ref_logps"})
+    ref_head = (hidden.to(device), ref_weight.to(device), bias.to(device))
+    with_head = hidden_loss(*args, lm_head_bias=bias.to(device), ref_head=ref_head, **policy_kwargs)
+    assert_close(with_head.loss, with_logps.loss, rtol=1e-10, atol=1e-12)

@@ -225,18 +225,20 @@ def test_opcheck_and_compile(device):
         (torch.randn(6, dtype=torch.float64, device=device), True),
     ):
         options = LossOptions(old_logps=old, ref_logps=ref, epsilon_high=0.2, beta=0.1, max_completion_length=3)
-        args = (x, flat_ids, 0, adv, mask, token_grad, *options.op_args(), 0.9, compute_grad)
-        torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass.default, args)
-        torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass_.default, (x.clone(), *args[1:]))
+        for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):  # (temperature, logit_scale, logit_softcap)
+            args = (x, flat_ids, 0, adv, mask, token_grad, *options.op_args(), *logit_args, compute_grad)
+            torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass.default, args)
+            torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass_.default, (x.clone(), *args[1:]))
     torch.library.opcheck(torch.ops.grpo_ext.scale_grad_.default, (x.clone(), torch.tensor(2.0, device=device)))
     options = LossOptions(old_logps=old, ref_logps=ref, loss_type="dapo", epsilon_high=0.28, beta=0.1,
                           max_completion_length=3)  # fmt: skip
-    op_args = (x.requires_grad_(True), flat_ids, adv, mask, *options.op_args(), 0.9)
-    torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits.default, op_args)
+    for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):
+        op_args = (x.requires_grad_(True), flat_ids, adv, mask, *options.op_args(), *logit_args)
+        torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits.default, op_args)
 
     def fn(t):
         out = grpo_ext.grpo_loss_from_logits(t, ids, adv, mask, old_logps=old, ref_logps=ref, beta=0.1,
-                                             temperature=0.9)  # fmt: skip
+                                             temperature=0.9, logit_scale=0.7, logit_softcap=2.5)  # fmt: skip
         return out.loss + 0.0 * out.metrics["entropy"]
 
     torch._dynamo.reset()
@@ -265,6 +267,11 @@ def test_errors():
         grpo_ext.grpo_loss_from_logits(logits[:, :5], ids, adv, mask)
     with pytest.raises(ValueError, match="temperature"):
         grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, temperature=0)
+    for bad in (0.0, -2.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="logit_scale must be finite and > 0"):
+            grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, logit_scale=bad)
+        with pytest.raises(ValueError, match="logit_softcap must be finite and > 0"):
+            grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, logit_softcap=bad)
     with pytest.raises(ValueError, match="loss_type"):
         grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, loss_type="ppo")
     with pytest.raises(ValueError, match="ref_logps is required"):
@@ -297,3 +304,46 @@ def test_reference_never_reads_masked_rows_and_keeps_nan_rows_nan(level):
     for impl in (reference, grpo_ext):
         got, _ = run(impl, kept_nan, ids, adv, mask, **kwargs)
         assert torch.isnan(got.loss) and torch.isnan(got.metrics["entropy"]), impl.__name__
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("logit_scale,logit_softcap", [(0.6, None), (1.0, 3.0), (1.7, 2.5)])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_logit_scale_and_softcap_match_reference(device, logit_scale, logit_softcap, level):
+    """docs/math.md section 2's scale, then cap, then temperature; the gradient with respect to the raw logits."""
+    logits, ids, adv, mask, old, ref = make_problem(seed=21)
+    g = torch.Generator().manual_seed(3)  # old and ref near the policy's own log-probs under these options
+    own = reference.selective_log_softmax(logits, ids, temperature=0.9, logit_scale=logit_scale,
+                                          logit_softcap=logit_softcap).logps  # fmt: skip
+    old = own + 0.25 * torch.randn(own.shape, generator=g, dtype=torch.float64)
+    ref = own + 0.2 * torch.randn(own.shape, generator=g, dtype=torch.float64)
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.05, importance_sampling_level=level, temperature=0.9,
+                  logit_scale=logit_scale, logit_softcap=logit_softcap)  # fmt: skip
+    expected, expected_grad = run(reference, logits, ids, adv, mask, **kwargs)
+    _, plain_grad = run(reference, logits, ids, adv, mask, **{**kwargs, "logit_scale": 1.0, "logit_softcap": None})
+    assert (plain_grad - expected_grad).abs().max() > 1e-4  # the options matter here: ignoring them would fail
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        got, grad = run(grpo_ext, logits.to(device, dtype), ids.to(device), adv.to(device, dtype), mask.to(device),
+                        **cast_kwargs(device, dtype, kwargs))  # fmt: skip
+        assert_close(got.loss, expected.loss, rtol=tol, atol=tol, msg=f"loss {dtype}")
+        assert_close(grad, expected_grad, rtol=10 * tol, atol=tol, msg=f"grad {dtype}")
+        assert_close(got.metrics["entropy"], expected.metrics["entropy"], rtol=tol, atol=tol, msg=f"entropy {dtype}")
+    low = logits.to(torch.bfloat16)  # bf16 logits: error at most twice the reference's in bf16
+    truth, truth_grad = run(reference, low.double(), ids, adv, mask, **kwargs)
+    ref_low, ref_low_grad = run(reference, low, ids, adv.float(), mask, **cast_kwargs("cpu", torch.float32, kwargs))
+    got, grad = run(grpo_ext, low.to(device), ids.to(device), adv.float().to(device), mask.to(device),
+                    **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    for name, a, r, t in (("loss", got.loss, ref_low.loss, truth.loss), ("grad", grad, ref_low_grad, truth_grad)):
+        err = (a.double().cpu() - t).abs().max().item()
+        ref_err = (r.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + 1e-7, (name, err, ref_err)
+    # in place: the same gradient written over the logits
+    x = logits.float().to(device).requires_grad_(True)
+    expected_f32, grad_f32 = run(grpo_ext, x.detach(), ids.to(device), adv.float().to(device), mask.to(device),
+                                 **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    produced = x * 1.0
+    out = grpo_ext.grpo_loss_from_logits(produced, ids.to(device), adv.float().to(device), mask.to(device),
+                                         inplace_grad=True, **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    (grad_inplace,) = torch.autograd.grad(out.loss, x)
+    assert torch.equal(out.loss, expected_f32.loss)
+    assert torch.equal(grad_inplace, grad_f32)

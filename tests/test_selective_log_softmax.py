@@ -19,9 +19,10 @@ def make_logits(rows: int, vocab: int, *, seed: int = 0, scale: float = 3.0) -> 
     return logits, ids
 
 
-def run(logits: torch.Tensor, ids: torch.Tensor, impl, temperature: float, weights: tuple[torch.Tensor, torch.Tensor]):
+def run(logits: torch.Tensor, ids: torch.Tensor, impl, temperature: float, weights: tuple[torch.Tensor, torch.Tensor],
+        **logit_options):  # fmt: skip
     x = logits.clone().requires_grad_(True)
-    out = impl.selective_log_softmax(x, ids, temperature=temperature, return_entropy=True)
+    out = impl.selective_log_softmax(x, ids, temperature=temperature, return_entropy=True, **logit_options)
     (out.logps * weights[0]).sum().add((out.entropy * weights[1]).sum()).backward()
     return out.logps.detach(), out.entropy.detach(), x.grad
 
@@ -127,12 +128,16 @@ def test_opcheck_gradcheck_compile(device):
     x = logits.to(device).requires_grad_(True)
     ids = ids.to(device)
     for entropy in (False, True):
-        torch.library.opcheck(torch.ops.grpo_ext.selective_log_softmax_forward.default, (x, ids, 0.8, entropy))
-    stats = torch.ops.grpo_ext.selective_log_softmax_forward(x.detach(), ids, 0.8, True)[2]
+        for logit_args in ((0.8, 1.0, 0.0), (0.8, 0.7, 2.5)):  # (temperature, logit_scale, logit_softcap)
+            args = (x, ids, *logit_args, entropy)
+            torch.library.opcheck(torch.ops.grpo_ext.selective_log_softmax_forward.default, args)
     grad = torch.randn(4, dtype=torch.float64, device=device)
-    torch.library.opcheck(
-        torch.ops.grpo_ext.selective_log_softmax_backward.default, (grad, grad, x.detach(), ids, stats, 0.8)
-    )
+    for logit_args in ((0.8, 1.0, 0.0), (0.8, 0.7, 2.5)):
+        stats = torch.ops.grpo_ext.selective_log_softmax_forward(x.detach(), ids, *logit_args, True)[2]
+        torch.library.opcheck(
+            torch.ops.grpo_ext.selective_log_softmax_backward.default,
+            (grad, grad, x.detach(), ids, stats, *logit_args),
+        )
 
     def fn(t):
         out = grpo_ext.selective_log_softmax(t, ids, temperature=0.8, return_entropy=True)
@@ -153,5 +158,44 @@ def test_errors():
             impl.selective_log_softmax(logits, torch.zeros(4, dtype=torch.long), temperature=0.0)
         with pytest.raises(ValueError, match="logits must be a floating-point tensor"):
             impl.selective_log_softmax(logits.long(), torch.zeros(4, dtype=torch.long))
+        for bad in (0.0, -1.0, float("inf"), float("nan"), "2"):
+            with pytest.raises(ValueError, match="logit_scale must be"):
+                impl.selective_log_softmax(logits, torch.zeros(4, dtype=torch.long), logit_scale=bad)
+            with pytest.raises(ValueError, match="logit_softcap must be"):
+                impl.selective_log_softmax(logits, torch.zeros(4, dtype=torch.long), logit_softcap=bad)
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         grpo_ext.selective_log_softmax(logits, torch.tensor([0, 1, 5, 2]))
+
+
+#: (logit_scale, logit_softcap) cases beyond the default: the scale alone, the cap alone, both (docs/math.md 2).
+LOGIT_OPTION_CASES = [(0.6, None), (1.0, 4.0), (1.7, 2.5)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("logit_scale,logit_softcap", LOGIT_OPTION_CASES)
+@pytest.mark.parametrize("vocab", [7, 4099])
+def test_logit_scale_and_softcap_match_reference(device, logit_scale, logit_softcap, vocab):
+    # Logits of scale 3 plus a confident token at +40: the cap (2.5-4) saturates there, where dz/dx -> 0.
+    logits, ids = make_logits(6, vocab, seed=vocab + 11)
+    g = torch.Generator().manual_seed(2)
+    weights = (torch.randn(6, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64))
+    options = dict(logit_scale=logit_scale, logit_softcap=logit_softcap)
+    truth = run(logits, ids, reference, 0.8, weights, **options)
+    # the options change the result: a kernel that ignored them would fail
+    plain = run(logits, ids, reference, 0.8, weights)
+    assert (plain[0] - truth[0]).abs().max() > 1e-3 and (plain[2] - truth[2]).abs().max() > 1e-3
+    dev_weights = tuple(w.to(device) for w in weights)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        got = run(logits.to(device, dtype), ids.to(device), grpo_ext, 0.8, dev_weights, **options)
+        assert got[2].dtype == dtype
+        for name, a, b in zip(("logps", "entropy", "grad"), got, truth, strict=True):
+            assert_close(a, b, rtol=tol, atol=tol, msg=f"{name} {dtype}")
+    for low_precision in (torch.bfloat16, torch.float16):  # error at most twice the reference's in that dtype
+        low = logits.to(low_precision)
+        low_truth = run(low.double(), ids, reference, 0.8, weights, **options)
+        ref_low = run(low, ids, reference, 0.8, weights, **options)
+        got = run(low.to(device), ids.to(device), grpo_ext, 0.8, dev_weights, **options)
+        for name, a, r, t in zip(("logps", "entropy", "grad"), got, ref_low, low_truth, strict=True):
+            err = (a.double().cpu() - t).abs().max().item()
+            ref_err = (r.double() - t).abs().max().item()
+            assert err <= 2 * ref_err + 1e-6, (name, low_precision, err, ref_err)

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "../plan/grpo_loss_from_logits.h"
@@ -13,16 +14,16 @@
 namespace grpo_ext {
 namespace {
 
-// z = logits row r / temperature, as T.
-template <typename T, typename In>
-void load_scaled_row(const LogitsRows& logits, int64_t r, T inv_temperature, T* z) {
+// z = f(logits row r) (docs/math.md section 2), as T.
+template <typename T, typename In, bool kCapped>
+void load_scaled_row(const LogitsRows& logits, int64_t r, const LogitTransform<T>& f, T* z) {
   const In* x = static_cast<const In*>(logits.data) + logits.offset(r);
-  for (int64_t v = 0; v < logits.vocab; ++v) z[v] = static_cast<T>(static_cast<float>(x[v])) * inv_temperature;
-}
-template <>
-void load_scaled_row<double, double>(const LogitsRows& logits, int64_t r, double inv_temperature, double* z) {
-  const double* x = static_cast<const double*>(logits.data) + logits.offset(r);
-  for (int64_t v = 0; v < logits.vocab; ++v) z[v] = x[v] * inv_temperature;
+  if constexpr (std::is_same_v<In, double>) {
+    for (int64_t v = 0; v < logits.vocab; ++v) z[v] = f.template z_of<kCapped>(x[v]);
+  } else {
+    for (int64_t v = 0; v < logits.vocab; ++v)
+      z[v] = f.template z_of<kCapped>(static_cast<T>(static_cast<float>(x[v])));
+  }
 }
 
 // Per-row gradient weights (docs/math.md section 5's denominators) from the masks alone.
@@ -46,7 +47,8 @@ std::vector<T> row_weights(const LogitsPassPlan& plan) {
   return weights;
 }
 
-template <typename T, typename In>
+// kCapped: the soft-cap's tanh is compiled into its own loops, so the default path is unchanged.
+template <typename T, typename In, bool kCapped>
 void logits_pass_impl(LogitsPassPlan& plan) {
   const LossParams& p = plan.loss.params;
   const LossInputs& in = plan.loss.inputs;
@@ -68,7 +70,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   const PolicyFamily family = policy_family(p.loss_type);
   const KLKind kl = kl_kind(p);
   const bool want_kl = p.beta != 0.0;
-  const T inv_temperature = T(1.0 / plan.temperature);
+  const LogitTransform<T> f = plan.logit.transform<T>();
   T* logps = plan.logps.data_ptr<T>();
   T* entropy = plan.entropy.data_ptr<T>();
   In* grad = static_cast<In*>(plan.grad_data);
@@ -85,7 +87,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
         if (grad_row) std::fill(grad_row, grad_row + vocab, In(0));
         continue;
       }
-      load_scaled_row<T, In>(logits, r, inv_temperature, z.data());
+      load_scaled_row<T, In, kCapped>(logits, r, f, z.data());
       const cpu::RowSoftmax s = cpu::row_softmax(z.data(), vocab, exps.data(), weighted.data());
       const int64_t id = plan.ids.load<int64_t>(r, 0);
       const T logp = T(double(z[id]) - s.lse);
@@ -103,21 +105,35 @@ void logits_pass_impl(LogitsPassPlan& plan) {
             token_logp_grad<T>(consts, family, kl, p.bias_correction, p.has_old, logp, l_old, l_ref,
                                in.advantages.load<T>(b, t), isw);
       }
-      // d/dz_v of g * logp = g * (onehot - p_v); the chosen entry as -expm1(logp), exact where p -> 1.
-      const T scale = T(-double(g) / s.sum) * inv_temperature;
-      for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale);
-      grad_row[id] = In(g * -math_expm1(logp) * inv_temperature);
+      // d/dz_v of g * logp = g * (onehot - p_v), times dz/dx; the chosen entry as -expm1(logp), exact where p -> 1.
+      if constexpr (kCapped) {
+        const T scale = T(-double(g) / s.sum);
+        for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale * f.template slope_of<true>(z[v]));
+      } else {
+        const T scale = T(-double(g) / s.sum) * f.slope;
+        for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale);
+      }
+      grad_row[id] = In(g * -math_expm1(logp) * f.template slope_of<kCapped>(z[id]));
     }
   });
 }
 
-LogitsPassResult run_logits_pass(LogitsPassPlan& plan) {
+template <bool kCapped>
+void run_logits_pass_impl(LogitsPassPlan& plan) {
   switch (plan.logits.dtype) {
-    case DType::kFloat64: logits_pass_impl<double, double>(plan); break;
-    case DType::kFloat32: logits_pass_impl<float, float>(plan); break;
-    case DType::kBFloat16: logits_pass_impl<float, at::BFloat16>(plan); break;
-    case DType::kFloat16: logits_pass_impl<float, at::Half>(plan); break;
+    case DType::kFloat64: logits_pass_impl<double, double, kCapped>(plan); break;
+    case DType::kFloat32: logits_pass_impl<float, float, kCapped>(plan); break;
+    case DType::kBFloat16: logits_pass_impl<float, at::BFloat16, kCapped>(plan); break;
+    case DType::kFloat16: logits_pass_impl<float, at::Half, kCapped>(plan); break;
     default: TORCH_CHECK(false, "logits must be float32, float64, bfloat16 or float16");
+  }
+}
+
+LogitsPassResult run_logits_pass(LogitsPassPlan& plan) {
+  if (plan.logit.logit_softcap > 0) {
+    run_logits_pass_impl<true>(plan);
+  } else {
+    run_logits_pass_impl<false>(plan);
   }
   return plan.result();
 }

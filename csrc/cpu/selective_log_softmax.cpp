@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "../grpo_loss_math.h"
@@ -16,10 +17,11 @@ namespace {
 
 using cpu::row_values;
 
-template <typename T>
+// kCapped: the soft-cap's tanh is compiled into its own loops, so the default path is unchanged.
+template <typename T, bool kCapped>
 void forward_impl(SelectiveLogSoftmaxPlan& plan) {
   const int64_t vocab = plan.vocab;
-  const T inv_temperature = T(1.0 / plan.temperature);
+  const LogitTransform<T> f = plan.logit.transform<T>();
   T* logps = plan.logps.data_ptr<T>();
   T* entropy = plan.return_entropy ? plan.entropy.data_ptr<T>() : nullptr;
   T* stats = plan.row_stats.data_ptr<T>();
@@ -35,7 +37,7 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
       }
       const T* x = row_values(plan.logits, row, vocab, buffer.data());
       T* z = buffer.data();
-      for (int64_t v = 0; v < vocab; ++v) z[v] = x[v] * inv_temperature;
+      for (int64_t v = 0; v < vocab; ++v) z[v] = f.template z_of<kCapped>(x[v]);
       const cpu::RowSoftmax s = cpu::row_softmax(z, vocab, exps.data(), weighted.data());
       logps[row] = T(double(z[id]) - s.lse);
       if (entropy) entropy[row] = T(s.lse - s.mean_z);
@@ -49,21 +51,24 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
 }
 
 SelectiveLogSoftmaxResult selective_log_softmax_forward_cpu(const at::Tensor& logits, const at::Tensor& ids,
-                                                            double temperature, bool return_entropy) {
-  SelectiveLogSoftmaxPlan plan = plan_selective_log_softmax(logits, ids, temperature, return_entropy);
+                                                            double temperature, double logit_scale,
+                                                            double logit_softcap, bool return_entropy) {
+  SelectiveLogSoftmaxPlan plan =
+      plan_selective_log_softmax(logits, ids, temperature, logit_scale, logit_softcap, return_entropy);
+  const bool capped = plan.logit.logit_softcap > 0;
   if (plan.logps.scalar_type() == at::kDouble) {
-    forward_impl<double>(plan);
+    capped ? forward_impl<double, true>(plan) : forward_impl<double, false>(plan);
   } else {
-    forward_impl<float>(plan);
+    capped ? forward_impl<float, true>(plan) : forward_impl<float, false>(plan);
   }
   return {plan.logps, plan.entropy, plan.row_stats};
 }
 
-// d/dz of g_l * logp + g_H * H: g_l * (onehot(id) - p) - g_H * p * (z - E_p[z]); then / temperature.
-template <typename T, typename Out>
+// d/dz of g_l * logp + g_H * H: g_l * (onehot(id) - p) - g_H * p * (z - E_p[z]); then times dz/dx.
+template <typename T, typename Out, bool kCapped>
 void backward_impl(const at::Tensor& grad_logps, const std::optional<at::Tensor>& grad_entropy,
-                   const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& row_stats, double temperature,
-                   at::Tensor& grad_logits) {
+                   const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& row_stats,
+                   const LogitOptions& logit, at::Tensor& grad_logits) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const StridedMatrix x_view = matrix_view(logits, rows, vocab, "logits", false);
   const StridedMatrix id_view = matrix_view(ids, rows, 1, "ids", true);
@@ -72,7 +77,7 @@ void backward_impl(const at::Tensor& grad_logps, const std::optional<at::Tensor>
   if (grad_entropy.has_value()) gh_view = matrix_view(*grad_entropy, rows, 1, "grad_entropy", true);
   const T* stats = row_stats.data_ptr<T>();
   Out* out = grad_logits.data_ptr<Out>();
-  const T inv_temperature = T(1.0 / temperature);
+  const LogitTransform<T> f = logit.transform<T>();
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> buffer(vocab);
@@ -83,19 +88,19 @@ void backward_impl(const at::Tensor& grad_logps, const std::optional<at::Tensor>
       const T gh = gh_view.present() ? gh_view.load<T>(row, 0) : T(0);
       Out* out_row = out + row * vocab;
       for (int64_t v = 0; v < vocab; ++v) {
-        const T z = x[v] * inv_temperature;
+        const T z = f.template z_of<kCapped>(x[v]);
         const T d = z - lse;
         // p = 0 for a -inf logit, and so is its gradient (not 0 * -inf); NaN (a NaN row) stays NaN
         const bool counts = !(d <= T(-100));
         const T p = math_exp(counts ? d : T(-100));
-        const T g = (-gl * p - gh * p * (z - mean_z)) * inv_temperature;
+        const T g = (-gl * p - gh * p * (z - mean_z)) * f.template slope_of<kCapped>(z);
         out_row[v] = Out(counts ? g : T(0));
       }
       const int64_t id = id_view.load<int64_t>(row, 0);
       if (id >= 0 && id < vocab) {  // the chosen token's entry, computed whole so it is rounded once
-        const T z = x[id] * inv_temperature;
+        const T z = f.template z_of<kCapped>(x[id]);
         const T p = math_exp(z - lse);
-        out_row[id] = Out((gl * (T(1) - p) - gh * p * (z - mean_z)) * inv_temperature);
+        out_row[id] = Out((gl * (T(1) - p) - gh * p * (z - mean_z)) * f.template slope_of<kCapped>(z));
       }
     }
   });
@@ -103,17 +108,29 @@ void backward_impl(const at::Tensor& grad_logps, const std::optional<at::Tensor>
 
 at::Tensor selective_log_softmax_backward_cpu(const at::Tensor& grad_logps,
                                               const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
-                                              const at::Tensor& ids, const at::Tensor& row_stats, double temperature) {
-  check_selective_log_softmax_backward(grad_logps, grad_entropy, logits, ids, row_stats, temperature);
+                                              const at::Tensor& ids, const at::Tensor& row_stats, double temperature,
+                                              double logit_scale, double logit_softcap) {
+  const LogitOptions logit = check_selective_log_softmax_backward(grad_logps, grad_entropy, logits, ids, row_stats,
+                                                                  temperature, logit_scale, logit_softcap);
   at::Tensor grad_logits = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto run = [&](auto tag) {
+    using Types = decltype(tag);
+    using T = typename Types::first_type;
+    using Out = typename Types::second_type;
+    if (logit.logit_softcap > 0) {
+      backward_impl<T, Out, true>(grad_logps, grad_entropy, logits, ids, row_stats, logit, grad_logits);
+    } else {
+      backward_impl<T, Out, false>(grad_logps, grad_entropy, logits, ids, row_stats, logit, grad_logits);
+    }
+  };
   if (logits.scalar_type() == at::kDouble) {
-    backward_impl<double, double>(grad_logps, grad_entropy, logits, ids, row_stats, temperature, grad_logits);
+    run(std::pair<double, double>{});
   } else if (logits.scalar_type() == at::kFloat) {
-    backward_impl<float, float>(grad_logps, grad_entropy, logits, ids, row_stats, temperature, grad_logits);
+    run(std::pair<float, float>{});
   } else if (logits.scalar_type() == at::kBFloat16) {
-    backward_impl<float, at::BFloat16>(grad_logps, grad_entropy, logits, ids, row_stats, temperature, grad_logits);
+    run(std::pair<float, at::BFloat16>{});
   } else {
-    backward_impl<float, at::Half>(grad_logps, grad_entropy, logits, ids, row_stats, temperature, grad_logits);
+    run(std::pair<float, at::Half>{});
   }
   return grad_logits;
 }

@@ -31,7 +31,7 @@ void run_pass(LogitsPassPlan& plan, bool grad_in_logits, cudaStream_t stream) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   launch_grpo_loss_from_logits<T, In>(
-      args, T(1.0 / plan.temperature), row_weight.defined() ? row_weight.data_ptr<T>() : nullptr,
+      args, plan.logit.transform<T>(), row_weight.defined() ? row_weight.data_ptr<T>() : nullptr,
       static_cast<In*>(plan.grad_data), plan.logps.data_ptr<T>(), plan.entropy.data_ptr<T>(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

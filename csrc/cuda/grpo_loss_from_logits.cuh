@@ -3,9 +3,10 @@
 // Token-level losses: a small one-block kernel turns the masks into per-row gradient weights (no host sync), then
 // one block per logits row reads the row once for its online softmax statistics, computes the token's log-prob,
 // entropy and d loss / d logp (grpo_loss_math.h), and reads the row a second time to write the gradient
-// g * (onehot - softmax) / temperature. The second read follows the first within the same block, so it is served
-// from L2 rather than HBM for rows up to a few MB; the logits never round-trip through an [N, V] float temporary.
-// Sequence-level losses use the same kernel twice: once for the log-probs, once with the per-token gradients.
+// g * (onehot - softmax) * dz/dx (docs/math.md section 2: temperature, logit_scale, logit_softcap). The second read
+// follows the first within the same block, so it is served from L2 rather than HBM for rows up to a few MB; the logits
+// never round-trip through an [N, V] float temporary. Sequence-level losses use the same kernel twice: once for the
+// log-probs, once with the per-token gradients.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -75,7 +76,7 @@ struct LogitsPassArgs {
 // 64K registers, where it would otherwise fail to launch.
 template <typename T, typename In>
 __global__ void __launch_bounds__(1024)
-    grpo_loss_from_logits_kernel(LogitsPassArgs a, T inv_temperature, const T* __restrict__ row_weight, In* grad,
+    grpo_loss_from_logits_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight, In* grad,
                                  T* __restrict__ logps, T* __restrict__ entropy) {
   __shared__ SoftmaxState<T> warp_states[32];
   __shared__ T row_max, row_log_sum, row_logp, row_g;
@@ -104,14 +105,14 @@ __global__ void __launch_bounds__(1024)
       continue;
     }
     SoftmaxState<T> s{T(0), T(0), T(0)};
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) s = add_logit(s, load_as<T>(x + v) * inv_temperature);
+    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) s = add_logit(s, f(load_as<T>(x + v)));
     s = block_merge(s, warp_states);
     if (threadIdx.x == 0) {
       const int64_t id = a.ids.load<int64_t>(r, 0);
       CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
       // Relative to the max (see selective_log_softmax_forward_kernel): exact for confident tokens.
       const T log_sum = log(s.sum);
-      const T logp = (load_as<T>(x + id) * inv_temperature - s.max) - log_sum;
+      const T logp = (f(load_as<T>(x + id)) - s.max) - log_sum;
       logps[r] = logp;
       entropy[r] = log_sum - s.weighted / s.sum;
       T g = T(0);
@@ -137,12 +138,12 @@ __global__ void __launch_bounds__(1024)
     if (grad_row) {
       const T z_max = row_max, log_sum = row_log_sum, g = row_g;
       const int64_t id = row_id;
-      // d/dz_v of g * logp = g * (onehot - p_v); the chosen entry as -expm1(logp), exact where p -> 1.
+      // d/dz_v of g * logp = g * (onehot - p_v), times dz/dx; the chosen entry as -expm1(logp), exact where p -> 1.
       const T chosen = -g * expm1(row_logp);
       for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-        const T z = load_as<T>(x + v) * inv_temperature;
+        const T z = f(load_as<T>(x + v));
         const T value = v == id ? chosen : -g * exp((z - z_max) - log_sum);
-        grad_row[v] = to_out<In, T>(value * inv_temperature);
+        grad_row[v] = to_out<In, T>(value * f.slope_at(z));
       }
     }
     __syncthreads();  // the shared row values are reused by the next row
@@ -174,13 +175,13 @@ void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInp
 }
 
 template <typename T, typename In>
-void launch_grpo_loss_from_logits(const LogitsPassArgs& a, T inv_temperature, const T* row_weight, In* grad, T* logps,
-                                  T* entropy, cudaStream_t stream) {
+void launch_grpo_loss_from_logits(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight, In* grad,
+                                  T* logps, T* entropy, cudaStream_t stream) {
   if (a.logits.rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;  // grid-stride beyond that: any number of rows
   const unsigned blocks = static_cast<unsigned>(a.logits.rows < max_blocks ? a.logits.rows : max_blocks);
   GRPO_LAUNCH(blocks, softmax_threads(a.logits.vocab), 0, stream, grpo_loss_from_logits_kernel<T, In>)(
-      a, inv_temperature, row_weight, grad, logps, entropy);
+      a, f, row_weight, grad, logps, entropy);
 }
 
 template <typename T, typename Out>

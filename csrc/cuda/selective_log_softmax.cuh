@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "../common.h"
+#include "../logit_transform.h"
 #include "launch.cuh"
 #include "reduce.cuh"
 
@@ -75,13 +76,12 @@ __device__ __forceinline__ SoftmaxState<T> block_merge(SoftmaxState<T> s, Softma
 template <typename T>
 __global__ void __launch_bounds__(1024)
     selective_log_softmax_forward_kernel(StridedMatrix logits, StridedMatrix ids, int64_t rows, int64_t vocab,
-                                         T inv_temperature, T* __restrict__ logps, T* __restrict__ entropy,
+                                         LogitTransform<T> f, T* __restrict__ logps, T* __restrict__ entropy,
                                          T* __restrict__ row_stats) {
   __shared__ SoftmaxState<T> warp_states[32];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     SoftmaxState<T> s{T(0), T(0), T(0)};
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x)
-      s = add_logit(s, logits.load<T>(row, v) * inv_temperature);
+    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) s = add_logit(s, f(logits.load<T>(row, v)));
     s = block_merge(s, warp_states);
     if (threadIdx.x == 0) {
       const int64_t id = ids.load<int64_t>(row, 0);
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(1024)
       // (z_id - max) - log(sum), not z_id - lse: rounding lse (~30) costs ~2e-6 absolute, all of a confident
       // token's log-prob (~-1e-6).
       const T log_sum = log(s.sum), mean_shift = s.weighted / s.sum;
-      logps[row] = (logits.load<T>(row, id) * inv_temperature - s.max) - log_sum;
+      logps[row] = (f(logits.load<T>(row, id)) - s.max) - log_sum;
       if (entropy) entropy[row] = log_sum - mean_shift;
       row_stats[2 * row] = s.max + log_sum;         // lse
       row_stats[2 * row + 1] = s.max + mean_shift;  // E_p[z]
@@ -116,7 +116,7 @@ template <typename T, typename Out>
 __global__ void __launch_bounds__(1024)
     selective_log_softmax_backward_kernel(StridedMatrix logits, StridedMatrix ids, StridedMatrix grad_logps,
                                           StridedMatrix grad_entropy, const T* __restrict__ row_stats, int64_t rows,
-                                          int64_t vocab, T inv_temperature, Out* __restrict__ grad_logits) {
+                                          int64_t vocab, LogitTransform<T> f, Out* __restrict__ grad_logits) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T lse = row_stats[2 * row], mean_z = row_stats[2 * row + 1];
     const T gl = grad_logps.load<T>(row, 0);
@@ -124,11 +124,11 @@ __global__ void __launch_bounds__(1024)
     const int64_t id = ids.load<int64_t>(row, 0);
     Out* out = grad_logits + row * vocab;
     for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-      const T z = logits.load<T>(row, v) * inv_temperature;
+      const T z = f(logits.load<T>(row, v));
       const T p = exp(z - lse);
       const T onehot = v == id ? gl : T(0);
       const T spread = p > T(0) ? p * (z - mean_z) : T(0);  // a -inf logit: p = 0, and not 0 * -inf
-      out[v] = to_out<Out, T>((onehot - gl * p - gh * spread) * inv_temperature);
+      out[v] = to_out<Out, T>((onehot - gl * p - gh * spread) * f.slope_at(z));
     }
   }
 }
@@ -139,25 +139,24 @@ inline int softmax_threads(int64_t vocab) {
 
 template <typename T>
 void launch_selective_log_softmax_forward(const StridedMatrix& logits, const StridedMatrix& ids, int64_t rows,
-                                          int64_t vocab, T inv_temperature, T* logps, T* entropy, T* row_stats,
+                                          int64_t vocab, const LogitTransform<T>& f, T* logps, T* entropy, T* row_stats,
                                           cudaStream_t stream) {
   if (rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
   GRPO_LAUNCH(static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream,
-              selective_log_softmax_forward_kernel<T>)(logits, ids, rows, vocab, inv_temperature, logps, entropy,
-                                                       row_stats);
+              selective_log_softmax_forward_kernel<T>)(logits, ids, rows, vocab, f, logps, entropy, row_stats);
 }
 
 template <typename T, typename Out>
 void launch_selective_log_softmax_backward(const StridedMatrix& logits, const StridedMatrix& ids,
                                            const StridedMatrix& grad_logps, const StridedMatrix& grad_entropy,
-                                           const T* row_stats, int64_t rows, int64_t vocab, T inv_temperature,
+                                           const T* row_stats, int64_t rows, int64_t vocab, const LogitTransform<T>& f,
                                            Out* grad_logits, cudaStream_t stream) {
   if (rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
   GRPO_LAUNCH(static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream,
               selective_log_softmax_backward_kernel<T, Out>)(logits, ids, grad_logps, grad_entropy, row_stats, rows,
-                                                             vocab, inv_temperature, grad_logits);
+                                                             vocab, f, grad_logits);
 }
 
 }  // namespace grpo_ext

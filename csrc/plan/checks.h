@@ -8,6 +8,7 @@
 #include <string>
 
 #include "../common.h"
+#include "../logit_transform.h"
 #include "../option_choices.h"
 
 namespace grpo_ext {
@@ -77,6 +78,23 @@ E parse_choice(const char* option, c10::string_view value, const Choice<E> (&cho
 // Statistics are float64 for float64 inputs and float32 otherwise (docs/math.md: float32 accumulation at least).
 inline at::ScalarType accumulate_type(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The logits options of docs/math.md section 2 as the ops take them (logit_softcap 0: no cap), checked once.
+struct LogitOptions {
+  double temperature = 1.0, logit_scale = 1.0, logit_softcap = 0.0;
+  template <typename T>
+  LogitTransform<T> transform() const {
+    return make_logit_transform<T>(temperature, logit_scale, logit_softcap);
+  }
+};
+
+inline LogitOptions check_logit_options(double temperature, double logit_scale, double logit_softcap) {
+  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
+  TORCH_CHECK(std::isfinite(logit_scale) && logit_scale > 0, "logit_scale must be finite and > 0, got ", logit_scale);
+  TORCH_CHECK(std::isfinite(logit_softcap) && logit_softcap >= 0,
+              "logit_softcap must be finite and > 0 (0 for no cap), got ", logit_softcap);
+  return {temperature, logit_scale, logit_softcap};
 }
 
 }  // namespace grpo_ext

@@ -11,9 +11,10 @@
 #define GRPO_LOSS_FROM_LOGITS_PASS_PARAMS                                                            \
   const at::Tensor &logits, const at::Tensor &ids, int64_t row_offset, const at::Tensor &advantages, \
       const at::Tensor &completion_mask, const std::optional<at::Tensor>&token_grad,                 \
-      GRPO_LOSS_OPTION_PARAMS double temperature, bool compute_grad
-#define GRPO_LOSS_FROM_LOGITS_PASS_ARGS \
-  logits, ids, row_offset, advantages, completion_mask, token_grad, GRPO_LOSS_OPTION_VALUES, temperature, compute_grad
+      GRPO_LOSS_OPTION_PARAMS double temperature, double logit_scale, double logit_softcap, bool compute_grad
+#define GRPO_LOSS_FROM_LOGITS_PASS_ARGS                                                                                \
+  logits, ids, row_offset, advantages, completion_mask, token_grad, GRPO_LOSS_OPTION_VALUES, temperature, logit_scale, \
+      logit_softcap, compute_grad
 
 namespace grpo_ext {
 
@@ -25,7 +26,7 @@ struct LogitsPassPlan {
   StridedMatrix ids;         // [R, 1]
   StridedMatrix token_grad;  // [R, 1] d loss / d logp per row, or absent (then computed from the loss inputs)
   int64_t row_offset = 0;    // row r of the logits is token row_offset + r of the flattened [B, T] problem
-  double temperature = 1.0;
+  LogitOptions logit;        // temperature, logit_scale, logit_softcap
   bool compute_grad = true;
   at::Tensor logps, entropy, grad_logits;
   void* grad_data = nullptr;  // grad_logits' storage, or the logits' own for the in-place op
@@ -48,10 +49,10 @@ inline LogitsRows logits_rows(const at::Tensor& logits) {
 inline LogitsPassPlan plan_grpo_loss_from_logits(const at::Tensor& logits, const at::Tensor& ids, int64_t row_offset,
                                                  const at::Tensor& advantages, const at::Tensor& completion_mask,
                                                  const std::optional<at::Tensor>& token_grad,
-                                                 const LossOptionArgs& options, double temperature, bool compute_grad,
-                                                 bool inplace) {
+                                                 const LossOptionArgs& options, double temperature, double logit_scale,
+                                                 double logit_softcap, bool compute_grad, bool inplace) {
   check_float(logits, "logits");
-  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
+  const LogitOptions logit = check_logit_options(temperature, logit_scale, logit_softcap);
   TORCH_CHECK(completion_mask.dim() == 2, "completion_mask must have shape [B, T], got ", completion_mask.sizes());
   const int64_t batch = completion_mask.size(0), seq_len = completion_mask.size(1);
   TORCH_CHECK(batch >= 1, "completion_mask must have at least one row (B >= 1), got shape ", completion_mask.sizes());
@@ -80,7 +81,7 @@ inline LogitsPassPlan plan_grpo_loss_from_logits(const at::Tensor& logits, const
     plan.token_grad = matrix_view(g, rows, 1, "token_grad", true);
   }
   plan.row_offset = row_offset;
-  plan.temperature = temperature;
+  plan.logit = logit;
   plan.compute_grad = compute_grad;
   const auto opts = logits.options().dtype(acc);
   plan.logps = at::empty({rows}, opts);

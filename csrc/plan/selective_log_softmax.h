@@ -17,12 +17,12 @@ struct SelectiveLogSoftmaxPlan {
   StridedMatrix logits;  // [N, V]
   StridedMatrix ids;     // [N, 1]
   int64_t rows = 0, vocab = 0;
-  double temperature = 1.0;
+  LogitOptions logit;  // temperature, logit_scale, logit_softcap
   bool return_entropy = false;
   at::Tensor logps, entropy, row_stats;
 };
 
-inline void check_logits_and_ids(const at::Tensor& logits, const at::Tensor& ids, double temperature) {
+inline void check_logits_and_ids(const at::Tensor& logits, const at::Tensor& ids) {
   check_float(logits, "logits");
   TORCH_CHECK(logits.dim() == 2, "logits must have shape [N, V], got ", logits.sizes());
   TORCH_CHECK(logits.size(1) >= 1, "logits must have a vocabulary of at least one entry (V >= 1)");
@@ -31,16 +31,16 @@ inline void check_logits_and_ids(const at::Tensor& logits, const at::Tensor& ids
   TORCH_CHECK(ids.dim() == 1 && ids.size(0) == logits.size(0), "ids must have shape [", logits.size(0), "], got ",
               ids.sizes());
   check_same_device(ids, logits, "ids", "logits");
-  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
 }
 
 inline SelectiveLogSoftmaxPlan plan_selective_log_softmax(const at::Tensor& logits, const at::Tensor& ids,
-                                                          double temperature, bool return_entropy) {
-  check_logits_and_ids(logits, ids, temperature);
+                                                          double temperature, double logit_scale, double logit_softcap,
+                                                          bool return_entropy) {
+  check_logits_and_ids(logits, ids);
   SelectiveLogSoftmaxPlan plan;
   plan.rows = logits.size(0);
   plan.vocab = logits.size(1);
-  plan.temperature = temperature;
+  plan.logit = check_logit_options(temperature, logit_scale, logit_softcap);
   plan.return_entropy = return_entropy;
   plan.logits = matrix_view(logits, plan.rows, plan.vocab, "logits", false);
   plan.ids = matrix_view(ids, plan.rows, 1, "ids", true);
@@ -51,11 +51,14 @@ inline SelectiveLogSoftmaxPlan plan_selective_log_softmax(const at::Tensor& logi
   return plan;
 }
 
-inline void check_selective_log_softmax_backward(const at::Tensor& grad_logps,
-                                                 const std::optional<at::Tensor>& grad_entropy,
-                                                 const at::Tensor& logits, const at::Tensor& ids,
-                                                 const at::Tensor& row_stats, double temperature) {
-  check_logits_and_ids(logits, ids, temperature);
+// The backward's checks; returns its logits options.
+inline LogitOptions check_selective_log_softmax_backward(const at::Tensor& grad_logps,
+                                                         const std::optional<at::Tensor>& grad_entropy,
+                                                         const at::Tensor& logits, const at::Tensor& ids,
+                                                         const at::Tensor& row_stats, double temperature,
+                                                         double logit_scale, double logit_softcap) {
+  check_logits_and_ids(logits, ids);
+  const LogitOptions logit = check_logit_options(temperature, logit_scale, logit_softcap);
   const int64_t rows = logits.size(0);
   TORCH_CHECK(grad_logps.dim() == 1 && grad_logps.size(0) == rows, "grad_logps must have shape [", rows, "], got ",
               grad_logps.sizes());
@@ -71,6 +74,7 @@ inline void check_selective_log_softmax_backward(const at::Tensor& grad_logps,
   TORCH_CHECK(row_stats.scalar_type() == accumulate_type(logits.scalar_type()),
               "row_stats must have the forward's statistics dtype");
   check_same_device(row_stats, logits, "row_stats", "logits");
+  return logit;
 }
 
 }  // namespace grpo_ext

@@ -23,6 +23,7 @@ from .ops.options import (
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALE_REWARDS,
     SINGLETON_GROUPS,
+    LogitOptions,
     LossOptions,
 )
 
@@ -60,6 +61,29 @@ def check_positive(name: str, value: object) -> float:
     if not x > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
     return x
+
+
+def check_finite_positive(name: str, value: object) -> float:
+    """Returns ``value`` as a float, raising ValueError unless it is a finite number > 0."""
+    x = check_real_number(name, value)
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return x
+
+
+def validate_logit_options(
+    temperature: object, logit_scale: object = 1.0, logit_softcap: object = None
+) -> LogitOptions:
+    """Checks the logits options (docs/math.md section 2) of every op that reads logits; returns them as floats.
+
+    Raises:
+        ValueError: temperature not > 0, logit_scale not finite and > 0, or logit_softcap neither None nor finite > 0.
+    """
+    return LogitOptions(
+        check_positive("temperature", temperature),
+        check_finite_positive("logit_scale", logit_scale),
+        None if logit_softcap is None else check_finite_positive("logit_softcap", logit_softcap),
+    )
 
 
 def check_non_negative(name: str, value: object) -> float:
@@ -343,8 +367,10 @@ def validate_grpo_loss_args(
     )
 
 
-def validate_selective_log_softmax_args(logits: Tensor, ids: Tensor, temperature: float) -> float:
-    """Checks selective_log_softmax's arguments (shared with the native op's wrapper); returns the temperature.
+def validate_selective_log_softmax_args(
+    logits: Tensor, ids: Tensor, temperature: float, logit_scale: float = 1.0, logit_softcap: float | None = None
+) -> LogitOptions:
+    """Checks selective_log_softmax's arguments (shared with the native op's wrapper); returns the logits options.
 
     Raises:
         ValueError: naming the bad argument and what was expected.
@@ -360,4 +386,4 @@ def validate_selective_log_softmax_args(logits: Tensor, ids: Tensor, temperature
     if logits.shape[-1] < 1:
         raise ValueError("logits must have a vocabulary of at least one entry (V >= 1)")
     check_same_device("logits", logits, ids=ids)
-    return check_positive("temperature", temperature)
+    return validate_logit_options(temperature, logit_scale, logit_softcap)

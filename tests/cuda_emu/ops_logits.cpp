@@ -10,9 +10,23 @@ namespace {
 
 constexpr int kSoftmaxStats = 2;
 
+// The ops' (temperature, logit_scale, logit_softcap) arguments (logit_softcap 0: no cap; docs/math.md section 2).
+struct LogitArgs {
+  double temperature, logit_scale, logit_softcap;
+  template <typename T>
+  grpo_ext::LogitTransform<T> transform() const {
+    return grpo_ext::make_logit_transform<T>(temperature, logit_scale, logit_softcap);
+  }
+};
+
+LogitArgs logit_args(Args& a) {
+  const double temperature = a.number(), logit_scale = a.number(), logit_softcap = a.number();
+  return {temperature, logit_scale, logit_softcap};
+}
+
 std::vector<Tensor> selective_log_softmax_forward(Args& a) {
   const Tensor logits = a.tensor(), ids = a.tensor();
-  const double temperature = a.number();
+  const LogitArgs logit = logit_args(a);
   const bool return_entropy = a.boolean();
   a.done();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
@@ -22,11 +36,11 @@ std::vector<Tensor> selective_log_softmax_forward(Args& a) {
   Tensor row_stats = empty({rows, kSoftmaxStats}, acc);
   if (acc == DType::kFloat64) {
     grpo_ext::launch_selective_log_softmax_forward<double>(
-        x, id, rows, vocab, 1.0 / temperature, logps.data_as<double>(),
+        x, id, rows, vocab, logit.transform<double>(), logps.data_as<double>(),
         return_entropy ? entropy.data_as<double>() : nullptr, row_stats.data_as<double>(), nullptr);
   } else {
     grpo_ext::launch_selective_log_softmax_forward<float>(
-        x, id, rows, vocab, float(1.0 / temperature), logps.data_as<float>(),
+        x, id, rows, vocab, logit.transform<float>(), logps.data_as<float>(),
         return_entropy ? entropy.data_as<float>() : nullptr, row_stats.data_as<float>(), nullptr);
   }
   return {logps, entropy, row_stats};
@@ -36,7 +50,7 @@ std::vector<Tensor> selective_log_softmax_backward(Args& a) {
   const Tensor grad_logps = a.tensor();
   const std::optional<Tensor> grad_entropy = a.optional_tensor();
   const Tensor logits = a.tensor(), ids = a.tensor(), row_stats = a.tensor();
-  const double temperature = a.number();
+  const LogitArgs logit = logit_args(a);
   a.done();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const grpo_ext::StridedMatrix x = matrix_view(logits, rows, vocab, false), id = matrix_view(ids, rows, 1, true);
@@ -44,23 +58,24 @@ std::vector<Tensor> selective_log_softmax_backward(Args& a) {
   grpo_ext::StridedMatrix gh;
   if (grad_entropy) gh = matrix_view(*grad_entropy, rows, 1, true);
   Tensor grad = empty({rows, vocab}, logits.dtype);
-  const float inv_t = float(1.0 / temperature);
+  const grpo_ext::LogitTransform<float> f = logit.transform<float>();
   switch (logits.dtype) {
     case DType::kFloat64:
-      grpo_ext::launch_selective_log_softmax_backward<double, double>(
-          x, id, gl, gh, row_stats.data_as<double>(), rows, vocab, 1.0 / temperature, grad.data_as<double>(), nullptr);
+      grpo_ext::launch_selective_log_softmax_backward<double, double>(x, id, gl, gh, row_stats.data_as<double>(), rows,
+                                                                      vocab, logit.transform<double>(),
+                                                                      grad.data_as<double>(), nullptr);
       break;
     case DType::kFloat32:
       grpo_ext::launch_selective_log_softmax_backward<float, float>(x, id, gl, gh, row_stats.data_as<float>(), rows,
-                                                                    vocab, inv_t, grad.data_as<float>(), nullptr);
+                                                                    vocab, f, grad.data_as<float>(), nullptr);
       break;
     case DType::kBFloat16:
       grpo_ext::launch_selective_log_softmax_backward<float, __nv_bfloat16>(
-          x, id, gl, gh, row_stats.data_as<float>(), rows, vocab, inv_t, grad.data_as<__nv_bfloat16>(), nullptr);
+          x, id, gl, gh, row_stats.data_as<float>(), rows, vocab, f, grad.data_as<__nv_bfloat16>(), nullptr);
       break;
     default:
       grpo_ext::launch_selective_log_softmax_backward<float, __half>(x, id, gl, gh, row_stats.data_as<float>(), rows,
-                                                                     vocab, inv_t, grad.data_as<__half>(), nullptr);
+                                                                     vocab, f, grad.data_as<__half>(), nullptr);
       break;
   }
   return {grad};
@@ -70,7 +85,7 @@ std::vector<Tensor> selective_log_softmax_backward(Args& a) {
 template <typename T, typename In>
 void run_pass(const LossPlan& loss, const grpo_ext::LogitsRows& logits, const grpo_ext::StridedMatrix& ids,
               const grpo_ext::StridedMatrix& token_grad, int64_t row_offset, bool compute_grad, bool grad_in_logits,
-              void* grad_data, double temperature, const Tensor& logps, const Tensor& entropy) {
+              void* grad_data, const LogitArgs& logit, const Tensor& logps, const Tensor& entropy) {
   const grpo_ext::LogitsPassArgs args{
       loss.params,   loss.inputs, logits, ids, token_grad, row_offset, compute_grad && grad_data != nullptr,
       grad_in_logits};
@@ -83,7 +98,7 @@ void run_pass(const LossPlan& loss, const grpo_ext::LogitsRows& logits, const gr
                                                           T(loss.loss_scale), row_weight->data_as<T>(), nullptr);
   }
   grpo_ext::launch_grpo_loss_from_logits<T, In>(
-      args, T(1.0 / temperature), row_weight ? row_weight->data_as<T>() : nullptr, static_cast<In*>(grad_data),
+      args, logit.transform<T>(), row_weight ? row_weight->data_as<T>() : nullptr, static_cast<In*>(grad_data),
       logps.data_as<T>(), entropy.data_as<T>(), nullptr);
 }
 
@@ -97,7 +112,7 @@ std::vector<Tensor> logits_pass(Args& a, bool inplace) {
   const grpo_ext::LogitsRows rows = logits_rows(logits);
   const DType acc = accumulate_type(logits.dtype);
   const LossPlan loss = plan_loss_inputs(batch, seq_len, std::nullopt, acc, advantages, mask, a, false, true);
-  const double temperature = a.number();
+  const LogitArgs logit = logit_args(a);
   const bool compute_grad = a.boolean();
   a.done();
   const grpo_ext::StridedMatrix id = matrix_view(ids, rows.rows, 1, true);
@@ -114,20 +129,17 @@ std::vector<Tensor> logits_pass(Args& a, bool inplace) {
   }
   switch (logits.dtype) {
     case DType::kFloat64:
-      run_pass<double, double>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, temperature, logps,
-                               entropy);
+      run_pass<double, double>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, logps, entropy);
       break;
     case DType::kFloat32:
-      run_pass<float, float>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, temperature, logps,
-                             entropy);
+      run_pass<float, float>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, logps, entropy);
       break;
     case DType::kBFloat16:
-      run_pass<float, __nv_bfloat16>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, temperature,
-                                     logps, entropy);
+      run_pass<float, __nv_bfloat16>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, logps,
+                                     entropy);
       break;
     case DType::kFloat16:
-      run_pass<float, __half>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, temperature, logps,
-                              entropy);
+      run_pass<float, __half>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, logps, entropy);
       break;
     default: bad_args("logits must be float32, float64, bfloat16 or float16");
   }

@@ -1,9 +1,10 @@
 """The logits kernels on the emulated device, driven by their launchers: selective_log_softmax's forward and backward,
-and the fused pass of grpo_loss_from_logits (its row weights, the pass in a new tensor and in place, scale_grad_).
-V from 1 to 50257 (never a multiple of a block or vector width), every float dtype, temperature != 1, strided and
-3-D logits, masked rows holding NaN and padding ids, -inf and NaN logits, chunked rows (row_offset), batches over 32
-rows (the row-weights kernel's warp loop wraps), every loss type at both importance levels. The cases are the CUDA
-tests' (tests/test_selective_log_softmax.py, tests/test_grpo_loss_from_logits.py) and more."""
+and the fused pass of grpo_loss_from_logits (its row weights, the pass in a new tensor and in place, scale_grad_). V
+from 1 to 50257 (never a multiple of a block or vector width), every float dtype, temperature != 1, logit_scale and
+logit_softcap, strided and 3-D logits, masked rows holding NaN and padding ids, -inf and NaN logits, chunked rows
+(row_offset), batches over 32 rows (the row-weights kernel's warp loop wraps), every loss type at both importance
+levels. The cases are the CUDA tests' (tests/test_selective_log_softmax.py, tests/test_grpo_loss_from_logits.py) and
+more."""
 
 from __future__ import annotations
 
@@ -21,14 +22,18 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 VOCABS = [1, 7, 33, 1000, 4099, 50257]
 
 
-def softmax_round_trip(emu, logits, ids, temperature: float, *, entropy: bool = True, grad_entropy: bool = True):
-    """The forward, then the backward from the forward's row statistics (as the autograd function chains them)."""
-    logps, _, row_stats = check_op(emu, "selective_log_softmax_forward", logits, ids, temperature, entropy)
+def softmax_round_trip(emu, logits, ids, temperature: float, *, entropy: bool = True, grad_entropy: bool = True,
+                       logit: tuple[float, float] = (1.0, 0.0)):  # fmt: skip
+    """The forward, then the backward from the forward's row statistics (as the autograd function chains them).
+
+    ``logit``: (logit_scale, logit_softcap), 0 for no cap (docs/math.md section 2).
+    """
+    logps, _, row_stats = check_op(emu, "selective_log_softmax_forward", logits, ids, temperature, *logit, entropy)
     rows = logits.shape[0]
     g = torch.Generator().manual_seed(rows)
     grad_logps = torch.randn(rows, generator=g, dtype=logps.dtype)
     grad_ent = torch.randn(rows, generator=g, dtype=logps.dtype) if grad_entropy else None
-    check_op(emu, "selective_log_softmax_backward", grad_logps, grad_ent, logits, ids, row_stats, temperature)
+    check_op(emu, "selective_log_softmax_backward", grad_logps, grad_ent, logits, ids, row_stats, temperature, *logit)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
@@ -73,14 +78,16 @@ def test_selective_log_softmax_id_outside_the_vocabulary_is_a_device_assert(emu)
     logits, ids = make_logits(4, 9, seed=1)
     ids[2] = 9
     with pytest.raises(EmuError, match="device assert failed: id >= 0 && id < vocab"):
-        emu.selective_log_softmax_forward(logits.float(), ids, 1.0, True)
+        emu.selective_log_softmax_forward(logits.float(), ids, 1.0, 1.0, 0.0, True)
 
 
-def pass_args(logits, ids, adv, mask, *, token_grad=None, row_offset=0, temperature=0.9, compute_grad=True, **options):
-    """grpo_loss_from_logits_pass' arguments; ``mask`` is the [B, T] completion mask the rows score."""
+def pass_args(logits, ids, adv, mask, *, token_grad=None, row_offset=0, temperature=0.9, logit=(1.0, 0.0),
+              compute_grad=True, **options):  # fmt: skip
+    """grpo_loss_from_logits_pass' arguments; ``mask`` is the [B, T] completion mask the rows score; ``logit`` is
+    (logit_scale, logit_softcap), 0 for no cap."""
     stand_in = torch.empty(mask.shape)
     resolved = validate_grpo_loss_args(stand_in, adv, mask, LossOptions(**options))
-    return (logits, ids, row_offset, adv, mask, token_grad, *resolved.op_args(), temperature, compute_grad)
+    return (logits, ids, row_offset, adv, mask, token_grad, *resolved.op_args(), temperature, *logit, compute_grad)
 
 
 PASS_TOL = [VALUES, VALUES, LOGITS_GRAD]  # log-probs, entropy, gradient
@@ -197,3 +204,27 @@ def test_scale_grad(emu, dtype):
     for grad in (base.to(dtype), base.to(dtype)[:, :4], base.to(dtype)[0]):  # 3-D; strided rows; 2-D
         for factor in (torch.tensor(2.5), torch.tensor(1.0)):  # 1.0: the kernel returns at once
             check_op(emu, "scale_grad_", grad.clone() if grad.is_contiguous() else grad, factor, tol=VALUES)
+
+
+#: (logit_scale, logit_softcap) beyond the default: the scale alone, the cap alone, both (0: no cap).
+LOGIT_CASES = [(0.6, 0.0), (1.0, 4.0), (1.7, 2.5)]
+
+
+@pytest.mark.parametrize("logit", LOGIT_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_selective_log_softmax_logit_scale_and_softcap(emu, dtype, logit):
+    logits, ids = make_logits(5, 4099, seed=13)
+    softmax_round_trip(emu, logits.to(dtype), ids, 0.8, logit=logit)
+
+
+@pytest.mark.parametrize("logit", LOGIT_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_pass_logit_scale_and_softcap(emu, dtype, logit):
+    """The pass in a new tensor and in place, with the logits options (the gradient through the cap's tanh)."""
+    logits, ids, adv, mask, old, ref = make_problem(seed=17)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    options = dict(old_logps=old.to(acc), ref_logps=ref.to(acc), beta=0.05, loss_type="dapo")
+    args = pass_args(logits.to(dtype), ids.reshape(-1), adv.to(acc), mask, temperature=0.8, logit=logit, **options)
+    check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+    check_op(emu, "grpo_loss_from_logits_pass_", *args, tol=[VALUES, VALUES, LOGITS_GRAD],
+             names=("logps", "entropy", "logits"))  # fmt: skip

@@ -13,17 +13,18 @@ from torch import Tensor
 
 from .. import _C
 from ..results import GRPOLossOutput
-from ..validation import check_int, check_positive
+from ..validation import check_int, validate_logit_options
 from ._common import accumulate_dtype, refuse_double_backward
 from .grpo_loss_from_logits import (
     check_ids_and_mask,
+    logit_options_from_op_args,
     masked_mean_entropy,
     resolve_loss_options,
     scale_grad,
     take_saved_grads,
 )
 from .lm_head import chunk_rows, project
-from .options import NUM_METRICS, LossOptions, metrics_dict, takes_loss_options
+from .options import NUM_METRICS, LogitOptions, LossOptions, metrics_dict, takes_loss_options
 from .selective_log_softmax import selective_log_softmax
 
 #: A reference model's LM head: (``[N, H']`` hidden states, ``[V, H']`` weight, ``[V]`` bias or None).
@@ -31,11 +32,11 @@ RefHead = tuple[Tensor, Tensor, Tensor | None]
 
 
 @torch.no_grad()
-def _write_ref_logps(ref_head: RefHead, ids: Tensor, start: int, end: int, temperature: float, out: Tensor) -> None:
+def _write_ref_logps(ref_head: RefHead, ids: Tensor, start: int, end: int, logit: LogitOptions, out: Tensor) -> None:
     """``out[start:end]`` = the reference head's log-probs of ``ids[start:end]`` (one chunk of logits, no grad)."""
     ref_hidden, ref_weight, ref_bias = ref_head
     logits = project(ref_hidden[start:end], ref_weight, ref_bias)
-    out[start:end] = selective_log_softmax(logits, ids[start:end], temperature=temperature).logps
+    out[start:end] = selective_log_softmax(logits, ids[start:end], **logit._asdict()).logps
 
 
 def _accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -56,7 +57,7 @@ def _hidden_loss_forward(
     advantages: Tensor,
     completion_mask: Tensor,
     options: LossOptions,
-    temperature: float,
+    logit: LogitOptions,
     chunk_size: int,
     needs: tuple[bool, bool, bool],
     ref_head: RefHead | None = None,
@@ -81,6 +82,7 @@ def _hidden_loss_forward(
     grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
     ops = torch.ops.grpo_ext
     option_args = options.op_args()
+    logit_args = logit.op_args()
 
     def chunk_logits(start: int, end: int) -> Tensor:
         return project(hidden[start:end], weight, bias)
@@ -105,11 +107,11 @@ def _hidden_loss_forward(
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)
         if ref_head is not None:
-            _write_ref_logps(ref_head, ids, start, end, temperature, options.ref_logps.view(-1))
+            _write_ref_logps(ref_head, ids, start, end, logit, options.ref_logps.view(-1))
         logits = chunk_logits(start, end)
         grad_now = compute_grad and token_level
         op = ops.grpo_loss_from_logits_pass_ if grad_now else ops.grpo_loss_from_logits_pass
-        out = op(logits, ids[start:end], start, advantages, completion_mask, None, *option_args, temperature, grad_now)
+        out = op(logits, ids[start:end], start, advantages, completion_mask, None, *option_args, *logit_args, grad_now)
         logps[start:end] = out[0]
         entropy[start:end] = out[1]
         if grad_now:
@@ -123,7 +125,7 @@ def _hidden_loss_forward(
             end = min(rows, start + chunk_size)
             logits = chunk_logits(start, end)
             ops.grpo_loss_from_logits_pass_(logits, ids[start:end], start, advantages, completion_mask,
-                                            token_grad[start:end], *option_args, temperature, True)
+                                            token_grad[start:end], *option_args, *logit_args, True)
             backward_through_chunk(start, end, logits)
     if grad_weight is not None and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
@@ -137,11 +139,11 @@ class _HiddenLossFunction(torch.autograd.Function):
     """Eager autograd for the chunked hidden-state loss: gradients computed in the forward, scaled in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, advantages, completion_mask, options, temperature, chunk_size,
+    def forward(ctx, hidden, weight, bias, ids, advantages, completion_mask, options, logit, chunk_size,
                 ref_head=None):  # fmt: skip
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         loss, metrics, entropy, *grads = _hidden_loss_forward(
-            hidden, weight, bias, ids, advantages, completion_mask, options, temperature, chunk_size, needs, ref_head
+            hidden, weight, bias, ids, advantages, completion_mask, options, logit, chunk_size, needs, ref_head
         )
         ctx.saved_grads = tuple(grads)
         ctx.mark_non_differentiable(metrics, entropy)
@@ -159,15 +161,17 @@ class _HiddenLossFunction(torch.autograd.Function):
 torch.library.define(
     "grpo_ext::grpo_loss_from_hidden",
     f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor advantages, Tensor completion_mask, "
-    f"{_C.LOSS_OPTIONS_SCHEMA}float temperature, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    f"{_C.LOSS_OPTIONS_SCHEMA}float temperature, float logit_scale, float logit_softcap, int chunk_size) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.impl("grpo_ext::grpo_loss_from_hidden", "CompositeExplicitAutograd")
 def _grpo_loss_from_hidden_impl(hidden, weight, bias, ids, advantages, completion_mask, *rest):
-    *options, temperature, chunk_size = rest
+    *options, temperature, logit_scale, logit_softcap, chunk_size = rest
+    logit = logit_options_from_op_args(temperature, logit_scale, logit_softcap)
     loss, metrics, entropy, grad_hidden, grad_weight, grad_bias = _hidden_loss_forward(
-        hidden, weight, bias, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), temperature,
+        hidden, weight, bias, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), logit,
         chunk_size,
         (True, True, bias is not None),
     )  # fmt: skip
@@ -219,6 +223,8 @@ def grpo_loss_from_hidden(
     *,
     lm_head_bias: Tensor | None = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     chunk_size: int | None = None,
     **options,
 ) -> GRPOLossOutput:
@@ -237,7 +243,10 @@ def grpo_loss_from_hidden(
         advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
         completion_mask: ``[B, T]`` bool/int/float.
         lm_head_bias: ``[V]`` or None.
-        temperature: ``z = (hidden @ W.T + b) / temperature``, > 0.
+        temperature: ``z = y / temperature``, > 0, where ``y`` is the raw logits ``x = hidden @ W.T + b`` scaled
+            and soft-capped (docs/math.md section 2).
+        logit_scale: ``y = logit_scale * x`` first (Cohere's ``logit_scale``); finite, > 0.
+        logit_softcap: then ``y = logit_softcap * tanh(y / logit_softcap)`` (Gemma 2's final soft-capping), or None.
         chunk_size: token rows per chunk (default: the largest power of two whose logits fit in 256 MiB).
         **options: the loss options of :func:`grpo_ext.grpo_loss` (:class:`~grpo_ext.ops.options.LossOptions`).
 
@@ -245,7 +254,8 @@ def grpo_loss_from_hidden(
         GRPOLossOutput: as :func:`grpo_loss_from_logits` (``loss`` with autograd to hidden, weight and bias).
     """
     return hidden_loss(hidden, lm_head_weight, completion_ids, advantages, completion_mask, lm_head_bias=lm_head_bias,
-                       temperature=temperature, chunk_size=chunk_size, **options)  # fmt: skip
+                       temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                       chunk_size=chunk_size, **options)  # fmt: skip
 
 
 def _check_ref_head(ref_head: RefHead, rows: int, vocab: int, like: Tensor) -> RefHead:
@@ -278,6 +288,8 @@ def hidden_loss(
     *,
     lm_head_bias: Tensor | None = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     chunk_size: int | None = None,
     ref_head: RefHead | None = None,
     **options,
@@ -286,7 +298,8 @@ def hidden_loss(
 
     ``ref_head`` = (ref hidden ``[B, T, H']`` or ``[N, H']``, ref weight ``[V, H']``, ref bias ``[V]`` or None): each
     chunk's reference log-probs are computed under no_grad in the same chunked pass, just before the chunk's
-    policy logits (docs/math.md section 2, same temperature), instead of being passed as ``ref_logps``.
+    policy logits (docs/math.md section 2, same temperature and logits options), instead of being passed as
+    ``ref_logps``.
     """
     if ref_head is not None and options.get("ref_logps") is not None:
         raise ValueError("pass either ref_logps or a reference head (ref_input/ref_weight), not both")
@@ -309,7 +322,7 @@ def hidden_loss(
         raise ValueError(f"lm_head_bias must be a [V]=({vocab},) tensor of hidden's dtype and device")
     flat_hidden = hidden.reshape(-1, size)
     flat_ids = check_ids_and_mask(flat_hidden.shape[0], hidden.device, completion_ids, completion_mask)
-    temperature = check_positive("temperature", temperature)
+    logit = validate_logit_options(temperature, logit_scale, logit_softcap)
     batch, length = completion_mask.shape
     if ref_head is not None:
         ref_head = _check_ref_head(ref_head, flat_hidden.shape[0], vocab, hidden)
@@ -330,21 +343,21 @@ def hidden_loss(
     )
     if not grad_wanted:
         loss, metrics, entropy, *_ = _hidden_loss_forward(
-            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, temperature,
+            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit,
             chunk_size, (False, False, False), ref_head,
         )  # fmt: skip
     elif torch.compiler.is_compiling():
         if ref_head is not None:  # the opaque op takes ref_logps: fill them first, chunk by chunk
             for start in range(0, rows, chunk_size):
                 end = min(rows, start + chunk_size)
-                _write_ref_logps(ref_head, flat_ids, start, end, temperature, resolved.ref_logps.view(-1))
+                _write_ref_logps(ref_head, flat_ids, start, end, logit, resolved.ref_logps.view(-1))
         loss, metrics, entropy, *_ = torch.ops.grpo_ext.grpo_loss_from_hidden(
-            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, *resolved.op_args(), temperature,
-            chunk_size,
+            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, *resolved.op_args(),
+            *logit.op_args(), chunk_size,
         )
     else:
         loss, metrics, entropy = _HiddenLossFunction.apply(
-            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, temperature, chunk_size,
+            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit, chunk_size,
             ref_head,
         )
     return GRPOLossOutput(loss, metrics_dict(metrics, resolved, entropy))

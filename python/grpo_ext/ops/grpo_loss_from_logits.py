@@ -15,9 +15,9 @@ from torch import Tensor
 
 from .. import _C
 from ..results import GRPOLossOutput
-from ..validation import check_positive, validate_grpo_loss_args
+from ..validation import validate_grpo_loss_args, validate_logit_options
 from ._common import accumulate_dtype, refuse_double_backward
-from .options import NUM_METRICS, LossOptions, metrics_dict, takes_loss_options
+from .options import NUM_METRICS, LogitOptions, LossOptions, metrics_dict, takes_loss_options
 
 
 def resolve_loss_options(
@@ -47,7 +47,7 @@ def _logits_loss_forward(
     advantages: Tensor,
     completion_mask: Tensor,
     options: LossOptions,
-    temperature: float,
+    logit: LogitOptions,
     compute_grad: bool,
     inplace: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -61,17 +61,18 @@ def _logits_loss_forward(
     ops = torch.ops.grpo_ext
     pass_op = ops.grpo_loss_from_logits_pass_ if inplace else ops.grpo_loss_from_logits_pass
     option_args = options.op_args()
+    logit_args = logit.op_args()
     if compute_grad and options.importance_sampling_level != "token":
         logps, entropy, _ = ops.grpo_loss_from_logits_pass(
-            logits, ids, 0, advantages, completion_mask, None, *option_args, temperature, False
+            logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, False
         )
         loss, metrics, grad_raw, grad_scale = ops.grpo_loss_forward(
             logps.view(batch, length), advantages, completion_mask, *option_args, True
         )
         token_grad = (grad_raw * grad_scale).reshape(-1)
-        out = pass_op(logits, ids, 0, advantages, completion_mask, token_grad, *option_args, temperature, True)
+        out = pass_op(logits, ids, 0, advantages, completion_mask, token_grad, *option_args, *logit_args, True)
     else:
-        out = pass_op(logits, ids, 0, advantages, completion_mask, None, *option_args, temperature, compute_grad)
+        out = pass_op(logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, compute_grad)
         logps, entropy = out[0], out[1]
         loss, metrics, _, _ = ops.grpo_loss_forward(
             logps.view(batch, length), advantages, completion_mask, *option_args, False
@@ -168,9 +169,9 @@ class _LogitsLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, advantages, completion_mask, options, temperature, inplace):
+    def forward(ctx, logits, ids, advantages, completion_mask, options, logit, inplace):
         loss, metrics, entropy, grad = _logits_loss_forward(
-            logits, ids, advantages, completion_mask, options, temperature, True, inplace
+            logits, ids, advantages, completion_mask, options, logit, True, inplace
         )
         ctx.saved_grads = (grad,)
         ctx.mark_non_differentiable(metrics, entropy)
@@ -187,15 +188,21 @@ class _LogitsLossFunction(torch.autograd.Function):
 torch.library.define(
     "grpo_ext::grpo_loss_from_logits",
     f"(Tensor logits, Tensor ids, Tensor advantages, Tensor completion_mask, {_C.LOSS_OPTIONS_SCHEMA}"
-    "float temperature) -> (Tensor, Tensor, Tensor, Tensor)",
+    "float temperature, float logit_scale, float logit_softcap) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.impl("grpo_ext::grpo_loss_from_logits", "CompositeExplicitAutograd")
-def _grpo_loss_from_logits_impl(logits, ids, advantages, completion_mask, *options_and_temperature):
-    *options, temperature = options_and_temperature
+def _grpo_loss_from_logits_impl(logits, ids, advantages, completion_mask, *options_and_logit):
+    *options, temperature, logit_scale, logit_softcap = options_and_logit
     options = LossOptions.from_op_args(tuple(options))
-    return _logits_loss_forward(logits, ids, advantages, completion_mask, options, temperature, True, False)
+    logit = logit_options_from_op_args(temperature, logit_scale, logit_softcap)
+    return _logits_loss_forward(logits, ids, advantages, completion_mask, options, logit, True, False)
+
+
+def logit_options_from_op_args(temperature: float, logit_scale: float, logit_softcap: float) -> LogitOptions:
+    """The LogitOptions of a composite op's ``(temperature, logit_scale, logit_softcap)`` arguments (0: no cap)."""
+    return LogitOptions(temperature, logit_scale, logit_softcap if logit_softcap > 0 else None)
 
 
 @torch.library.register_fake("grpo_ext::grpo_loss_from_logits")
@@ -234,6 +241,8 @@ def grpo_loss_from_logits(
     completion_mask: Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     inplace_grad: bool = False,
     **options,
 ) -> GRPOLossOutput:
@@ -250,7 +259,10 @@ def grpo_loss_from_logits(
         completion_ids: ``[B, T]`` (or ``[N]``) int64 token ids in ``[0, V)``.
         advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
         completion_mask: ``[B, T]`` bool/int/float.
-        temperature: ``z = logits / temperature``, > 0.
+        temperature: ``z = y / temperature``, > 0 (``y``: the scaled, soft-capped logits; docs/math.md section 2).
+        logit_scale: ``y = logit_scale * logits`` first (Cohere's ``logit_scale``); finite, > 0.
+        logit_softcap: then ``y = logit_softcap * tanh(y / logit_softcap)`` (Gemma 2's final soft-capping), or None.
+            The gradient is with respect to the raw ``logits``.
         inplace_grad: write the gradient over ``logits`` instead of a new buffer (no extra memory). ``logits`` must
             be the output of an op (a model's lm_head, say), not a leaf; its version counter is bumped, so autograd
             raises if anything saved it for backward, and its values are the gradient afterwards. Eager mode only.
@@ -261,7 +273,7 @@ def grpo_loss_from_logits(
         ``metrics["entropy"]`` the mean entropy over the kept tokens.
     """
     flat_ids = check_logits_shapes(logits, completion_ids, completion_mask)
-    temperature = check_positive("temperature", temperature)
+    logit = validate_logit_options(temperature, logit_scale, logit_softcap)
     batch, length = completion_mask.shape
     resolved = resolve_loss_options("grpo_loss_from_logits", batch, length, logits, advantages, completion_mask,
                                     options)  # fmt: skip
@@ -280,15 +292,15 @@ def grpo_loss_from_logits(
             )
     if not compute_grad:
         loss, metrics, entropy, _ = _logits_loss_forward(
-            logits, flat_ids, advantages, completion_mask, resolved, temperature, False, False
+            logits, flat_ids, advantages, completion_mask, resolved, logit, False, False
         )
     elif torch.compiler.is_compiling():
         loss, metrics, entropy, _ = torch.ops.grpo_ext.grpo_loss_from_logits(
-            logits, flat_ids, advantages, completion_mask, *resolved.op_args(), temperature
+            logits, flat_ids, advantages, completion_mask, *resolved.op_args(), *logit.op_args()
         )
     else:
         loss, metrics, entropy = _LogitsLossFunction.apply(
-            logits, flat_ids, advantages, completion_mask, resolved, temperature, inplace_grad
+            logits, flat_ids, advantages, completion_mask, resolved, logit, inplace_grad
         )
         if inplace_grad:
             # the values are the gradient now: anything that saved the logits for backward must fail loudly

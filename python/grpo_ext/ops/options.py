@@ -135,6 +135,24 @@ NATIVE_OPTION_NAMES: tuple[str, ...] = tuple(
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+class LogitOptions(NamedTuple):
+    """The logits options (docs/math.md section 2), validated: from raw logits ``x``, ``y = logit_scale * x``, then
+    ``y = logit_softcap * tanh(y / logit_softcap)`` when a cap is given, then ``z = y / temperature``.
+
+    Not loss options: every op that reads logits takes them (``selective_log_softmax`` too), next to temperature.
+    """
+
+    temperature: float = 1.0
+    #: Multiplies the raw logits (Cohere's ``logit_scale``); finite, > 0.
+    logit_scale: float = 1.0
+    #: Gemma 2's ``final_logit_softcapping``: finite, > 0, or None for no cap.
+    logit_softcap: float | None = None
+
+    def op_args(self) -> tuple[float, float, float]:
+        """The native ops' ``(temperature, logit_scale, logit_softcap)`` arguments (0.0 for no cap)."""
+        return (self.temperature, self.logit_scale, 0.0 if self.logit_softcap is None else self.logit_softcap)
+
+
 def takes_loss_options(function: _F) -> _F:
     """Declares that ``function(..., **options)`` takes the loss options: its signature lists them as keywords.
 

@@ -16,7 +16,13 @@ from ._common import accumulate_dtype, refuse_double_backward
 
 
 def selective_log_softmax(
-    logits: Tensor, ids: Tensor, *, temperature: float = 1.0, return_entropy: bool = False
+    logits: Tensor,
+    ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+    return_entropy: bool = False,
 ) -> SelectiveLogSoftmax:
     """Log-probs of the chosen tokens (and the entropy) with no ``[N, V]`` temporary (docs/math.md section 2).
 
@@ -27,18 +33,20 @@ def selective_log_softmax(
         logits: ``[N, V]`` or ``[B, T, V]`` float32/bfloat16/float16 (or float64); ``logits[..., :]`` scores
             ``ids[...]``, positions already aligned (the caller drops the last position).
         ids: ``[N]`` or ``[B, T]`` int64 token ids in ``[0, V)``.
-        temperature: ``z = logits / temperature``, > 0.
+        temperature: ``z = y / temperature``, > 0 (``y``: the scaled, soft-capped logits; docs/math.md section 2).
+        logit_scale: ``y = logit_scale * logits`` first (Cohere's ``logit_scale``); finite, > 0.
+        logit_softcap: then ``y = logit_softcap * tanh(y / logit_softcap)`` (Gemma 2's final soft-capping), or None.
         return_entropy: also return ``logsumexp(z) - sum_v softmax(z)_v z_v`` per row.
 
     Returns:
         SelectiveLogSoftmax: ``logps`` (and ``entropy`` or None), shaped like ``ids``, float32 (float64 for float64
-        logits), differentiable with respect to ``logits``.
+        logits), differentiable with respect to the raw ``logits``.
     """
-    temperature = validate_selective_log_softmax_args(logits, ids, temperature)
+    logit = validate_selective_log_softmax_args(logits, ids, temperature, logit_scale, logit_softcap)
     lead_shape = ids.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_ids = ids.reshape(-1)
-    args = (flat_logits, flat_ids, float(temperature), bool(return_entropy))
+    args = (flat_logits, flat_ids, *logit.op_args(), bool(return_entropy))
     if torch.is_grad_enabled() and logits.requires_grad and not torch.compiler.is_compiling():
         logps, entropy = _SelectiveLogSoftmaxFunction.apply(*args)
     else:
@@ -47,7 +55,7 @@ def selective_log_softmax(
 
 
 @torch.library.register_fake("grpo_ext::selective_log_softmax_forward")
-def _selective_log_softmax_forward_fake(logits, ids, temperature, return_entropy):
+def _selective_log_softmax_forward_fake(logits, ids, temperature, logit_scale, logit_softcap, return_entropy):
     torch._check(logits.dim() == 2, lambda: "logits must have shape [N, V]")
     dtype = accumulate_dtype(logits.dtype)
     rows = logits.shape[0]
@@ -59,14 +67,14 @@ def _selective_log_softmax_forward_fake(logits, ids, temperature, return_entropy
 
 
 @torch.library.register_fake("grpo_ext::selective_log_softmax_backward")
-def _selective_log_softmax_backward_fake(grad_logps, grad_entropy, logits, ids, row_stats, temperature):
+def _selective_log_softmax_backward_fake(grad_logps, grad_entropy, logits, ids, row_stats, *logit_args):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _selective_log_softmax_setup_context(ctx, inputs, output) -> None:
-    logits, ids, temperature, _ = inputs
+    logits, ids, *logit_args, _ = inputs
     row_stats = output[2]
-    ctx.temperature = temperature
+    ctx.logit_args = tuple(logit_args)  # (temperature, logit_scale, logit_softcap)
     ctx.save_for_backward(logits, ids, row_stats)
     ctx.mark_non_differentiable(row_stats)
 
@@ -79,9 +87,9 @@ def _selective_log_softmax_backward(ctx, grad_logps, grad_entropy, *unused):
     if grad_entropy is not None and grad_entropy.numel() == 0:
         grad_entropy = None
     grad_logits = torch.ops.grpo_ext.selective_log_softmax_backward(
-        grad_logps, grad_entropy, logits, ids, row_stats, ctx.temperature
+        grad_logps, grad_entropy, logits, ids, row_stats, *ctx.logit_args
     )
-    return grad_logits, None, None, None
+    return grad_logits, None, None, None, None, None
 
 
 torch.library.register_autograd(

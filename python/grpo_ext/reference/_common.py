@@ -1,14 +1,24 @@
-"""Helpers of the reference ops: the compute dtype and NaN-aware group statistics."""
+"""Helpers of the reference ops: the compute dtype, the logits options and NaN-aware group statistics."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ..ops.options import LogitOptions
+
 
 def compute_dtype(t: Tensor) -> torch.dtype:
     """The dtype arithmetic runs in: ``t``'s dtype promoted to at least float32."""
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def transform_logits(logits: Tensor, logit: LogitOptions) -> Tensor:
+    """``z`` of docs/math.md section 2 in the compute dtype: scale, then the soft-cap, then the temperature."""
+    y = logits.to(compute_dtype(logits)) * logit.logit_scale
+    if logit.logit_softcap is not None:
+        y = logit.logit_softcap * torch.tanh(y / logit.logit_softcap)
+    return y / logit.temperature
 
 
 def nan_mean_std(x: Tensor, std_ddof: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -20,6 +20,8 @@ def grpo_loss_from_hidden(
     *,
     lm_head_bias: Tensor | None = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     chunk_size: int | None = None,
     **options,
 ) -> GRPOLossOutput:
@@ -33,6 +35,8 @@ def grpo_loss_from_hidden(
         completion_mask: ``[B, T]``.
         lm_head_bias: ``[V]`` or None.
         temperature: > 0.
+        logit_scale: multiplies the raw logits first; finite, > 0 (docs/math.md section 2).
+        logit_softcap: ``logit_softcap * tanh(y / logit_softcap)`` of the scaled logits ``y``, or None.
         chunk_size: ignored (the reference materializes every logit).
         **options: :func:`grpo_loss`' options.
 
@@ -46,5 +50,6 @@ def grpo_loss_from_hidden(
     if lm_head_bias is not None:
         logits = logits + lm_head_bias
     return grpo_loss_from_logits(
-        logits, completion_ids, advantages, completion_mask, temperature=temperature, **options
+        logits, completion_ids, advantages, completion_mask, temperature=temperature, logit_scale=logit_scale,
+        logit_softcap=logit_softcap, **options
     )

@@ -19,6 +19,8 @@ def grpo_loss_from_logits(
     completion_mask: Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     **options,
 ) -> GRPOLossOutput:
     """:func:`selective_log_softmax` then :func:`grpo_loss`, through a materialized log_softmax.
@@ -30,6 +32,8 @@ def grpo_loss_from_logits(
         advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
         completion_mask: ``[B, T]``.
         temperature: > 0.
+        logit_scale: multiplies the raw logits first; finite, > 0 (docs/math.md section 2).
+        logit_softcap: ``logit_softcap * tanh(y / logit_softcap)`` of the scaled logits ``y``, or None.
         **options: :func:`grpo_loss`' options.
 
     Returns:
@@ -40,7 +44,12 @@ def grpo_loss_from_logits(
     # Masked rows are never read (docs/math.md section 2): NaN there must not reach the gradient through the softmax.
     logits = torch.where(kept_tokens(completion_mask, options.get("sample_mask")).unsqueeze(-1), logits, 0.0)
     selected = selective_log_softmax(
-        logits, completion_ids.reshape(batch, length), temperature=temperature, return_entropy=True
+        logits,
+        completion_ids.reshape(batch, length),
+        temperature=temperature,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+        return_entropy=True,
     )
     out = grpo_loss(selected.logps, advantages, completion_mask, **options)
     mask = completion_mask.to(selected.logps.dtype)

@@ -1,7 +1,7 @@
 """The log-prob pass of TRL's fused LM head through grpo_ext.selective_log_softmax (see the package docstring).
 
-The chunking and the chunk's logits (bias, ``logit_scale``, soft-capping) are grpo_ext's shared LM-head helpers
-(:mod:`grpo_ext.ops.lm_head`), the ones grpo_loss_from_hidden uses.
+The chunking and the chunk's logits are grpo_ext's shared LM-head helpers (:mod:`grpo_ext.ops.lm_head`), the ones
+grpo_loss_from_hidden uses; ``logit_scale`` and soft-capping go through the kernels' logits options.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch import Tensor
 from ... import ops
 from ...ops.lm_head import chunk_rows, project
 
-#: Bytes per logit assumed when sizing a chunk: float32, the widest the projection produces (scaled or soft-capped
-#: logits are float32), so a chunk's logits take at most ops.lm_head.LOGITS_CHUNK_BYTES.
+#: Bytes per logit assumed when sizing a chunk: float32, the widest a chunk's logits (or the backward's float32 copy
+#: of their gradient) take, so each takes at most ops.lm_head.LOGITS_CHUNK_BYTES.
 LOGIT_BYTES = 4
 
 # TRL's per-token outputs of the fused LM head that GRPO uses; the others (log_sum_sq_probs, ...) are not computed.
@@ -78,7 +78,11 @@ class _GrpoExtLogProbs(torch.autograd.Function):
         want_entropy = "entropy" in outputs
         dtype = _compute_dtype(hidden)
         ctx.compute_dtype, ctx.temperature = dtype, float(temperature)
-        ctx.softcap, ctx.logit_scale, ctx.want_entropy = final_logit_softcapping, float(logit_scale), want_entropy
+        ctx.want_entropy = want_entropy
+        # the scale and the cap go through the kernels (docs/math.md section 2), the gradient to the raw logits
+        ctx.logit_options = dict(
+            temperature=ctx.temperature, logit_scale=float(logit_scale), logit_softcap=final_logit_softcapping
+        )
         ctx.save_for_backward(hidden, weight, bias, targets)
 
         logps_chunks: list[Tensor] = []
@@ -88,9 +92,9 @@ class _GrpoExtLogProbs(torch.autograd.Function):
             weight_c = weight.to(dtype)
             bias_c = None if bias is None else bias.to(dtype)
             for start in range(0, hidden.shape[0], rows):
-                logits = project(hidden[start : start + rows].to(dtype), weight_c, bias_c, ctx.logit_scale, ctx.softcap)
+                logits = project(hidden[start : start + rows].to(dtype), weight_c, bias_c)
                 chunk = ops.selective_log_softmax(
-                    logits, targets[start : start + rows], temperature=ctx.temperature, return_entropy=want_entropy
+                    logits, targets[start : start + rows], return_entropy=want_entropy, **ctx.logit_options
                 )
                 logps_chunks.append(chunk.logps)
                 if want_entropy:
@@ -128,16 +132,8 @@ class _GrpoExtLogProbs(torch.autograd.Function):
                 hidden_c = hidden[start:stop].to(dtype)
                 raw = project(hidden_c, weight_c, bias_c).detach().requires_grad_(True)
                 with torch.enable_grad():
-                    logits = raw if ctx.logit_scale == 1.0 and ctx.softcap is None else None
-                    if logits is None:  # the scale / cap is differentiated by autograd, from the raw logits
-                        logits = raw.float() * ctx.logit_scale
-                        if ctx.softcap is not None:
-                            logits = ctx.softcap * torch.tanh(logits / ctx.softcap)
                     chunk = ops.selective_log_softmax(
-                        logits,
-                        targets[start:stop],
-                        temperature=ctx.temperature,
-                        return_entropy=grad_entropy is not None,
+                        raw, targets[start:stop], return_entropy=grad_entropy is not None, **ctx.logit_options
                     )
                     terms, seeds = [], []
                     if grad_logps is not None:
