@@ -10,9 +10,9 @@ and FSDP2's sharded LM head is whole when the fused op reads it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-import warnings
 from typing import Any
 
 import torch
@@ -160,8 +160,9 @@ def fused_token_logps(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
         with torch.autocast(flat_hidden.device.type, enabled=False):
             for start in range(0, rows, step):
                 logits = project(flat_hidden[start : start + step], weight, bias)
-                chunk = grpo_ext.selective_log_softmax(logits, flat_ids[start : start + step],
-                                                       temperature=temperature, return_entropy=with_entropy)  # fmt: skip
+                chunk = grpo_ext.selective_log_softmax(
+                    logits, flat_ids[start : start + step], temperature=temperature, return_entropy=with_entropy
+                )
                 logps.append(chunk.logps)
                 entropy.append(chunk.entropy.detach() if with_entropy else chunk.logps.new_empty(0))
         return torch.cat(logps).view_as(completion_ids), torch.cat(entropy)
