@@ -81,7 +81,10 @@ def _probe_logits(model: torch.nn.Module, body: torch.nn.Module, head: torch.nn.
         device = head.weight.device
         ids = (torch.arange(8, device=device) % head.weight.shape[0]).unsqueeze(0)
         logits = model(input_ids=ids).logits.float()
-        expected = head(body(input_ids=ids).last_hidden_state).float()
+        hidden = getattr(body(input_ids=ids), "last_hidden_state", None)
+        if not isinstance(hidden, Tensor):  # e.g. a PEFT wrapper, whose base_model is the whole causal LM
+            return "its base_model does not return last_hidden_state"
+        expected = head(hidden).float()
     finally:
         model.train(was_training)
     if logits.shape != expected.shape or not torch.allclose(logits, expected, rtol=1e-4, atol=1e-4):
