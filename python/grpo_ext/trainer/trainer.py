@@ -46,7 +46,8 @@ class GRPOTrainer:
 
     Args:
         model: the policy, a ``PreTrainedModel`` (``forward(input_ids, attention_mask, position_ids).logits`` and
-            ``generate``); trained in place.
+            ``generate``); trained in place. With ``logps_backend="fused"`` its loss and log-probs come from its
+            body's last hidden states and its LM head (:mod:`.policy_logps`), never from ``[B, T, V]`` logits.
         reward_funcs: one callable or a list, each ``f(prompts, completions, **columns) -> list[float | None]``.
         train_dataset: a sequence of dicts with a ``prompt`` string and any other columns (given to the rewards).
         config: the options (default ``GRPOConfig()``).
