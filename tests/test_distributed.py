@@ -43,9 +43,13 @@ CASES = {
     ),
     "bnpo_accumulated": dict(loss_type="bnpo", gradient_accumulation_steps=2),
     "grpo_dynamic_sampling": dict(loss_type="grpo", dynamic_sampling=True, max_sampling_rounds=3),
-    # FSDP2 on CPU: the 2-rank run shards, the 1-rank run is the plain trainer.
+    # FSDP2 on CPU: the 2-rank run shards, the 1-rank run is the plain trainer. The loss and log-probs from hidden
+    # states (logps_backend="fused", the default) run inside the root's forward, where the LM head is unsharded.
     "grpo_fsdp": dict(loss_type="grpo", fsdp=True, num_iterations=2, save_steps=1),
+    # ... with the sharded reference model's log-probs too (fused, chunked)
+    "dapo_kl_fsdp": dict(loss_type="dapo", fsdp=True, beta=0.04, num_iterations=2),
 }
+FSDP_CASES = ("grpo_fsdp", "dapo_kl_fsdp")
 # Cases whose 2-rank run also resumes from its checkpoint-1 on 2 ranks (must end bit-identical).
 RESUMED = ("dapo_kl", "grpo_fsdp")
 
@@ -97,7 +101,8 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
             run_dir = Path(out_dir) / case
             trainer = make_trainer(case_config(run_dir, case, WORLD))
             history = trainer.train()
-            results[case] = {"params": full_params(trainer), "history": history}
+            results[case] = {"params": full_params(trainer), "history": history,
+                             "fused": (trainer.policy_fused, trainer.ref_fused)}  # fmt: skip
             if case in RESUMED:
                 resumed = make_trainer(case_config(run_dir, case, WORLD, save_steps=0))
                 resumed.train(resume_from_checkpoint=str(run_dir / "checkpoint-1"))
@@ -161,6 +166,18 @@ def test_two_ranks_match_one_rank(two_rank_runs, tmp_path, case):
     # Rank 0 alone wrote the metrics: one line per step.
     rows = [json.loads(line) for line in (out / case / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_fsdp_fused_matches_one_rank_plain(two_rank_runs, tmp_path, case):
+    """FSDP2 on the fused path (the LM head whole inside the root's forward) equals one process on the plain path
+    (the model's logits, selective_log_softmax, grpo_loss)."""
+    _, ranks = two_rank_runs
+    assert ranks[0][case]["fused"] == (True, "beta" in CASES[case])
+    plain = make_trainer(case_config(tmp_path, case, 1, logps_backend="plain"))
+    assert not plain.policy_fused
+    plain.train()
+    assert_same_params(ranks[0][case]["params"], full_params(plain))
 
 
 @pytest.mark.parametrize("case", RESUMED)

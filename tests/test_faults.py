@@ -241,16 +241,17 @@ def test_a_reward_that_is_not_a_finite_number_names_the_function_and_row(tmp_pat
     assert all(torch.equal(value, initial[name]) for name, value in trainer.model.state_dict().items())
 
 
-class NaNLogits:
-    """A forward hook that makes the training forward's logits NaN at the given (1-based) steps."""
+class NaNHiddenStates:
+    """A forward hook that makes the training forward's last hidden states (the final norm's output), hence its
+    logits, NaN at the given (1-based) steps: the fused path (loss from hidden states) and the plain one alike."""
 
     def __init__(self, trainer, steps: set[int]) -> None:
         self.trainer, self.steps = trainer, steps
-        trainer.model.register_forward_hook(self)
+        trainer.model.model.norm.register_forward_hook(self)
 
     def __call__(self, module, inputs, output):
         if torch.is_grad_enabled() and self.trainer.global_step + 1 in self.steps:  # not generation, not scoring
-            output.logits = output.logits * float("nan")
+            return output * float("nan")
         return output
 
 
@@ -259,7 +260,7 @@ def test_a_non_finite_step_is_skipped_and_counted_never_a_nan_model(tmp_path):
     one_step.train()
     config = small_config(tmp_path / "skip", max_steps=3, lr_scheduler_type="constant")
     trainer = make_trainer(config)
-    NaNLogits(trainer, steps={2})
+    NaNHiddenStates(trainer, steps={2})
     with pytest.warns(RuntimeWarning, match=r"step 2: loss nan / gradient norm nan is not finite; the step is skipped"):
         rows = trainer.train()
     assert [row["nonfinite_steps"] for row in rows] == [0, 1, 1]
@@ -271,7 +272,7 @@ def test_a_non_finite_step_is_skipped_and_counted_never_a_nan_model(tmp_path):
 
     stopped = make_trainer(small_config(tmp_path / "stop", max_steps=6, lr_scheduler_type="constant",
                                         max_consecutive_nonfinite_steps=2))  # fmt: skip
-    NaNLogits(stopped, steps={2, 3, 4, 5, 6})
+    NaNHiddenStates(stopped, steps={2, 3, 4, 5, 6})
     with pytest.warns(RuntimeWarning), pytest.raises(NonFiniteStepsError, match=r"steps 2-3: .* 2 times in a row"):
         stopped.train()
     for name, value in stopped.model.state_dict().items():  # as after its one good step

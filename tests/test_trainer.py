@@ -106,21 +106,24 @@ def test_token_logps_match_unpadded_scoring(tmp_path):
                                        rtol=1e-5)  # fmt: skip
 
 
-def test_grpo_ext_logps_backend_matches_torch(tmp_path):
-    """selective_log_softmax gives the log-probs and entropy of the float32 log_softmax path, and their gradient."""
+def test_logps_backends_match_torch(tmp_path):
+    """selective_log_softmax on the logits (plain) and the chunked pass from hidden states (fused) give the log-probs
+    and entropy of the float32 log_softmax path, and their gradient."""
     trainer = make_trainer(small_config(tmp_path))
     prompt_ids, prompt_mask, completion_ids, completion_mask, _ = trainer.generate(["12>", "3>"], 4)
     batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                  completion_mask=completion_mask)  # fmt: skip
     results = {}
-    for backend in ("torch", "grpo_ext"):
+    for backend in ("torch", "plain", "fused"):
         trainer.config.logps_backend = backend
+        trainer.policy_fused = backend == "fused"
         trainer.model.zero_grad()
         logps, entropy = trainer.token_logps(trainer.model, batch, with_entropy=True)
         (logps * completion_mask).sum().backward()
         results[backend] = (logps.detach(), entropy, trainer.model.lm_head.weight.grad.clone())
-    for got, expected in zip(results["grpo_ext"], results["torch"], strict=True):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for backend in ("plain", "fused"):
+        for got, expected in zip(results[backend], results["torch"], strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_completion_mask_stops_after_first_eos(tmp_path):

@@ -104,8 +104,10 @@ class GRPOConfig:
     # the generation batch is full, at most max_sampling_rounds rounds (then zero-std groups fill the rest).
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
-    # Per-token log-probs: "torch" (log_softmax + gather in float32) or "grpo_ext" (selective_log_softmax kernel).
-    logps_backend: str = "torch"
+    # Log-probs and loss: "fused" (grpo_loss_from_hidden and chunked log-probs from the last hidden states, no
+    # [B, T, V] logits; models it cannot score exactly fall back to "plain" with a warning), "plain" (the model's
+    # logits, the selective_log_softmax kernel, grpo_loss) or "torch" (the logits, log_softmax + gather in float32).
+    logps_backend: str = "fused"
 
     # Distributed (under torchrun): DDP by default; True shards the policy and the reference model with FSDP2
     fsdp: bool = False
@@ -223,7 +225,7 @@ class GRPOConfig:
         choices = {
             "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS, "kl_estimator": KL_ESTIMATORS,
             "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "lr_scheduler_type": LR_SCHEDULERS,
-            "report_to": ("tensorboard", "none"), "logps_backend": ("torch", "grpo_ext"),
+            "report_to": ("tensorboard", "none"), "logps_backend": ("fused", "plain", "torch"),
         }  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

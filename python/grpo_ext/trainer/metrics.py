@@ -110,22 +110,23 @@ class StepMetrics:
         self.entropy_total = torch.zeros((), dtype=torch.float64, device=device)
         self.entropy_count = torch.zeros((), dtype=torch.float64, device=device)
 
-    def add(self, out: Any, entropy: Tensor, mask: Tensor, tokens: int) -> None:
+    def add(self, out: Any, entropy: Tensor, rows: int, tokens: int) -> None:
         """Adds one micro-batch.
 
         Args:
-            out: :func:`grpo_ext.grpo_loss`'s output (scalar ``loss``, ``metrics`` of scalar tensors).
-            entropy: ``[B, T]`` float32 per-token entropy.
-            mask: ``[B, T]`` bool completion mask.
+            out: the loss op's output (scalar ``loss``, ``metrics`` of scalar tensors; their ``entropy`` is skipped).
+            entropy: 0-dim mean entropy of the micro-batch's tokens entering the loss.
+            rows: the micro-batch's rows.
             tokens: the micro-batch's tokens entering the loss.
         """
         self.loss_total += out.loss.detach()
-        rows = mask.shape[0]
         for name, value in out.metrics.items():
+            if name == "entropy":
+                continue
             weight = rows if self.per_row_ratios and name != "kl" else tokens
             self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value.double() * weight
-        self.entropy_total += entropy[mask].sum().double()
-        self.entropy_count += mask.sum()
+        self.entropy_total += entropy.detach().double() * tokens
+        self.entropy_count += tokens
 
     def reduce(self, step_tokens: int, step_rows: int) -> tuple[dict[str, float], float, float]:
         """All-reduces the sums over ranks (a collective: every rank calls it).
@@ -136,7 +137,7 @@ class StepMetrics:
 
         Returns:
             The op's metrics per token (per row for ratios with ``per_row_ratios``), the loss summed over ranks, and
-            the mean entropy of the completion tokens.
+            the mean entropy of the tokens entering the loss.
         """
         names = list(self.metric_sums)  # the op's order, the same on every rank
         packed = torch.stack(

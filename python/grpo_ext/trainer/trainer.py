@@ -21,12 +21,14 @@ from tqdm.auto import tqdm
 
 import grpo_ext
 
+from ..ops.grpo_loss_from_logits import masked_mean_entropy
 from ..ops.options import TOKEN_LEVEL_LOSS_TYPES
 from . import distributed as dist_utils
 from .checkpoint import CheckpointManager, build_optimizer, scheduler_step, seed_everything
 from .config import GRPOConfig
 from .guards import NonFiniteSteps, StopSignals, TrainingInterrupted, is_finite_step
 from .metrics import MetricsLogger, StepMetrics
+from .policy_logps import fused_policy_loss, fused_token_logps, plain_token_logps, use_fused
 from .rewards import score_completions
 from .rollout import RolloutGenerator, bf16_autocast
 from .run_folder import claim_output_dir
@@ -44,7 +46,8 @@ class GRPOTrainer:
 
     Args:
         model: the policy, a ``PreTrainedModel`` (``forward(input_ids, attention_mask, position_ids).logits`` and
-            ``generate``); trained in place.
+            ``generate``); trained in place. With ``logps_backend="fused"`` its loss and log-probs come from its
+            body's last hidden states and its LM head (:mod:`.policy_logps`), never from ``[B, T, V]`` logits.
         reward_funcs: one callable or a list, each ``f(prompts, completions, **columns) -> list[float | None]``.
         train_dataset: a sequence of dicts with a ``prompt`` string and any other columns (given to the rewards).
         config: the options (default ``GRPOConfig()``).
@@ -124,6 +127,12 @@ class GRPOTrainer:
                 dist_utils.broadcast_module(self.ref_model)
         # The sampling policy's log-probs are needed only when the policy can move between generation and use.
         self.needs_old_logps = cfg.num_iterations > 1 or cfg.steps_per_generation > 1
+        # Which models the fused path scores from hidden states (decided before FSDP2 renames the class; a model it
+        # cannot score exactly falls back to the plain path with a warning).
+        self.policy_fused = use_fused(model, cfg.logps_backend, "policy", self.is_main_process)
+        self.ref_fused = self.ref_model is not None and use_fused(
+            self.ref_model, cfg.logps_backend, "reference", self.is_main_process
+        )
 
         model_class_name = type(model).__name__  # FSDP2 swaps in a generated subclass
         self._train_model = dist_utils.wrap_for_training(model, self.ref_model, cfg.fsdp, self.device)
@@ -182,39 +191,24 @@ class GRPOTrainer:
         return score_completions(self.reward_funcs, self.reward_names, prompts, completions, columns)
 
     def token_logps(self, model: torch.nn.Module, batch: dict[str, Any], with_entropy: bool = False):
-        """Per-token log-probs of the completion tokens under ``model``.
+        """Per-token log-probs of the completion tokens under ``model`` (:mod:`.policy_logps`): chunked from the last
+        hidden states for a model on the fused path, else from its logits.
 
         Args:
-            model: a causal LM.
+            model: a causal LM (the policy ``self.model``, the reference, or DDP around the policy: plain path).
             batch: ``prompt_ids``/``prompt_mask`` ``[N, Lp]`` and ``completion_ids``/``completion_mask`` ``[N, T]``.
             with_entropy: also return the per-token entropy (detached).
 
         Returns:
             ``logps [N, T]`` float32 (differentiable when grad is on); with ``with_entropy`` also ``entropy [N, T]``.
         """
-        prompt_len = batch["prompt_ids"].shape[1]
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
-        # Positions as generate() counts them with left padding: the first real token is at position 0.
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        with bf16_autocast(self.use_bf16, self.device):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        # logits[:, t] predicts token t + 1: the completion's tokens are predicted from prompt_len - 1 to -2.
-        logits = logits[:, prompt_len - 1 : -1]
-        if self.config.logps_backend == "grpo_ext":
-            # The hand-written kernel: float32 log-probs and entropy with no [N, T, V] log-softmax temporary.
-            selected = grpo_ext.selective_log_softmax(
-                logits, batch["completion_ids"], temperature=self.config.temperature, return_entropy=with_entropy
-            )
-            return (selected.logps, selected.entropy.detach()) if with_entropy else selected.logps
-        logits = logits.float() / self.config.temperature
-        log_probs = torch.log_softmax(logits, dim=-1)
-        logps = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
-        if not with_entropy:
-            return logps
-        with torch.no_grad():
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return logps, entropy
+        autocast = bf16_autocast(self.use_bf16, self.device)
+        fused = self.ref_fused if model is self.ref_model else self.policy_fused and model is self.model
+        if fused:
+            with autocast:
+                return fused_token_logps(model, model, batch, self.config.temperature, with_entropy)
+        backend = "plain" if self.config.logps_backend == "fused" else self.config.logps_backend
+        return plain_token_logps(model, batch, self.config.temperature, backend, autocast, with_entropy)
 
     def _generate_and_score(self) -> None:
         """One generation batch (:meth:`RolloutGenerator.generate_batch`): queue its micro-batches, keep its metrics."""
@@ -289,18 +283,24 @@ class GRPOTrainer:
         per_row_ratios = cfg.importance_sampling_level == "sequence"
         sums = StepMetrics(per_row_ratios, self.device)
         for k, mb in enumerate(micro):
+            options = dict(
+                old_logps=mb["old_logps"], ref_logps=mb["ref_logps"], sample_mask=kept_rows(mb),
+                loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+                beta=self.beta, kl_estimator=cfg.kl_estimator, importance_sampling_level=cfg.importance_sampling_level,
+                max_completion_length=cfg.max_completion_length,
+                num_items_in_batch=step_tokens if token_level else None, loss_scale=scale_of(k),
+            )  # fmt: skip
             with self._grad_sync(k == num_micro - 1):
-                logps, entropy = self.token_logps(self._train_model, mb, with_entropy=True)
-                out = grpo_ext.grpo_loss(
-                    logps, mb["advantages"], mb["completion_mask"], old_logps=mb["old_logps"],
-                    ref_logps=mb["ref_logps"], sample_mask=kept_rows(mb), loss_type=cfg.loss_type,
-                    epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta, beta=self.beta,
-                    kl_estimator=cfg.kl_estimator, importance_sampling_level=cfg.importance_sampling_level,
-                    max_completion_length=cfg.max_completion_length,
-                    num_items_in_batch=step_tokens if token_level else None, loss_scale=scale_of(k),
-                )  # fmt: skip
+                if self.policy_fused:  # the loss from hidden states: no [B, T, V] logits
+                    with bf16_autocast(self.use_bf16, self.device):
+                        out = fused_policy_loss(self._train_model, self.model, mb, cfg.temperature, **options)
+                    entropy = out.metrics["entropy"]
+                else:
+                    logps, token_entropy = self.token_logps(self._train_model, mb, with_entropy=True)
+                    out = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options)
+                    entropy = masked_mean_entropy(token_entropy, mb["completion_mask"], options["sample_mask"])
                 out.loss.backward()
-            sums.add(out, entropy, mb["completion_mask"], counts_list[k])
+            sums.add(out, entropy, mb["completion_mask"].shape[0], counts_list[k])
         row_total = world * num_micro * micro[0]["completion_mask"].shape[0]
         metrics, loss_sum, entropy_mean = sums.reduce(step_tokens, row_total)
 

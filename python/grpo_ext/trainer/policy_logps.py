@@ -1,0 +1,245 @@
+"""The trainer's log-probs and policy loss: from the model body's last hidden states (``fused``), or from the model's
+``[B, T, V]`` logits (``plain``: selective_log_softmax; ``torch``: float32 log_softmax + gather).
+
+The fused path runs ``model.base_model`` (the body, final norm included), keeps the completion positions' hidden
+states only and hands them with the LM head's weight and bias to :func:`grpo_ext.grpo_loss_from_hidden` (training)
+or to a chunked log-prob pass (no grad: old and reference log-probs), so logits exist one chunk of rows at a time.
+The body and the head run inside the model's own forward (:func:`call_through`), so DDP's and FSDP2's hooks fire
+and FSDP2's sharded LM head is whole when the fused op reads it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import grpo_ext
+
+from ..ops.lm_head import chunk_rows, project
+from ..results import GRPOLossOutput
+
+#: transformers classes whose forward is exactly ``lm_head(base_model(...).last_hidden_state)``, then Cohere's
+#: ``* logit_scale`` or Gemma 2's ``final_logit_softcapping`` (read from transformers 5's sources). Other classes
+#: are probed once (:func:`fused_refusal`).
+VERIFIED_CAUSAL_LMS = frozenset({
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+    "MistralForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel", "CohereForCausalLM",
+})  # fmt: skip
+
+
+def logits_transform(model: torch.nn.Module) -> tuple[float, float | None]:
+    """What ``model`` does to ``lm_head(hidden)``: ``(logit_scale, softcap)``, applied as ``softcap * tanh(scale * x
+    / softcap)``. Cohere multiplies by ``logit_scale``; Gemma 2 and 3 cap with ``final_logit_softcapping``;
+    Granite divides by ``logits_scaling``.
+    """
+    config = getattr(model, "config", None)
+    scale = getattr(model, "logit_scale", None)  # Cohere copies config.logit_scale onto the model
+    if not isinstance(scale, (int, float)):
+        scale = getattr(config, "logit_scale", None)
+    scale = 1.0 if scale is None else float(scale)
+    divisor = getattr(config, "logits_scaling", None)
+    if isinstance(divisor, (int, float)) and divisor != 1:
+        scale /= divisor
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return scale, None if softcap is None else float(softcap)
+
+
+def fused_refusal(model: torch.nn.Module) -> str | None:
+    """Why the fused path cannot score ``model`` exactly (a short reason), or None when it can.
+
+    Refused: no separate body (``base_model``), an LM head that is not a ``torch.nn.Linear``, a logit scale or
+    soft-capping (not in the fused kernels yet), or, for a class outside :data:`VERIFIED_CAUSAL_LMS`, logits that
+    differ from ``lm_head(last hidden state)`` on a probe of 8 tokens (an unknown transform).
+    """
+    body = getattr(model, "base_model", model)
+    if body is model:
+        return "it has no separate model body (base_model)"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return f"its output embeddings are {type(head).__name__}, not a torch.nn.Linear"
+    scale, softcap = logits_transform(model)
+    if scale != 1.0:
+        return f"it scales its logits by {scale:g} (logit_scale / logits_scaling), not in the fused kernels yet"
+    if softcap is not None:
+        return f"it soft-caps its logits (final_logit_softcapping={softcap:g}), not in the fused kernels yet"
+    if type(model).__name__ in VERIFIED_CAUSAL_LMS and type(model).__module__.startswith("transformers."):
+        return None
+    return _probe_logits(model, body, head)
+
+
+@torch.no_grad()
+def _probe_logits(model: torch.nn.Module, body: torch.nn.Module, head: torch.nn.Linear) -> str | None:
+    """Compares ``model``'s logits with the head applied to the body's last hidden state on 8 tokens (eval mode)."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = head.weight.device
+        ids = (torch.arange(8, device=device) % head.weight.shape[0]).unsqueeze(0)
+        logits = model(input_ids=ids).logits.float()
+        hidden = getattr(body(input_ids=ids), "last_hidden_state", None)
+        if not isinstance(hidden, Tensor):  # e.g. a PEFT wrapper, whose base_model is the whole causal LM
+            return "its base_model does not return last_hidden_state"
+        expected = head(hidden).float()
+    finally:
+        model.train(was_training)
+    if logits.shape != expected.shape or not torch.allclose(logits, expected, rtol=1e-4, atol=1e-4):
+        return "its logits differ from lm_head(last hidden state) (an unknown logits transform)"
+    return None
+
+
+def call_through(wrapper: torch.nn.Module, inner: torch.nn.Module, fn: Callable[..., Any], *args: Tensor) -> Any:
+    """``fn(*args)`` run as ``inner``'s forward, called through ``wrapper`` (``inner`` itself, or DDP around it).
+
+    The module hooks fire as for ``inner(...)``: FSDP2 unshards the root's parameters (embeddings, final norm, LM
+    head) before ``fn`` and schedules their gradients' reduce-scatter; DDP prepares its gradient all-reduce. (The
+    forward redirection of Lightning and TRL.)
+    """
+    had_own = "forward" in inner.__dict__
+    saved = inner.__dict__.get("forward")
+    inner.forward = fn
+    try:
+        return wrapper(*args)
+    finally:
+        if had_own:
+            inner.forward = saved
+        else:
+            del inner.forward
+
+
+def model_inputs(batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+    """``input_ids``, ``attention_mask`` and ``position_ids`` ``[B, Lp + T]`` of a micro-batch (left-padded prompts).
+
+    Positions as generate() counts them with left padding: the first real token is at position 0.
+    """
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype in effect on ``device`` (the LM head's matmul runs in it), or None."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _completion_head(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                     prompt_len: int) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """The completion positions' last hidden states ``[B, T, H]`` and the LM head's weight ``[V, H]`` and bias.
+
+    Hidden state ``t`` predicts token ``t + 1``: the completion's tokens are predicted from ``prompt_len - 1`` to
+    ``-2``. Weight and bias are cast to the hidden states' dtype (the autocast dtype when autocast is on, as the
+    model's own LM head would run), differentiably.
+    """
+    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False)  # fmt: skip
+    hidden = out.last_hidden_state[:, prompt_len - 1 : -1]
+    head = model.get_output_embeddings()
+    dtype = _autocast_dtype(hidden.device) or hidden.dtype
+    weight, bias = head.weight, head.bias
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def fused_token_logps(wrapper: torch.nn.Module, model: torch.nn.Module, batch: dict[str, Any], temperature: float,
+                      with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """Per-token log-probs ``[B, T]`` float32 of the completion tokens (and the entropy), chunk by chunk of rows.
+
+    Meant for no-grad scoring (old and reference log-probs): with grad on it stays correct, but each chunk's
+    logits are kept for the backward.
+    """
+    completion_ids = batch["completion_ids"]
+
+    def forward(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        hidden, weight, bias = _completion_head(model, input_ids, attention_mask, position_ids,
+                                                batch["prompt_ids"].shape[1])  # fmt: skip
+        rows, vocab = completion_ids.numel(), weight.shape[0]
+        flat_hidden, flat_ids = hidden.reshape(rows, -1), completion_ids.reshape(rows)
+        logps, entropy = [], []
+        step = chunk_rows(rows, vocab, flat_hidden.element_size())
+        with torch.autocast(flat_hidden.device.type, enabled=False):
+            for start in range(0, rows, step):
+                logits = project(flat_hidden[start : start + step], weight, bias)
+                chunk = grpo_ext.selective_log_softmax(
+                    logits, flat_ids[start : start + step], temperature=temperature, return_entropy=with_entropy
+                )
+                logps.append(chunk.logps)
+                entropy.append(chunk.entropy.detach() if with_entropy else chunk.logps.new_empty(0))
+        return torch.cat(logps).view_as(completion_ids), torch.cat(entropy)
+
+    logps, entropy = call_through(wrapper, model, forward, *model_inputs(batch))
+    return (logps, entropy.view_as(completion_ids)) if with_entropy else logps
+
+
+def fused_policy_loss(wrapper: torch.nn.Module, model: torch.nn.Module, batch: dict[str, Any], temperature: float,
+                      **loss_options: Any) -> GRPOLossOutput:  # fmt: skip
+    """:func:`grpo_ext.grpo_loss_from_hidden` of a micro-batch: the loss (autograd to the body and the LM head) and
+    its metrics, ``entropy`` (mean over the tokens entering the loss) included.
+
+    Args:
+        wrapper: what the training forward goes through (``model``, or DDP around it).
+        model: the causal LM (FSDP2-sharded or not).
+        batch: ``prompt_ids``/``prompt_mask`` ``[B, Lp]``, ``completion_ids``/``completion_mask`` ``[B, T]``,
+            ``advantages [B]``.
+        temperature: the sampling temperature (``z = logits / temperature``).
+        **loss_options: :func:`grpo_ext.grpo_loss`'s options (``old_logps``, ``ref_logps``, ``loss_type``, ...).
+    """
+
+    def forward(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> GRPOLossOutput:
+        hidden, weight, bias = _completion_head(model, input_ids, attention_mask, position_ids,
+                                                batch["prompt_ids"].shape[1])  # fmt: skip
+        with torch.autocast(hidden.device.type, enabled=False):
+            return grpo_ext.grpo_loss_from_hidden(
+                hidden, weight, batch["completion_ids"], batch["advantages"], batch["completion_mask"],
+                lm_head_bias=bias, temperature=temperature, **loss_options,
+            )  # fmt: skip
+
+    return call_through(wrapper, model, forward, *model_inputs(batch))
+
+
+def plain_token_logps(model: torch.nn.Module, batch: dict[str, Any], temperature: float, backend: str,
+                      autocast: AbstractContextManager | None = None,
+                      with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """Per-token log-probs ``[B, T]`` float32 (and entropy, detached) from the model's full ``[B, Lp + T, V]`` logits.
+
+    Args:
+        backend: ``"plain"`` (grpo_ext.selective_log_softmax: no ``[B, T, V]`` log-softmax temporary) or
+            ``"torch"`` (float32 log_softmax + gather, the reference path).
+        autocast: the context the model runs in (bf16 autocast on CUDA), default none.
+    """
+    prompt_len = batch["prompt_ids"].shape[1]
+    input_ids, attention_mask, position_ids = model_inputs(batch)
+    with autocast or nullcontext():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, prompt_len - 1 : -1]
+    if backend == "plain":
+        selected = grpo_ext.selective_log_softmax(
+            logits, batch["completion_ids"], temperature=temperature, return_entropy=with_entropy
+        )
+        return (selected.logps, selected.entropy.detach()) if with_entropy else selected.logps
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logps = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logps
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logps, entropy
+
+
+def use_fused(model: torch.nn.Module, backend: str, role: str, verbose: bool = True) -> bool:
+    """Whether ``model`` is scored on the fused path: ``backend == "fused"`` and :func:`fused_refusal` finds no
+    reason against it; otherwise (with ``verbose``) a one-line warning names the reason for the plain path.
+
+    Args:
+        role: ``"policy"`` or ``"reference"`` (for the warning).
+    """
+    if backend != "fused":
+        return False
+    reason = fused_refusal(model)
+    if reason is not None and verbose:
+        warnings.warn(f"logps_backend='fused': the {role} model ({type(model).__name__}) falls back to the plain "
+                      f"path: {reason}", stacklevel=3)  # fmt: skip
+    return reason is None

@@ -1,0 +1,190 @@
+"""The trainer's fused path (logps_backend="fused": the loss and log-probs from hidden states) against the plain path
+(the model's logits, selective_log_softmax, grpo_loss) on tiny random-init models of each architecture family, its
+fallbacks, and that it never forms the [B, T, V] logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import grpo_ext
+from grpo_ext.ops import lm_head as lm_head_module
+from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
+from grpo_ext.trainer.policy_logps import fused_policy_loss, fused_refusal, logits_transform, plain_token_logps
+from grpo_ext.trainer.trainer import GRPOTrainer
+from trainer_utils import small_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HIDDEN = 24  # != the vocabulary (16): a tensor whose last dimension is 16 holds logits
+
+# Each family: its config class and options (tiny: one layer, hidden 24, two heads of 12).
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama_head_bias": ("LlamaConfig", "LlamaForCausalLM", {}),  # the LM head replaced by one with a bias
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=12)),
+    "gemma_tied": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=12, tie_word_embeddings=True)),
+    "gemma2_no_softcap": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=12, final_logit_softcapping=None)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=12, sliding_window=None)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gpt2_tied": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=HIDDEN, n_layer=1, n_head=2, n_positions=32)),
+    "cohere_scale_1": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=1.0)),
+}
+
+
+def build_family(name: str, tokenizer, **overrides) -> torch.nn.Module:
+    config_name, model_name, options = FAMILIES[name]
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    if model_name == "GPT2LMHeadModel":
+        sizes = {}
+    else:
+        sizes = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    config = getattr(transformers, config_name)(vocab_size=len(tokenizer), **sizes, **ids, **{**options, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    if name == "llama_head_bias":
+        model.lm_head = torch.nn.Linear(HIDDEN, len(tokenizer), bias=True)
+        torch.nn.init.normal_(model.lm_head.bias, std=0.5)
+    return model
+
+
+def family_trainer(tmp_path, model: torch.nn.Module, backend: str, **overrides) -> GRPOTrainer:
+    options = dict(max_steps=3, beta=0.04, num_iterations=2, loss_type="dapo", adam_epsilon=1e-3,
+                   per_device_train_batch_size=8, logps_backend=backend)  # fmt: skip
+    options.update(overrides)
+    tokenizer = build_tokenizer()
+    rows, _ = reversal_dataset(seed=0)
+    return GRPOTrainer(model, [reversal_reward], rows, small_config(tmp_path / backend, **options), tokenizer=tokenizer)
+
+
+def step_loss_and_grads(trainer: GRPOTrainer, fused: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's loss and the parameters' gradients, through the fused or the plain path (policy = model)."""
+    mb = dict(trainer._micro_batches[0])
+    options = dict(old_logps=mb["old_logps"], ref_logps=mb["ref_logps"], beta=0.04, loss_type="dapo",
+                   sample_mask=~mb["zero_std"])  # fmt: skip
+    trainer.model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # the same dropout masks (GPT-2) on both paths
+    if fused:
+        loss = fused_policy_loss(trainer.model, trainer.model, mb, trainer.config.temperature, **options).loss
+    else:
+        logps = plain_token_logps(trainer.model, mb, trainer.config.temperature, "plain")
+        loss = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_training_equals_plain(tmp_path, family):
+    """Loss and gradients of a micro-batch, then 3 training steps (num_iterations=2, beta > 0): the fused path
+    equals the plain path to float32 rounding, for each architecture family."""
+    tokenizer = build_tokenizer()
+    runs = {}
+    for backend in ("fused", "plain"):
+        model = build_family(family, tokenizer)
+        trainer = family_trainer(tmp_path, model, backend)
+        assert trainer.policy_fused == (backend == "fused") and trainer.ref_fused == (backend == "fused")
+        history = trainer.train()
+        runs[backend] = (history, {n: p.detach().clone() for n, p in model.named_parameters()})
+    for fused_row, plain_row in zip(runs["fused"][0], runs["plain"][0], strict=True):
+        for key in ("loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean", "reward"):
+            assert fused_row[key] == pytest.approx(plain_row[key], rel=1e-5, abs=1e-6), key
+    for name, value in runs["fused"][1].items():
+        torch.testing.assert_close(value, runs["plain"][1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+    # The gradients of one micro-batch (old and reference log-probs from the queue), parameter by parameter.
+    trainer = family_trainer(tmp_path / "grads", build_family(family, tokenizer), "fused")
+    trainer._generate_and_score()
+    fused_loss, fused_grads = step_loss_and_grads(trainer, fused=True)
+    plain_loss, plain_grads = step_loss_and_grads(trainer, fused=False)
+    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-5, atol=1e-7)
+    assert fused_grads.keys() == plain_grads.keys()
+    for name, grad in fused_grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "reason"),
+    [
+        ("cohere_scale_1", dict(logit_scale=0.0625), "scales its logits by 0.0625"),
+        ("gemma2_no_softcap", dict(final_logit_softcapping=30.0), "final_logit_softcapping=30"),
+    ],
+)
+def test_logits_transforms_fall_back_with_a_warning(tmp_path, family, overrides, reason):
+    """Cohere's logit scale and Gemma 2's soft-capping are not in the fused kernels yet: the plain path, said once."""
+    model = build_family(family, build_tokenizer(), **overrides)
+    with pytest.warns(UserWarning, match=rf"policy model \(\w+\) falls back to the plain path: .*{reason}"):
+        trainer = family_trainer(tmp_path, model, "fused", beta=0.0)
+    assert not trainer.policy_fused
+    assert logits_transform(model) == ((0.0625, None) if "cohere" in family else (1.0, 30.0))
+    history = trainer.train()  # the plain path trains
+    assert len(history) == 3
+
+
+class DoubledLogits(transformers.LlamaForCausalLM):
+    """A causal LM with a logits transform no attribute names."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+class SameLogits(transformers.LlamaForCausalLM):
+    """A subclass that leaves the logits alone (not in VERIFIED_CAUSAL_LMS: probed)."""
+
+
+def test_unknown_logits_transform_falls_back_with_a_warning(tmp_path):
+    tokenizer = build_tokenizer()
+    config = build_model(tokenizer).config
+    torch.manual_seed(0)
+    assert fused_refusal(SameLogits(config)) is None  # the probe finds the head's logits
+    with pytest.warns(UserWarning, match=r"DoubledLogits\) falls back .*unknown logits transform"):
+        trainer = family_trainer(tmp_path, DoubledLogits(config), "fused", beta=0.0)
+    assert not trainer.policy_fused
+
+
+class LargestLogits(TorchDispatchMode):
+    """Records the largest tensor an op (not a view: ``W.t()`` is [H, V]) returns whose last dimension is V."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.largest = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_fused_step_never_forms_the_logits(tmp_path, monkeypatch):
+    """With 4-row chunks, no op of a fused training step or of the old and reference log-probs returns more than 4
+    rows of logits, and no LM head module runs; the plain path forms the [B, Lp + T, V] logits."""
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    monkeypatch.setattr(lm_head_module, "LOGITS_CHUNK_BYTES", 4 * vocab * 4)  # 4 float32 rows per chunk
+    largest, head_calls = {}, []
+    for backend in ("fused", "plain"):
+        trainer = family_trainer(tmp_path, build_family("llama", tokenizer), backend, max_steps=1)
+        trainer._generate_and_score()  # generation runs the LM head; queues the micro-batches
+        head_calls.clear()
+        for scored in (trainer.model, trainer.ref_model):
+            scored.lm_head.register_forward_hook(lambda *_, tag=backend: head_calls.append(tag))
+        mb = trainer._micro_batches[0]
+        with LargestLogits(vocab) as mode:
+            trainer._training_step()
+            for scored in (trainer.model, trainer.ref_model):
+                trainer.token_logps(scored, mb)
+        largest[backend] = mode.largest
+    assert "fused" not in head_calls and "plain" in head_calls
+    assert largest["fused"] <= 4 * vocab
+    batch, full_length = mb["completion_ids"].shape[0], mb["prompt_ids"].shape[1] + mb["completion_ids"].shape[1]
+    assert largest["plain"] >= batch * full_length * vocab
