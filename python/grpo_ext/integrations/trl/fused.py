@@ -84,8 +84,8 @@ def _completion_rows(request: FusedLossRequest, hidden: Tensor) -> tuple[Tensor 
     return hidden.view(batch, request.input_length - 1, size)[:, -length:], None
 
 
-def _refusal(temperature: float, softcap: float | None, logit_scale: float) -> str | None:
-    del temperature  # any positive temperature is fused
+def _refusal(softcap: float | None, logit_scale: float) -> str | None:
+    """Why the model's logits cannot go through grpo_loss_from_hidden (None: they can; any temperature can)."""
     if softcap is not None:
         return f"the model soft-caps its logits (final_logit_softcapping={softcap}), which grpo_loss_from_hidden lacks"
     if logit_scale != 1.0:
@@ -93,23 +93,25 @@ def _refusal(temperature: float, softcap: float | None, logit_scale: float) -> s
     return None
 
 
+def _head_options(final_logit_softcapping: float | None = None, logit_scale: float = 1.0,
+                  outputs: tuple[str, ...] = ("log_probs",)) -> tuple[float | None, float, tuple[str, ...]]:
+    """TRL's optional head arguments with their defaults."""
+    return final_logit_softcapping, logit_scale, outputs
+
+
 class GrpoExtHead:
     """Stands in for TRL's ``_ChunkedLogProbFunction`` (same ``apply`` arguments and outputs) while grpo_ext runs."""
 
     @staticmethod
-    def apply(
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        targets: Tensor,
-        temperature: float,
-        chunk_size: int,
-        final_logit_softcapping: float | None = None,
-        logit_scale: float = 1.0,
-        outputs: tuple[str, ...] = ("log_probs",),
-    ) -> tuple[Tensor | None, ...]:
-        """The fused loss of the open request (zero log-probs returned), else :class:`_GrpoExtLogProbs`'s pass."""
-        args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)
+    def apply(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+              chunk_size: int, *head_options: Any) -> tuple[Tensor | None, ...]:  # fmt: skip
+        """The fused loss of the open request (zero log-probs returned), else :class:`_GrpoExtLogProbs`'s pass.
+
+        ``head_options``: TRL's ``(final_logit_softcapping, logit_scale, outputs)``, each optional, as
+        :meth:`_GrpoExtLogProbs.forward` takes them.
+        """
+        args = (hidden, weight, bias, targets, temperature, chunk_size, *head_options)
+        final_logit_softcapping, logit_scale, outputs = _head_options(*head_options)
         request = _REQUEST.get()
         if request is None or request.refusal is not None:
             return _GrpoExtLogProbs.apply(*args)
@@ -118,7 +120,7 @@ class GrpoExtHead:
                 "grpo_ext.integrations.trl: the model's fused head ran twice for one loss (a "
                 "_get_per_token_logps_and_entropies that splits the batch?); use logps_backend='plain'"
             )
-        rows, request.refusal = None, _refusal(temperature, final_logit_softcapping, logit_scale)
+        rows, request.refusal = None, _refusal(final_logit_softcapping, logit_scale)
         if request.refusal is None:
             rows, request.refusal = _completion_rows(request, hidden)
         if request.refusal is not None:
