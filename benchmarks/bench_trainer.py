@@ -203,8 +203,9 @@ def run_child(case: dict[str, Any]) -> dict[str, Any]:
     """Builds the contender, runs one warm-up step, then times ``steps`` steps and one generation + step.
 
     Returns:
-        ``step_ms`` (median), ``gen_step_ms``, ``peak_bytes`` above ``base_bytes`` (RSS or allocated before the timed
-        steps), and ``grad_norm``: the gradient norm of the warm-up step (same parameters and batch everywhere).
+        ``step_ms`` (median), ``gen_step_ms`` (None without ``generation``), ``peak_bytes`` above ``base_bytes``
+        (RSS or allocated before the timed steps), and ``grad_norm``: the gradient norm of the warm-up step (same
+        parameters and batch everywhere).
     """
     device = torch.device(case["device"])
     torch.manual_seed(case["seed"])
@@ -231,10 +232,12 @@ def run_child(case: dict[str, Any]) -> dict[str, Any]:
             _sync(device)
             times.append(1e3 * (time.perf_counter() - start))
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss_bytes("VmHWM")
-        start = time.perf_counter()
-        generate_and_step()
-        _sync(device)
-        total_ms = 1e3 * (time.perf_counter() - start)
+        total_ms = None
+        if case["generation"]:
+            start = time.perf_counter()
+            generate_and_step()
+            _sync(device)
+            total_ms = 1e3 * (time.perf_counter() - start)
     return dict(step_ms=statistics.median(times), gen_step_ms=total_ms, peak_bytes=max(0, peak - before),
                 base_bytes=before, grad_norm=grad_norm)  # fmt: skip
 
@@ -325,6 +328,7 @@ def main() -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated: " + ", ".join(CONTENDERS))
     parser.add_argument("--max-logits-gib", type=float, default=None,
                         help="skip a contender holding [B, P+T, V] float32 logits above this (default: none)")
+    parser.add_argument("--no-generation", action="store_true", help="skip the gen+step figure (reported n/a)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per contender and case")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON of one case: run it in this process
     args = parser.parse_args()
@@ -341,7 +345,7 @@ def main() -> None:
     shape = dict(
         batch=args.batch or (4 if quick else 8), prompt_length=args.prompt_length or (4 if quick else 32),
         hidden=args.hidden or (32 if quick else 256), layers=args.layers, steps=args.steps or (1 if quick else 3),
-        seed=args.seed, device=str(device),
+        seed=args.seed, device=str(device), generation=not args.no_generation,
     )  # fmt: skip
     if shape["batch"] % NUM_GENERATIONS:
         raise SystemExit(f"--batch must be a multiple of num_generations={NUM_GENERATIONS}")

@@ -4,6 +4,9 @@ Every trainer here is a real ``trl.GRPOTrainer`` on a tiny random model saved to
 policy, and the reference when ``beta != 0``, from that folder; nothing is downloaded). ``compute_loss`` runs on a
 batch built by hand, once with TRL's own code and once patched, on the same parameters, in float32. The patched run
 takes the fused path (grpo_loss_from_hidden) unless a test asks for ``logps_backend="plain"`` or a fallback.
+
+Longer than 450 lines: every test here shares the trainer, batch and comparison helpers at the top; a split would
+have to import them across files.
 """
 
 from __future__ import annotations
