@@ -36,7 +36,7 @@ endif
 help:
 	@echo "make test         create the environment, build grpo_ext, run the tests (tests/cuda_emu included)"
 	@echo "make test-cuda-emu  only the CUDA kernels run on the CPU (tests/cuda_emu: g++, ASan, UBSan)"
-	@echo "make bench        run the microbenchmarks (CPU here, CUDA where a GPU is)"
+	@echo "make bench        run the microbenchmarks and the training-step benchmark (CPU here, CUDA where a GPU is)"
 	@echo "make kernel-report  registers, spills, occupancy, load widths of every CUDA kernel (benchmarks/KERNELS.md)"
 	@echo "make demo         GRPO on an embedded tiny model: learns to reverse digits in under 3 minutes on 2 CPU cores"
 	@echo "make wheel        build a wheel into dist/"
@@ -133,6 +133,7 @@ bench: build
 	$(PY) benchmarks/bench_selective_log_softmax.py
 	$(PY) benchmarks/bench_grpo_loss_from_logits.py
 	$(PY) benchmarks/bench_grpo_loss_from_hidden.py
+	$(PY) benchmarks/bench_trainer.py
 
 # The compiler's view of every CUDA kernel (no GPU needed; the CUDA build is): benchmarks/KERNELS.md.
 kernel-report: build

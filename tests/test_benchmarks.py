@@ -1,4 +1,5 @@
-"""The microbenchmarks run anywhere: each script's --quick mode, on the CPU, checks every peer against float64."""
+"""The benchmarks run anywhere: each op script's --quick mode, on the CPU, checks every peer against float64; the
+trainer benchmark's checks that every contender computed the same first step."""
 
 from __future__ import annotations
 
@@ -34,6 +35,24 @@ def test_quick_run_checks_and_writes_rows(script, tmp_path):
     assert timed and all(row["median_ms"] > 0 for row in timed)
 
 
+def test_trainer_benchmark_quick_run(tmp_path):
+    """bench_trainer.py --quick: every contender in its own process (about 2 minutes on 2 busy cores)."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_trainer.py"), "--quick", "--device", "cpu", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    # the contenders agreed on the first step's gradient norm before their times were reported
+    assert "check " in result.stdout and "(ok, " in result.stdout and "MISMATCH" not in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    timed = [row for row in rows if "note" not in row]
+    assert {row["impl"] for row in timed} >= {"trl", "trl+grpo_ext/fused", "trl+grpo_ext/plain"}
+    assert any(row["impl"].startswith("grpo_ext/") for row in timed)  # grpo_ext's own trainer, whichever backends
+    for row in timed:
+        assert row["step_ms"] > 0 and row["gen_step_ms"] > 0 and row["peak_bytes"] >= 0, row
+    for row in rows:  # a contender that did not run says why: only a backend the checkout's GRPOConfig lacks
+        assert "note" not in row or "does not accept logps_backend" in row["note"], row
+
+
 def test_every_script_is_listed():
-    """One script per op, ``bench_<op>.py``: a new one must be added to SCRIPTS above to be smoke-run."""
-    assert sorted(path.name for path in BENCHMARKS.glob("bench_*.py")) == sorted(SCRIPTS)
+    """One script per op, ``bench_<op>.py``, plus bench_trainer.py: a new one must be listed above to be smoke-run."""
+    assert sorted(path.name for path in BENCHMARKS.glob("bench_*.py")) == sorted([*SCRIPTS, "bench_trainer.py"])

@@ -2,7 +2,11 @@
 
 Every trainer here is a real ``trl.GRPOTrainer`` on a tiny random model saved to a temporary folder (TRL loads the
 policy, and the reference when ``beta != 0``, from that folder; nothing is downloaded). ``compute_loss`` runs on a
-batch built by hand, once with TRL's own code and once patched, on the same parameters, in float32.
+batch built by hand, once with TRL's own code and once patched, on the same parameters, in float32. The patched run
+takes the fused path (grpo_loss_from_hidden) unless a test asks for ``logps_backend="plain"`` or a fallback.
+
+Longer than 450 lines: every test here shares the trainer, batch and comparison helpers at the top; a split would
+have to import them across files.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ import dataclasses
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # `make test` installs trl in its venv and sets this: there a missing or unsupported trl fails instead of skipping.
 REQUIRE_TRL = os.environ.get("GRPO_EXT_REQUIRE_TRL") == "1"
@@ -62,22 +68,23 @@ def save_model(path, tokenizer, arch: str = "llama", **config_extra: Any) -> str
         max_position_embeddings=32, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
+    common.update(config_extra)
     if arch == "llama":  # untied LM head, no bias
         model_cls, config = (
             transformers.LlamaForCausalLM,
-            transformers.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common, **config_extra),
+            transformers.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common),
         )
     elif arch == "qwen2_tied":  # LM head tied to the embeddings
         model_cls, config = (
             transformers.Qwen2ForCausalLM,
-            transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common, **config_extra),
+            transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
         )
     elif arch == "phi":  # LM head with a bias
-        model_cls, config = transformers.PhiForCausalLM, transformers.PhiConfig(**common, **config_extra)
+        model_cls, config = transformers.PhiForCausalLM, transformers.PhiConfig(**common)
     elif arch == "mixtral":  # MoE: TRL adds the router load-balancing loss
         model_cls, config = transformers.MixtralForCausalLM, transformers.MixtralConfig(
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-            router_aux_loss_coef=0.02, **common, **config_extra,
+            router_aux_loss_coef=0.02, **common,
         )  # fmt: skip
     else:
         raise ValueError(f"unknown arch {arch!r}")
@@ -151,6 +158,7 @@ def make_inputs(trainer, *, seed: int = 0, old: bool = True, token_advantages: b
 @dataclasses.dataclass
 class Calls:
     grpo_loss: int = 0
+    grpo_loss_from_hidden: int = 0
     selective_log_softmax: int = 0
 
 
@@ -167,6 +175,9 @@ def grpo_ext_calls(monkeypatch) -> Calls:
         return wrapper
 
     monkeypatch.setattr(grpo_ext.ops, "grpo_loss", spy("grpo_loss", grpo_ext.ops.grpo_loss))
+    monkeypatch.setattr(
+        grpo_ext.ops, "grpo_loss_from_hidden", spy("grpo_loss_from_hidden", grpo_ext.ops.grpo_loss_from_hidden)
+    )
     monkeypatch.setattr(
         grpo_ext.ops, "selective_log_softmax", spy("selective_log_softmax", grpo_ext.ops.selective_log_softmax)
     )
@@ -199,13 +210,29 @@ def assert_same(expected, actual, tol: float = 1e-5) -> None:
         assert metrics1[name] == pytest.approx(value, rel=tol, abs=tol), name
 
 
-def compare(trainer, inputs, calls: Calls, tol: float = 1e-5) -> dict[str, float]:
-    """TRL's compute_loss, then the patched one on the same parameters and inputs; returns TRL's metrics."""
+def compare(trainer, inputs, calls: Calls, tol: float = 1e-5, backend: str = "fused",
+            fallback: str | None = None) -> dict[str, float]:  # fmt: skip
+    """TRL's compute_loss, then the patched one on the same parameters and inputs; returns TRL's metrics.
+
+    The patched run must take the fused path (grpo_loss_from_hidden, no log-prob pass for the loss) for
+    ``backend="fused"``, unless ``fallback`` names the warning it must give instead of taking it.
+    """
     expected = loss_and_grads(trainer, inputs)
-    assert calls.grpo_loss == 0 and calls.selective_log_softmax == 0
-    grpo_trl.patch(trainer)
-    actual = loss_and_grads(trainer, inputs)
-    assert calls.grpo_loss == 1 and calls.selective_log_softmax >= 1  # the patched run went through grpo_ext
+    assert calls.grpo_loss == calls.grpo_loss_from_hidden == calls.selective_log_softmax == 0
+    grpo_trl.patch(trainer, logps_backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = loss_and_grads(trainer, inputs)
+    fallbacks = [str(w.message) for w in caught if "falls back to the log-prob path" in str(w.message)]
+    if backend == "fused" and fallback is None:
+        assert not fallbacks
+        assert calls.grpo_loss_from_hidden == 1 and calls.grpo_loss == 0
+        # the only log-prob pass allowed is the no-grad one of the clip metrics when old log-probs are given
+        uses_ratio = "old_per_token_logps" in inputs and trainer.loss_type not in ("cispo", "sapo")
+        assert calls.selective_log_softmax == (1 if uses_ratio else 0)
+    else:
+        assert len(fallbacks) == (0 if fallback is None else 1) and (fallback or "") in "".join(fallbacks)
+        assert calls.grpo_loss == 1 and calls.grpo_loss_from_hidden == 0 and calls.selective_log_softmax >= 1
     assert_same(expected, actual, tol)
     return expected[2]
 
@@ -215,15 +242,17 @@ def compare(trainer, inputs, calls: Calls, tol: float = 1e-5) -> dict[str, float
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", grpo_trl.LOGPS_BACKENDS)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_patched_loss_and_gradients_match_trl(loss_type, beta, level, llama_dir, tokenizer, tmp_path, grpo_ext_calls):
+def test_patched_loss_and_gradients_match_trl(loss_type, beta, level, backend, llama_dir, tokenizer, tmp_path,
+                                              grpo_ext_calls):  # fmt: skip
     trainer = make_trainer(
         llama_dir, tokenizer, tmp_path, loss_type=loss_type, beta=beta, importance_sampling_level=level
     )
     assert trainer.args.use_bias_correction_kl  # TRL's default, which grpo_ext's default (False) must not replace
-    metrics = compare(trainer, make_inputs(trainer), grpo_ext_calls)
+    metrics = compare(trainer, make_inputs(trainer), grpo_ext_calls, backend=backend)
     # The batch must exercise what is compared: clipping happens, and the KL is there when beta != 0.
     if loss_type == "cispo":
         assert metrics["cispo_clip_ratio"] > 0
@@ -242,8 +271,10 @@ class Case:
     attrs: dict = dataclasses.field(default_factory=dict)
     inputs: dict = dataclasses.field(default_factory=dict)
     arch: str = "llama"
+    model_config: dict = dataclasses.field(default_factory=dict)
     eval_mode: bool = False
     tol: float = 1e-5
+    fallback: str | None = None  # the reason the fused path must give for not taking the loss
 
 
 CASES = {
@@ -265,8 +296,20 @@ CASES = {
         attrs=dict(use_vllm=True, vllm_importance_sampling_correction=True),
         inputs=dict(is_ratio_shape=(B, 1)),
     ),
-    "off_policy_mask": Case(config=dict(loss_type="dapo", beta=0.04, off_policy_mask_threshold=0.02)),
-    "top_entropy_quantile": Case(config=dict(loss_type="grpo", top_entropy_quantile=0.5)),
+    "off_policy_mask": Case(
+        config=dict(loss_type="dapo", beta=0.04, off_policy_mask_threshold=0.02), fallback="off_policy_mask_threshold"
+    ),
+    "top_entropy_quantile": Case(
+        config=dict(loss_type="grpo", top_entropy_quantile=0.5), fallback="top_entropy_quantile=0.5"
+    ),
+    "softcap_model": Case(
+        config=dict(loss_type="dapo", beta=0.04), model_config=dict(final_logit_softcapping=3.0),
+        fallback="final_logit_softcapping=3.0",
+    ),
+    "logit_scale_model": Case(config=dict(loss_type="grpo"), model_config=dict(logit_scale=0.7), fallback="scales"),
+    "phi_lm_head_bias": Case(config=dict(loss_type="grpo", beta=0.04), arch="phi"),
+    "qwen2_tied_embeddings": Case(config=dict(loss_type="dapo", beta=0.04), arch="qwen2_tied"),
+    "temperature": Case(config=dict(loss_type="grpo", beta=0.04, temperature=0.7)),
     "eval_dapo": Case(config=dict(loss_type="dapo", beta=0.04), eval_mode=True),
     "eval_grpo": Case(config=dict(loss_type="grpo", importance_sampling_level="sequence"), eval_mode=True),
     "moe_router_aux_loss": Case(config=dict(loss_type="grpo", beta=0.04), arch="mixtral"),
@@ -277,16 +320,64 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_patched_trl_options_match(case, llama_dir, tokenizer, tmp_path, grpo_ext_calls):
-    model_dir = llama_dir if case.arch == "llama" else save_model(tmp_path / case.arch, tokenizer, case.arch)
+    model_dir = llama_dir
+    if case.arch != "llama" or case.model_config:
+        model_dir = save_model(tmp_path / case.arch, tokenizer, case.arch, **case.model_config)
     trainer = make_trainer(model_dir, tokenizer, tmp_path, **case.config)
     for name, value in case.attrs.items():  # vLLM cannot run here: its batch fields and switches are set by hand
         setattr(trainer, name, value)
     if case.eval_mode:
         trainer.model.eval()
     inputs = make_inputs(trainer, **case.inputs)
-    metrics = compare(trainer, inputs, grpo_ext_calls, tol=case.tol)
+    metrics = compare(trainer, inputs, grpo_ext_calls, tol=case.tol, fallback=case.fallback)
     if case.arch == "mixtral":
         assert trainer.aux_loss_enabled and metrics["aux_loss"] > 0
+
+
+def test_fused_path_projects_only_completion_rows_one_chunk_at_a_time(tokenizer, tmp_path, monkeypatch, grpo_ext_calls):
+    """The fused loss: no log-prob pass, the LM head sees the B x T completion rows only, in chunks of 4 rows."""
+    # V = 97 (the ids are drawn from the model's V): no other dimension of the model equals it
+    model_dir = save_model(tmp_path / "v97", tokenizer, vocab_size=97)
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, loss_type="grpo", beta=0.04)
+    inputs = make_inputs(trainer, old=False)
+    expected = loss_and_grads(trainer, inputs)
+    grpo_trl.patch(trainer)
+    vocab, chunk = trainer.model.config.vocab_size, 4
+    monkeypatch.setattr(grpo_ext.ops.lm_head, "LOGITS_CHUNK_BYTES", chunk * vocab * 4)  # 4 float32 rows of logits
+    vocab_rows: list[int] = []  # rows of every tensor allocated (not a view, not in place) whose last dimension is V
+    projected_rows: list[int] = []  # rows of the LM-head products (matmuls whose output has V columns)
+
+    class RecordShapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(ret.alias_info is not None for ret in func._schema.returns):
+                return out  # a view or an in-place result: no new memory
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == vocab:
+                    vocab_rows.append(t.numel() // vocab)
+                    if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                        projected_rows.append(t.numel() // vocab)
+            return out
+
+    with RecordShapes():
+        actual = loss_and_grads(trainer, inputs)
+    assert_same(expected, actual)
+    assert grpo_ext_calls.grpo_loss_from_hidden == 1
+    assert grpo_ext_calls.grpo_loss == grpo_ext_calls.selective_log_softmax == 0
+    assert max(vocab_rows) <= chunk  # never more than one chunk of logits, let alone [B, T, V]
+    assert sum(projected_rows) == B * T  # the completion positions, each once (TRL's head scores B x (P + T - 1))
+
+
+def test_fused_path_on_trl_compact_rows(llama_dir, tokenizer, tmp_path, monkeypatch, grpo_ext_calls):
+    """On Triton devices TRL hands the head only the labelled rows: scattered back, the loss is still TRL's."""
+    trainer = make_trainer(llama_dir, tokenizer, tmp_path, loss_type="dapo", beta=0.04)
+    inputs = make_inputs(trainer, tool_mask=True)
+    expected = loss_and_grads(trainer, inputs)
+    monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
+    grpo_trl.patch(trainer)
+    actual = loss_and_grads(trainer, inputs)
+    assert grpo_ext_calls.grpo_loss_from_hidden == 1 and grpo_ext_calls.grpo_loss == 0
+    assert_same(expected, actual)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -346,7 +437,7 @@ def test_log_prob_pass_matches_trl(arch, config_extra, overrides, chunk_rows, to
     for name, g0 in grads0.items():
         torch.testing.assert_close(grads1[name], g0, rtol=1e-5, atol=1e-5 * max(g0.abs().max().item(), 1e-6))
     # the swap is scoped to the call: TRL's own function is back in place for everything else
-    assert trl.trainer.utils._ChunkedLogProbFunction is not grpo_trl._GrpoExtLogProbs
+    assert trl.trainer.utils._ChunkedLogProbFunction is not grpo_trl.GrpoExtHead
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,7 +455,10 @@ def test_subclass_trains_like_trl(llama_dir, tokenizer, tmp_path, grpo_ext_calls
     ours = make_trainer(llama_dir, tokenizer, tmp_path / "b", cls=grpo_trl.GRPOExtTrainer, **options)
     assert grpo_trl.is_patched(ours) and not grpo_trl.is_patched(reference)
     ours.train()
-    assert grpo_ext_calls.grpo_loss == 2 and grpo_ext_calls.selective_log_softmax >= 4  # 2 x (ref pass + policy)
+    assert ours.logps_backend == "fused"
+    # 2 x (the reference log-prob pass, then the fused loss)
+    assert grpo_ext_calls.grpo_loss_from_hidden == 2 and grpo_ext_calls.selective_log_softmax >= 2
+    assert grpo_ext_calls.grpo_loss == 0
     logs0 = [row for row in reference.state.log_history if "loss" in row]
     logs1 = [row for row in ours.state.log_history if "loss" in row]
     assert len(logs0) == len(logs1) == 2
@@ -380,13 +474,18 @@ def test_patch_is_idempotent_and_unpatch_restores_trl(llama_dir, tokenizer, tmp_
     trainer = make_trainer(llama_dir, tokenizer, tmp_path, loss_type="grpo")
     inputs = make_inputs(trainer)
     assert grpo_trl.patch(grpo_trl.patch(trainer)) is trainer and grpo_trl.is_patched(trainer)
-    patched_loss = trainer.compute_loss(trainer.model, inputs)
-    assert grpo_ext_calls.grpo_loss == 1
+    assert trainer.logps_backend == "fused"
+    fused_loss = trainer.compute_loss(trainer.model, inputs)
+    assert grpo_ext_calls.grpo_loss_from_hidden == 1 and grpo_ext_calls.grpo_loss == 0
+    grpo_trl.patch(trainer, logps_backend="plain")  # patching again switches the backend
+    plain_loss = trainer.compute_loss(trainer.model, inputs)
+    assert grpo_ext_calls.grpo_loss_from_hidden == 1 and grpo_ext_calls.grpo_loss == 1
     grpo_trl.unpatch(trainer)
-    assert not grpo_trl.is_patched(trainer)
+    assert not grpo_trl.is_patched(trainer) and not hasattr(trainer, "logps_backend")
     trl_loss = trainer.compute_loss(trainer.model, inputs)
-    assert grpo_ext_calls.grpo_loss == 1  # TRL's own code again
-    torch.testing.assert_close(patched_loss.detach(), trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert grpo_ext_calls.grpo_loss_from_hidden == 1 and grpo_ext_calls.grpo_loss == 1  # TRL's own code again
+    torch.testing.assert_close(fused_loss.detach(), trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain_loss.detach(), trl_loss.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_unsupported_settings_raise_naming_them(llama_dir, tokenizer, tmp_path):
@@ -400,6 +499,13 @@ def test_unsupported_settings_raise_naming_them(llama_dir, tokenizer, tmp_path):
         grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path, entropy_coef=0.1))
     with pytest.raises(ValueError, match=r"use_adaptive_entropy=True"):
         grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path, use_adaptive_entropy=True))
+    with pytest.raises(ValueError, match=r"logps_backend must be one of \('fused', 'plain'\), got 'fast'"):
+        grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path), logps_backend="fast")
+    with pytest.raises(ValueError, match=r"logps_backend must be one of \('fused', 'plain'\), got 'logits'"):
+        grpo_trl.GRPOExtTrainer(
+            model=str(tmp_path / "missing"), reward_funcs=digit_reward, logps_backend="logits",
+            args=trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
+        )  # fmt: skip
     with pytest.raises(TypeError, match=r"trainer must be a trl\.GRPOTrainer, got object"):
         grpo_trl.patch(object())
     with pytest.raises(RuntimeError, match=r"supports trl 1\.16\.x .* found trl 1\.15\.0"):

@@ -7,9 +7,16 @@ Two ways in, with the same effect:
 
 What changes, and what does not:
 
-- **the loss**: ``_compute_loss`` calls :func:`grpo_ext.grpo_loss` (one fused forward for the policy term, the KL,
-  the aggregation and the metrics; backward is one scale). Every TRL option that shapes the loss is mapped onto the
-  parameters of docs/math.md, so the loss and its gradients equal TRL's: ``loss_type``, ``epsilon``,
+- **the loss** (``logps_backend="fused"``, the default): ``_compute_loss`` runs TRL's fused-LM-head forward and,
+  where TRL's forward hands the hidden states and the LM head's weight to its chunked log-prob function, computes
+  the whole loss with :func:`grpo_ext.grpo_loss_from_hidden` on the completion rows (each chunk's logits exist once,
+  the gradients for the hidden states and the head are formed in that pass), so no ``[B, T, V]`` logits and no
+  per-token log-prob graph exist (:mod:`.fused`). Settings it cannot express fall back, with a one-line warning
+  naming the reason, to the log-prob pass below and :func:`grpo_ext.grpo_loss`: ``top_entropy_quantile < 1``,
+  ``off_policy_mask_threshold`` (both need per-token values before the loss), a model with ``logit_scale != 1`` or
+  ``final_logit_softcapping``. ``logps_backend="plain"`` (a ``GRPOExtTrainer`` / :func:`patch` argument, or the
+  trainer's ``logps_backend`` attribute) always takes that path. Both map every TRL option that shapes the loss onto
+  the parameters of docs/math.md, so the loss and its gradients equal TRL's: ``loss_type``, ``epsilon``,
   ``epsilon_high`` (the cispo cap included), ``delta``, ``beta``, ``use_bias_correction_kl`` (TRL's default True is
   passed explicitly: grpo_ext's own default is False), ``importance_sampling_level``, ``max_completion_length``,
   ``sapo_temperature_*``, the dapo/cispo ``num_items_in_batch`` normalizer, gradient accumulation (as
@@ -47,10 +54,12 @@ except ImportError as exc:  # pragma: no cover - CI installs trl
 from packaging.version import InvalidVersion, Version
 
 from ...ops.options import LOSS_TYPES
-from .log_probs import _GrpoExtLogProbs, _log_probs_through_grpo_ext  # noqa: F401  (the tests reach the first here)
+from .fused import GrpoExtHead, _log_probs_through_grpo_ext  # noqa: F401  (the tests reach the first here)
+from .log_probs import _GrpoExtLogProbs  # noqa: F401  (the tests reach it here)
 from .loss import _compute_loss
 
 __all__ = [
+    "LOGPS_BACKENDS",
     "SUPPORTED_LOSS_TYPES",
     "TESTED_TRL_VERSION",
     "GRPOExtTrainer",
@@ -68,7 +77,17 @@ _SUPPORTED_RELEASE = (1, 16)
 SUPPORTED_LOSS_TYPES: tuple[str, ...] = LOSS_TYPES
 
 
+#: How the patched loss gets the policy's log-probs: ``"fused"`` (from the hidden states, inside the loss; the
+#: default) or ``"plain"`` (TRL's log-prob pass on grpo_ext, then :func:`grpo_ext.grpo_loss`).
+LOGPS_BACKENDS: tuple[str, ...] = ("fused", "plain")
+
 _PATCH_MARK = "_grpo_ext_patched"
+
+
+def _check_backend(logps_backend: str) -> str:
+    if logps_backend not in LOGPS_BACKENDS:
+        raise ValueError(f"logps_backend must be one of {LOGPS_BACKENDS}, got {logps_backend!r}")
+    return logps_backend
 
 
 def check_trl_version(version: str | None = None) -> None:
@@ -116,14 +135,18 @@ def _check_config(args: Any) -> None:
 class GRPOExtTrainer(trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss and log-prob passes run on grpo_ext; same constructor and ``trl.GRPOConfig``.
 
+    One more keyword argument: ``logps_backend`` (``"fused"``, the default, or ``"plain"``; see
+    :data:`LOGPS_BACKENDS`), kept as the ``logps_backend`` attribute, which may be changed between steps.
+
     Raises:
         RuntimeError: the installed TRL is not a supported release (see :func:`check_trl_version`).
         ValueError: ``args`` asks for something grpo_ext does not compute (``loss_type="vespo"``, the entropy bonus),
             before the model is loaded when ``args`` is given.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, logps_backend: str = "fused", **kwargs: Any) -> None:
         check_trl_version()
+        self.logps_backend = _check_backend(logps_backend)
         try:
             config = (
                 inspect.signature(trl.GRPOTrainer.__init__).bind_partial(self, *args, **kwargs).arguments.get("args")
@@ -143,7 +166,7 @@ class GRPOExtTrainer(trl.GRPOTrainer):
         return _compute_loss(self, model, inputs)
 
 
-def patch(trainer: trl.GRPOTrainer) -> trl.GRPOTrainer:
+def patch(trainer: trl.GRPOTrainer, logps_backend: str = "fused") -> trl.GRPOTrainer:
     """Makes an existing ``trl.GRPOTrainer`` compute its loss and log-prob passes with grpo_ext, in place.
 
     Only this instance changes (its ``_compute_loss`` and ``_get_per_token_logps_and_entropies``); a subclass's own
@@ -151,6 +174,8 @@ def patch(trainer: trl.GRPOTrainer) -> trl.GRPOTrainer:
 
     Args:
         trainer: a ``trl.GRPOTrainer`` (or subclass) instance.
+        logps_backend: ``"fused"`` or ``"plain"`` (:data:`LOGPS_BACKENDS`), set as ``trainer.logps_backend`` (also
+            on a trainer patched before).
 
     Returns:
         The same trainer.
@@ -158,13 +183,16 @@ def patch(trainer: trl.GRPOTrainer) -> trl.GRPOTrainer:
     Raises:
         TypeError: ``trainer`` is not a ``trl.GRPOTrainer``.
         RuntimeError: the installed TRL is not a supported release.
-        ValueError: its config asks for something grpo_ext does not compute (``loss_type="vespo"``, entropy bonus).
+        ValueError: its config asks for something grpo_ext does not compute (``loss_type="vespo"``, entropy bonus), or
+            ``logps_backend`` is not one of :data:`LOGPS_BACKENDS`.
     """
     if not isinstance(trainer, trl.GRPOTrainer):
         raise TypeError(f"trainer must be a trl.GRPOTrainer, got {type(trainer).__name__}")
     check_trl_version()
     _check_config(trainer.args)
+    _check_backend(logps_backend)
     if is_patched(trainer):
+        trainer.logps_backend = logps_backend
         return trainer
     original = trainer._get_per_token_logps_and_entropies
 
@@ -175,6 +203,7 @@ def patch(trainer: trl.GRPOTrainer) -> trl.GRPOTrainer:
 
     trainer._get_per_token_logps_and_entropies = per_token_logps_and_entropies
     trainer._compute_loss = types.MethodType(_compute_loss, trainer)
+    trainer.logps_backend = logps_backend
     setattr(trainer, _PATCH_MARK, True)
     return trainer
 
@@ -191,6 +220,7 @@ def unpatch(trainer: trl.GRPOTrainer) -> trl.GRPOTrainer:
     if trainer.__dict__.pop(_PATCH_MARK, False):
         trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
         trainer.__dict__.pop("_compute_loss", None)
+        trainer.__dict__.pop("logps_backend", None)
     return trainer
 
 

@@ -6,8 +6,6 @@ grpo_loss_from_hidden uses; ``logit_scale`` and soft-capping go through the kern
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -156,19 +154,3 @@ class _GrpoExtLogProbs(torch.autograd.Function):
             None if grad_bias is None else grad_bias.to(bias.dtype),
             *nothing[3:],
         )
-
-
-@contextlib.contextmanager
-def _log_probs_through_grpo_ext() -> Iterator[None]:
-    """While open, TRL's fused LM head computes its per-token log-probs and entropy with grpo_ext.
-
-    TRL 1.16's ``add_fused_lm_head`` forward looks ``_ChunkedLogProbFunction`` up in ``trl.trainer.utils`` at call
-    time; swapping that one name keeps the rest of the forward (backbone, PEFT, multimodal inputs, FSDP gathers,
-    label masking) TRL's own, and is undone on exit, so other TRL trainers in the process are unaffected.
-    """
-    previous = _trl_utils._ChunkedLogProbFunction
-    _trl_utils._ChunkedLogProbFunction = _GrpoExtLogProbs
-    try:
-        yield
-    finally:
-        _trl_utils._ChunkedLogProbFunction = previous

@@ -1,9 +1,14 @@
-"""TRL's ``GRPOTrainer._compute_loss`` with the loss computed by grpo_ext.grpo_loss (see the package docstring)."""
+"""TRL's ``GRPOTrainer._compute_loss`` with the loss computed by grpo_ext: from the hidden states through
+:func:`grpo_ext.grpo_loss_from_hidden` (``logps_backend="fused"``), or from log-probs through :func:`grpo_ext.grpo_loss`
+(see the package docstring).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -13,6 +18,7 @@ from torch import Tensor
 
 from ... import ops
 from ...ops.options import CLIP_FAMILY_LOSS_TYPES
+from .fused import FusedLossRequest, fused_loss_request
 
 # Arguments of TRL's `_get_per_token_logps_and_entropies` that `_compute_loss` does not build itself: they are
 # forwarded from `inputs` by name (pixel_values, image_grid_thw, ...), so multimodal batches keep working.
@@ -42,13 +48,14 @@ def _global_mean(trainer: trl.GRPOTrainer, local_sum: Tensor, local_count: Tenso
     return (totals[0] / totals[1].clamp(min=1.0)).item()
 
 
-def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor, old_logps: Tensor | None, entropies: Tensor,
-                mask: Tensor, advantages: Tensor) -> Tensor | None:  # fmt: skip
+def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor | None, old_logps: Tensor | None,
+                entropies: Tensor | None, mask: Tensor, advantages: Tensor) -> Tensor | None:  # fmt: skip
     """TRL's factors on the policy term only, multiplied into grpo_ext's ``is_weights`` (``[B, T]`` or ``[B, 1]``).
 
     TRL multiplies its per-token policy loss, before adding the KL, by the high-entropy token mask
     (``top_entropy_quantile``), the DeepSeek-V3.2 off-policy sequence mask (``off_policy_mask_threshold``) and the
     vLLM importance-sampling ratio; none of them is differentiated, which is what ``is_weights`` means in docs/math.md.
+    The first two need the current ``logps`` / ``entropies`` (the fused path, which has neither, refuses them).
     """
     factors: list[Tensor] = []
     if trainer.top_entropy_quantile < 1.0:
@@ -74,12 +81,14 @@ def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor, old_logps
     return weights
 
 
-def _log_metrics(trainer: trl.GRPOTrainer, mode: str, metrics: dict[str, Tensor], logps: Tensor,
-                 old_logps: Tensor | None, entropies: Tensor, mask: Tensor, advantages: Tensor) -> None:  # fmt: skip
+def _log_metrics(trainer: trl.GRPOTrainer, mode: str, metrics: dict[str, Tensor], logps: Tensor | None,
+                 old_logps: Tensor | None, entropy_sum: Tensor, mask: Tensor, advantages: Tensor) -> None:  # fmt: skip
     """Appends TRL's loss metrics, under TRL's names and cross-process reductions, to ``trainer._metrics[mode]``.
 
-    The means come from grpo_ext's fused metrics (local mean times local count, summed over processes);
-    ``clip_ratio/low_min`` and ``clip_ratio/high_max`` (extremes over rows) are computed here from the detached ratio.
+    The means come from grpo_ext's fused metrics (local mean times local count, summed over processes; the entropy
+    from ``entropy_sum``, its local sum over the kept tokens); ``clip_ratio/low_min`` and ``clip_ratio/high_max``
+    (extremes over rows) are computed here from the detached ratio (``logps`` may be None when ``old_logps`` is:
+    the ratio is then 1).
     """
     log = trainer._metrics[mode]
     maskf = mask.to(torch.float32)
@@ -95,7 +104,7 @@ def _log_metrics(trainer: trl.GRPOTrainer, mode: str, metrics: dict[str, Tensor]
 
     if trainer.beta != 0.0:
         log["kl"].append(_global_mean(trainer, metrics["kl"] * token_count, token_count))
-    log["entropy"].append(_global_mean(trainer, (entropies.detach() * maskf).sum(), token_count))
+    log["entropy"].append(_global_mean(trainer, entropy_sum, token_count))
     if trainer.loss_type == "cispo":
         log["cispo_clip_ratio"].append(share("cispo_clip_ratio"))
         return
@@ -105,8 +114,10 @@ def _log_metrics(trainer: trl.GRPOTrainer, mode: str, metrics: dict[str, Tensor]
         log[name].append(share(name))
 
     with torch.no_grad():
-        current = logps.detach()
-        log_ratio = current - (current if old_logps is None else old_logps)
+        if old_logps is None:
+            log_ratio = torch.zeros(mask.shape, device=mask.device)
+        else:
+            log_ratio = logps.detach() - old_logps
         log_ratio = torch.where(mask.bool(), log_ratio, 0.0)  # padding never reaches a ratio, even if NaN
         if sequence:
             log_ratio = log_ratio.sum(-1, keepdim=True) / maskf.sum(-1, keepdim=True).clamp(min=1.0)
@@ -121,8 +132,62 @@ def _log_metrics(trainer: trl.GRPOTrainer, mode: str, metrics: dict[str, Tensor]
         log["clip_ratio/high_max"].append(_trl_utils.nanmax(trainer.accelerator.gather(per_row(high))).item())
 
 
+def _loss_options(trainer: trl.GRPOTrainer, inputs: dict[str, Any], mode: str, accumulation: int) -> dict[str, Any]:
+    """TRL's loss settings as keyword arguments of grpo_ext's losses (all but the log-probs and ``is_weights``)."""
+    num_items, loss_scale = None, 1.0
+    if trainer.loss_type in ("dapo", "cispo"):
+        # TRL's denominator: the generation batch's token count per process, rescaled to one accumulation window.
+        device = inputs["completion_mask"].device
+        num_items = torch.as_tensor(inputs["num_items_in_batch"], dtype=torch.float32, device=device)
+        num_items = num_items.clamp(min=1.0) / trainer.accelerator.num_processes
+        if mode == "train":
+            num_items = num_items * accumulation / trainer.args.steps_per_generation
+    else:
+        loss_scale = 1.0 / accumulation
+    return dict(
+        old_logps=inputs.get("old_per_token_logps"),
+        ref_logps=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
+        loss_type=trainer.loss_type,
+        epsilon=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,  # resolved by TRL (None -> epsilon), also as cispo's cap
+        delta=trainer.args.delta,
+        beta=trainer.beta,
+        kl_estimator="k3",  # TRL's only estimator
+        use_bias_correction_kl=trainer.args.use_bias_correction_kl,
+        importance_sampling_level=trainer.importance_sampling_level,
+        max_completion_length=trainer.max_completion_length,
+        num_items_in_batch=num_items,
+        sapo_temperature_pos=trainer.args.sapo_temperature_pos,
+        sapo_temperature_neg=trainer.args.sapo_temperature_neg,
+        loss_scale=loss_scale,
+    )
+
+
+def fused_refusal(trainer: trl.GRPOTrainer) -> str | None:
+    """Why this trainer's settings keep the loss off the fused path (None: fused), before any forward runs."""
+    if trainer.top_entropy_quantile < 1.0:
+        return f"top_entropy_quantile={trainer.top_entropy_quantile} masks tokens by an entropy the fused loss forms"
+    if trainer.off_policy_mask_threshold is not None:
+        return (f"off_policy_mask_threshold={trainer.off_policy_mask_threshold} masks rows by log-probs the fused loss "
+                "forms")  # fmt: skip
+    return None
+
+
+def _warn_fallback(trainer: trl.GRPOTrainer, reason: str) -> None:
+    """One warning per trainer and reason: the loss takes the log-prob path (``logps_backend='plain'``)."""
+    warned = trainer.__dict__.setdefault("_grpo_ext_fallbacks", set())
+    if reason not in warned:
+        warned.add(reason)
+        warnings.warn(f"grpo_ext.integrations.trl: the loss falls back to the log-prob path: {reason}", stacklevel=3)
+
+
 def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any]) -> Tensor:
-    """TRL's ``GRPOTrainer._compute_loss`` contract, with the loss computed by :func:`grpo_ext.grpo_loss`.
+    """TRL's ``GRPOTrainer._compute_loss`` contract, with the loss computed by grpo_ext.
+
+    With ``trainer.logps_backend == "fused"`` (the default) the loss is :func:`grpo_ext.grpo_loss_from_hidden` on
+    the hidden states TRL's fused LM head receives (see :mod:`.fused`), so no logits beyond one chunk exist;
+    settings it cannot express fall back, with a warning naming them, to the log-prob pass and
+    :func:`grpo_ext.grpo_loss` (what ``"plain"`` always does).
 
     Args:
         trainer: the (patched) TRL trainer; its attributes and ``args`` give every loss option.
@@ -139,55 +204,55 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     forwarded = {name: inputs.get(name) for name in _forwarded_input_names()}
-    logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
-        model,
-        torch.cat([prompt_ids, completion_ids], dim=1),
-        torch.cat([prompt_mask, completion_mask], dim=1),
-        completion_ids.size(1),
-        compute_entropy=True,
-        compute_aux_loss=trainer.aux_loss_enabled,
-        **forwarded,
-    )
     advantages = inputs["advantages"]
-    old_logps = inputs.get("old_per_token_logps")
     mode = "train" if trainer.model.training else "eval"
     # TRL averages micro-batches by scaling each loss (HF's own scaling is off); eval neither splits nor accumulates.
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1
+    options = _loss_options(trainer, inputs, mode, accumulation)
+    old_logps = options["old_logps"]
 
-    num_items, loss_scale = None, 1.0
-    if trainer.loss_type in ("dapo", "cispo"):
-        # TRL's denominator: the generation batch's token count per process, rescaled to one accumulation window.
-        num_items = torch.as_tensor(inputs["num_items_in_batch"], dtype=torch.float32, device=logps.device)
-        num_items = num_items.clamp(min=1.0) / trainer.accelerator.num_processes
-        if mode == "train":
-            num_items = num_items * accumulation / trainer.args.steps_per_generation
+    request = None
+    if getattr(trainer, "logps_backend", "fused") == "fused":
+        reason = fused_refusal(trainer)
+        if reason is None:
+            is_weights = _is_weights(trainer, inputs, None, old_logps, None, mask, advantages)
+            request = FusedLossRequest(
+                completion_ids, completion_mask, prompt_ids.size(1) + completion_ids.size(1),
+                dict(advantages=advantages, completion_mask=mask, is_weights=is_weights, **options),
+                want_logps=old_logps is not None and trainer.loss_type in CLIP_FAMILY_LOSS_TYPES,
+            )  # fmt: skip
+        else:
+            _warn_fallback(trainer, reason)
+    with fused_loss_request(request) if request is not None else contextlib.nullcontext():
+        logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
+            model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([prompt_mask, completion_mask], dim=1),
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=trainer.aux_loss_enabled,
+            **forwarded,
+        )
+    if request is not None and request.refusal is None:
+        if request.output is None:
+            raise RuntimeError(
+                "grpo_ext.integrations.trl: the model's forward never reached TRL's fused LM head, so the fused loss "
+                "was not computed; use logps_backend='plain'"
+            )
+        out = request.output
+        logps = request.logps
+        entropy_sum = out.metrics["entropy"] * mask.sum()
     else:
-        loss_scale = 1.0 / accumulation
-
-    out = ops.grpo_loss(
-        logps,
-        advantages,
-        mask,
-        old_logps=old_logps,
-        ref_logps=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
-        is_weights=_is_weights(trainer, inputs, logps, old_logps, entropies, mask, advantages),
-        loss_type=trainer.loss_type,
-        epsilon=trainer.epsilon_low,
-        epsilon_high=trainer.epsilon_high,  # resolved by TRL (None -> epsilon), also as cispo's cap
-        delta=trainer.args.delta,
-        beta=trainer.beta,
-        kl_estimator="k3",  # TRL's only estimator
-        use_bias_correction_kl=trainer.args.use_bias_correction_kl,
-        importance_sampling_level=trainer.importance_sampling_level,
-        max_completion_length=trainer.max_completion_length,
-        num_items_in_batch=num_items,
-        sapo_temperature_pos=trainer.args.sapo_temperature_pos,
-        sapo_temperature_neg=trainer.args.sapo_temperature_neg,
-        loss_scale=loss_scale,
-    )
+        if request is not None:
+            _warn_fallback(trainer, request.refusal)
+        out = ops.grpo_loss(
+            logps, advantages, mask,
+            is_weights=_is_weights(trainer, inputs, logps, old_logps, entropies, mask, advantages), **options,
+        )  # fmt: skip
+        entropy_sum = (entropies.detach() * mask).sum()
     loss = out.loss
     if trainer.aux_loss_enabled:
         loss = loss + trainer.router_aux_loss_coef * aux_loss / accumulation
         trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
-    _log_metrics(trainer, mode, out.metrics, logps, old_logps, entropies, mask, advantages)
+    _log_metrics(trainer, mode, out.metrics, logps, old_logps, entropy_sum, mask, advantages)
     return loss

@@ -1,0 +1,162 @@
+"""The policy loss from TRL's fused LM head: grpo_ext.grpo_loss_from_hidden inside the model's forward.
+
+TRL 1.16's ``add_fused_lm_head`` forward runs the backbone, takes the LM head's weight (gathered under FSDP2 and
+DeepSpeed ZeRO-3) and hands the hidden states to ``trl.trainer.utils._ChunkedLogProbFunction.apply``. While
+:func:`fused_loss_request` is open, :class:`GrpoExtHead` (installed in that slot by ``_log_probs_through_grpo_ext``)
+takes that call: it picks the completion rows out of the hidden states and computes the whole GRPO loss from them
+with :func:`grpo_ext.grpo_loss_from_hidden` (each chunk's logits exist once; the gradients for the hidden states and
+the head are formed in the pass), stores the result on the request, and returns zero log-probs that TRL's forward
+reshapes and discards. Without an open request, or when the call cannot be fused (``request.refusal`` says why), it
+is the chunked log-prob pass of :mod:`.log_probs`, and the loss is computed from those log-probs as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import trl.trainer.utils as _trl_utils
+from torch import Tensor
+
+from ... import ops
+from ...results import GRPOLossOutput
+from .log_probs import _compute_dtype, _GrpoExtLogProbs
+
+
+@dataclasses.dataclass
+class FusedLossRequest:
+    """What the fused head needs to compute the loss of one ``_compute_loss`` call, and what it leaves there.
+
+    Attributes:
+        completion_ids: ``[B, T]`` int64, the scored ids.
+        completion_mask: ``[B, T]``, the completion's attention mask (which rows TRL's compact layout keeps).
+        input_length: ``P + T``, the length of the sequences the forward sees.
+        loss_options: keyword arguments of :func:`grpo_ext.grpo_loss_from_hidden` besides the hidden states, the
+            head and the ids (advantages, the loss mask, every loss option).
+        want_logps: also return the detached ``[B, T]`` log-probs (a no-grad chunked pass; for the clip metrics).
+        output: the loss output, set by the head.
+        logps: the detached log-probs when ``want_logps``.
+        refusal: why the call fell back to the log-prob pass, set by the head; None when fused.
+    """
+
+    completion_ids: Tensor
+    completion_mask: Tensor
+    input_length: int
+    loss_options: dict[str, Any]
+    want_logps: bool = False
+    output: GRPOLossOutput | None = None
+    logps: Tensor | None = None
+    refusal: str | None = None
+
+
+_REQUEST: contextvars.ContextVar[FusedLossRequest | None] = contextvars.ContextVar("grpo_ext_trl_fused", default=None)
+
+
+@contextlib.contextmanager
+def fused_loss_request(request: FusedLossRequest) -> Iterator[FusedLossRequest]:
+    """While open, the next fused-head forward computes ``request``'s loss instead of log-probs."""
+    token = _REQUEST.set(request)
+    try:
+        yield request
+    finally:
+        _REQUEST.reset(token)
+
+
+def _completion_rows(request: FusedLossRequest, hidden: Tensor) -> tuple[Tensor | None, str | None]:
+    """The ``[B, T, H]`` hidden states scoring the completion ids, from the rows TRL's forward passes, or a refusal.
+
+    TRL passes either every shifted position (``[B * (P + T - 1), H]``) or, on Triton devices, only the positions
+    with a label (the completion tokens whose mask is set), in row-major order.
+    """
+    batch, length = request.completion_ids.shape
+    size = hidden.shape[-1]
+    if _trl_utils._use_triton(hidden.device):  # compact: scatter the labelled rows back into [B, T]
+        kept = request.completion_mask.to(hidden.device) != 0
+        if hidden.shape[0] != int(kept.sum()):
+            return None, f"the forward scored {hidden.shape[0]} rows, not the batch's {int(kept.sum())} tokens"
+        return hidden.new_zeros(batch, length, size).masked_scatter(kept.unsqueeze(-1), hidden), None
+    if hidden.shape[0] != batch * (request.input_length - 1):
+        return None, f"the forward scored {hidden.shape[0]} rows, not the batch's {batch} x {request.input_length - 1}"
+    return hidden.view(batch, request.input_length - 1, size)[:, -length:], None
+
+
+def _refusal(softcap: float | None, logit_scale: float) -> str | None:
+    """Why the model's logits cannot go through grpo_loss_from_hidden (None: they can; any temperature can)."""
+    if softcap is not None:
+        return f"the model soft-caps its logits (final_logit_softcapping={softcap}), which grpo_loss_from_hidden lacks"
+    if logit_scale != 1.0:
+        return f"the model scales its logits (logit_scale={logit_scale}), which grpo_loss_from_hidden lacks"
+    return None
+
+
+def _head_options(final_logit_softcapping: float | None = None, logit_scale: float = 1.0,
+                  outputs: tuple[str, ...] = ("log_probs",)) -> tuple[float | None, float, tuple[str, ...]]:
+    """TRL's optional head arguments with their defaults."""
+    return final_logit_softcapping, logit_scale, outputs
+
+
+class GrpoExtHead:
+    """Stands in for TRL's ``_ChunkedLogProbFunction`` (same ``apply`` arguments and outputs) while grpo_ext runs."""
+
+    @staticmethod
+    def apply(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+              chunk_size: int, *head_options: Any) -> tuple[Tensor | None, ...]:  # fmt: skip
+        """The fused loss of the open request (zero log-probs returned), else :class:`_GrpoExtLogProbs`'s pass.
+
+        ``head_options``: TRL's ``(final_logit_softcapping, logit_scale, outputs)``, each optional, as
+        :meth:`_GrpoExtLogProbs.forward` takes them.
+        """
+        args = (hidden, weight, bias, targets, temperature, chunk_size, *head_options)
+        final_logit_softcapping, logit_scale, outputs = _head_options(*head_options)
+        request = _REQUEST.get()
+        if request is None or request.refusal is not None:
+            return _GrpoExtLogProbs.apply(*args)
+        if request.output is not None:
+            raise RuntimeError(
+                "grpo_ext.integrations.trl: the model's fused head ran twice for one loss (a "
+                "_get_per_token_logps_and_entropies that splits the batch?); use logps_backend='plain'"
+            )
+        rows, request.refusal = None, _refusal(final_logit_softcapping, logit_scale)
+        if request.refusal is None:
+            rows, request.refusal = _completion_rows(request, hidden)
+        if request.refusal is not None:
+            return _GrpoExtLogProbs.apply(*args)
+
+        dtype = _compute_dtype(hidden)  # the autocast dtype when autocast is on, as TRL's head computes
+        weight_c = weight.to(dtype)
+        bias_c = None if bias is None else bias.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            rows = rows.to(dtype)
+            ids = request.completion_ids.to(hidden.device)
+            request.output = ops.grpo_loss_from_hidden(
+                rows, weight_c, ids, lm_head_bias=bias_c, temperature=temperature, **request.loss_options
+            )
+            if request.want_logps:
+                with torch.no_grad():
+                    logps, *_ = _GrpoExtLogProbs.apply(
+                        rows.detach().reshape(-1, rows.shape[-1]), weight_c.detach(),
+                        None if bias_c is None else bias_c.detach(), ids.reshape(-1), temperature, chunk_size,
+                    )  # fmt: skip
+                request.logps = logps.view(ids.shape)
+        zeros = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
+        return zeros, (zeros if "entropy" in outputs else None), None, None, None
+
+
+@contextlib.contextmanager
+def _log_probs_through_grpo_ext() -> Iterator[None]:
+    """While open, TRL's fused LM head runs on grpo_ext: the fused loss of an open request, else the log-prob pass.
+
+    TRL 1.16's ``add_fused_lm_head`` forward looks ``_ChunkedLogProbFunction`` up in ``trl.trainer.utils`` at call
+    time; swapping that one name keeps the rest of the forward (backbone, PEFT, multimodal inputs, FSDP gathers,
+    label masking) TRL's own, and is undone on exit, so other TRL trainers in the process are unaffected.
+    """
+    previous = _trl_utils._ChunkedLogProbFunction
+    _trl_utils._ChunkedLogProbFunction = GrpoExtHead
+    try:
+        yield
+    finally:
+        _trl_utils._ChunkedLogProbFunction = previous
