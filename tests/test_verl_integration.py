@@ -139,10 +139,24 @@ def test_advantages_match_verl_with_uid_groups_in_any_order(estimator, norm_adv_
     torch.testing.assert_close(got_returns, want_returns, rtol=1e-6, atol=1e-6)
 
 
-def test_unequal_groups_and_bad_modes_are_named():
+@pytest.mark.parametrize("estimator,norm_adv_by_std_in_grpo", [("grpo", True), ("grpo", False), ("rloo", None)])
+def test_advantages_match_verl_with_uid_groups_of_different_sizes(estimator, norm_adv_by_std_in_grpo):
+    """verl groups rows by uid whatever the group sizes: grpo_ext's group_ids do the same in one launch."""
+    rng = np.random.default_rng(3)
+    sizes = {"a": 1, "b": 4, "c": 2, "d": 7, "e": 1, "f": 3}
+    index = np.array([uid for uid, n in sizes.items() for _ in range(n)], dtype=object)[rng.permutation(18)]
+    g = torch.Generator().manual_seed(4)
+    mask = torch.rand(18, 4, generator=g) < 0.8
+    rewards = torch.zeros(18, 4)
+    rewards[:, -1] = torch.randint(0, 3, (18,), generator=g).float()
+    kwargs = {"norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo} if estimator == "grpo" else {}
+    want, _ = core_algos.get_adv_estimator_fn(estimator)(rewards.clone(), mask, index, **kwargs)
+    got, _ = core_algos.get_adv_estimator_fn(f"grpo_ext_{estimator}")(rewards.clone(), mask, index, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_modes_are_named():
     mask = torch.ones(5, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="same size"):
-        grpo_verl.compute_grpo_advantage(torch.ones(5, 3), mask, np.array(["a", "a", "b", "b", "b"]))
     with pytest.raises(ValueError, match="loss_agg_mode"):
         grpo_verl.loss_options(actor_config("local"), "token-avg", mask)
     with pytest.raises(ValueError, match="kl_loss_type"):

@@ -12,7 +12,7 @@ import trl.trainer.utils as _trl_utils
 from torch import Tensor
 
 from ... import ops
-from ...ops.options import CLIP_FAMILY_LOSS_TYPES
+from ...ops.options import CLIP_FAMILY_LOSS_TYPES, TOKEN_LEVEL_LOSS_TYPES
 
 # Arguments of TRL's `_get_per_token_logps_and_entropies` that `_compute_loss` does not build itself: they are
 # forwarded from `inputs` by name (pixel_values, image_grid_thw, ...), so multimodal batches keep working.
@@ -49,6 +49,7 @@ def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor, old_logps
     TRL multiplies its per-token policy loss, before adding the KL, by the high-entropy token mask
     (``top_entropy_quantile``), the DeepSeek-V3.2 off-policy sequence mask (``off_policy_mask_threshold``) and the
     vLLM importance-sampling ratio; none of them is differentiated, which is what ``is_weights`` means in docs/math.md.
+    For vespo only the vLLM ratio can be there (the masks are refused): it enters the sequence weight, as in TRL.
     """
     factors: list[Tensor] = []
     if trainer.top_entropy_quantile < 1.0:
@@ -98,6 +99,11 @@ def _log_metrics(trainer: trl.GRPOTrainer, mode: str, metrics: dict[str, Tensor]
     log["entropy"].append(_global_mean(trainer, (entropies.detach() * maskf).sum(), token_count))
     if trainer.loss_type == "cispo":
         log["cispo_clip_ratio"].append(share("cispo_clip_ratio"))
+        return
+    if trainer.loss_type == "vespo":  # a mean over rows with one advantage per row, as TRL's phi_seq [B, 1]
+        per_row = rows_advantages.shape[1] == 1
+        phi_count = torch.tensor(float(mask.shape[0]), device=mask.device) if per_row else token_count
+        log["vespo/phi_seq_mean"].append(_global_mean(trainer, metrics["vespo/phi_seq_mean"] * phi_count, phi_count))
         return
     if trainer.loss_type not in CLIP_FAMILY_LOSS_TYPES:  # TRL logs no clip metric for sapo
         return
@@ -155,7 +161,7 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1
 
     num_items, loss_scale = None, 1.0
-    if trainer.loss_type in ("dapo", "cispo"):
+    if trainer.loss_type in TOKEN_LEVEL_LOSS_TYPES:
         # TRL's denominator: the generation batch's token count per process, rescaled to one accumulation window.
         num_items = torch.as_tensor(inputs["num_items_in_batch"], dtype=torch.float32, device=logps.device)
         num_items = num_items.clamp(min=1.0) / trainer.accelerator.num_processes
@@ -183,6 +189,10 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
         num_items_in_batch=num_items,
         sapo_temperature_pos=trainer.args.sapo_temperature_pos,
         sapo_temperature_neg=trainer.args.sapo_temperature_neg,
+        vespo_k_pos=trainer.args.vespo_k_pos,
+        vespo_lambda_pos=trainer.args.vespo_lambda_pos,
+        vespo_k_neg=trainer.args.vespo_k_neg,
+        vespo_lambda_neg=trainer.args.vespo_lambda_neg,
         loss_scale=loss_scale,
     )
     loss = out.loss
