@@ -21,6 +21,7 @@ enum RowSlot : int {
   kSlotRegion,
   kSlotCispo,
   kSlotPhi,
+  kSlotNonEmpty,  // 1 for a row with a kept token (skip_empty_rows' row count)
   kNumRowSlots
 };
 // Order of the metrics vector returned by the forward op.
@@ -52,6 +53,7 @@ struct LossParams {
   double sapo_tau_neg = 1.05;
   double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0, vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;
   bool per_row_advantages = false;  // [B] advantages: vespo's phi metric is then a mean over rows
+  bool skip_empty_rows = false;     // the per-row means count only rows with a kept token (verl's seq-mean-*)
   bool compute_grad = true;
 };
 
@@ -346,19 +348,21 @@ GRPO_HD TokenTerms<T> token_terms(const TokenConsts<T>& c, PolicyFamily family, 
   return out;
 }
 
-// The global factor applied to the sum of row partials (and, in backward, to the raw gradient).
+// The global factor applied to the sum of row partials (and, in backward, to the raw gradient). `non_empty_rows`:
+// the rows with a kept token, which replace B in the per-row means when skip_empty_rows is set.
 template <typename T>
 GRPO_HD T global_loss_scale(const LossParams& p, int64_t batch, int64_t max_completion_length, T mask_total,
-                            bool has_num_items, T num_items, T loss_scale) {
+                            T non_empty_rows, bool has_num_items, T num_items, T loss_scale) {
   const T count = mask_total > T(1) ? mask_total : T(1);
+  const T rows = p.skip_empty_rows ? (non_empty_rows > T(1) ? non_empty_rows : T(1)) : T(batch);
   T denom;
   switch (p.loss_type) {
     case LossType::kBNPO: denom = count; break;
-    case LossType::kDrGRPO: denom = T(batch) * T(max_completion_length); break;
+    case LossType::kDrGRPO: denom = rows * T(max_completion_length); break;
     case LossType::kDAPO:
     case LossType::kCISPO:
     case LossType::kVESPO: denom = has_num_items ? num_items : count; break;
-    default: denom = T(batch); break;  // grpo, sapo, luspo
+    default: denom = rows; break;  // grpo, sapo, luspo
   }
   return loss_scale / denom;
 }
@@ -369,7 +373,8 @@ GRPO_HD void finalize_loss(const LossParams& p, const T* totals, int64_t batch, 
                            bool has_num_items, T num_items, T loss_scale, T* loss_out, T* metrics_out,
                            T* grad_scale_out) {
   const T mask_total = totals[kSlotMask];
-  const T scale = global_loss_scale(p, batch, max_completion_length, mask_total, has_num_items, num_items, loss_scale);
+  const T scale = global_loss_scale(p, batch, max_completion_length, mask_total, totals[kSlotNonEmpty], has_num_items,
+                                    num_items, loss_scale);
   *loss_out = totals[kSlotLoss] * scale;
   *grad_scale_out = scale;
   const T token_count = mask_total > T(1) ? mask_total : T(1);

@@ -72,7 +72,8 @@ def case_kwargs(loss_type: str, level: str, kl: str, extra: str) -> dict:
         kwargs["is_weights"] = "is_weights"
         kwargs["sample_mask"] = "sample_mask"
     elif extra == "denominators":
-        kwargs.update(max_completion_length=16, num_items_in_batch=37, loss_scale=0.25, epsilon=0.1)
+        kwargs.update(max_completion_length=16, num_items_in_batch=37, loss_scale=0.25, epsilon=0.1,
+                      skip_empty_rows=True)  # fmt: skip
     return kwargs
 
 

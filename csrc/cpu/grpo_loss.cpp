@@ -171,9 +171,10 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
       run(std::false_type{});
     }
   });
-  for (int s = 0; s < kNumRowSlots; ++s) {  // the token loop writes every slot but phi's
+  for (int s = 0; s < kSlotNonEmpty; ++s) {  // the token loop writes every slot but phi's and kSlotNonEmpty
     partials[s] = s == kSlotPhi ? phi_partial : lane_sum(scratch.slot(s), n_cols);
   }
+  partials[kSlotNonEmpty] = partials[kSlotMask] > 0.0 ? 1.0 : 0.0;
   if (p.row_share_metrics) {  // one condition per row, every row counted
     T low, high, cispo;
     clip_flags<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), &low, &high, &cispo);

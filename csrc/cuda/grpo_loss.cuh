@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(512)
                       &acc[kSlotCispo]);
         acc[kSlotRegion] = acc[kSlotLow] + acc[kSlotHigh];
       }
+      acc[kSlotNonEmpty] = acc[kSlotMask] > T(0) ? T(1) : T(0);
       if (vespo && p.per_row_advantages) acc[kSlotPhi] = vespo_phi(consts, vespo_log_w, in.advantages.load<T>(row, 0));
 #pragma unroll
       for (int s = 0; s < kNumRowSlots; ++s) partials[row * kNumRowSlots + s] = acc[s];

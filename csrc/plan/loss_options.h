@@ -41,7 +41,8 @@
   X("float", double, vespo_lambda_pos)                             \
   X("float", double, vespo_k_neg)                                  \
   X("float", double, vespo_lambda_neg)                             \
-  X("float", double, loss_scale)
+  X("float", double, loss_scale)                                   \
+  X("bool", bool, skip_empty_rows)
 
 #define GRPO_OPTION_SCHEMA(schema_type, cpp_type, name) schema_type " " #name ", "
 #define GRPO_OPTION_PARAM(schema_type, cpp_type, name) cpp_type name,
@@ -174,6 +175,7 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at
   p.vespo_k_neg = o.vespo_k_neg;
   p.vespo_lambda_neg = o.vespo_lambda_neg;
   p.per_row_advantages = per_row_advantages;
+  p.skip_empty_rows = o.skip_empty_rows;
   p.compute_grad = compute_grad;
 
   TORCH_CHECK(o.max_completion_length >= 1, "max_completion_length must be >= 1, got ", o.max_completion_length);

@@ -384,6 +384,7 @@ def validate_grpo_loss_args(
         sapo_temperature_neg=sapo_temperature_neg,
         **vespo,
         loss_scale=loss_scale,
+        skip_empty_rows=bool(options.skip_empty_rows),
     )
 
 

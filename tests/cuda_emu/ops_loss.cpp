@@ -70,6 +70,7 @@ LossPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const std::optional<Te
   p.vespo_k_neg = a.number();
   p.vespo_lambda_neg = a.number();
   plan.loss_scale = a.number();
+  p.skip_empty_rows = a.boolean();
   if (num_items) {
     plan.has_num_items = true;
     plan.num_items = *num_items;

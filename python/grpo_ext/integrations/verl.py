@@ -68,12 +68,12 @@ def loss_options(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict
             ``loss_scale_factor``, ``global_batch_info`` (``dp_size``, ``batch_num_tokens``,
             ``global_batch_size``), and for the KL term ``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``.
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
-        response_mask: ``[B, T]`` (its shape and, for ``seq-mean-*`` without ``global_batch_size``, its non-empty
-            rows set the scale; no host sync).
+        response_mask: ``[B, T]`` (its shape sets ``seq-mean-token-sum-norm``'s default horizon).
 
     Returns:
         Keyword options of :func:`grpo_ext.grpo_loss` (and the fused losses): ``loss_type``, ``epsilon``,
-        ``epsilon_high``, ``delta``, ``num_items_in_batch``, ``loss_scale``, and ``beta``/``kl_estimator``/
+        ``epsilon_high``, ``delta``, ``num_items_in_batch``, ``loss_scale``, ``skip_empty_rows`` (``seq-mean-*``
+        without ``global_batch_size``: verl's mean over the non-empty rows), and ``beta``/``kl_estimator``/
         ``kl_clamp`` when ``use_kl_loss`` (the caller passes ``ref_logps``).
     """
     clip = _get(config, "clip_ratio", 0.2)
@@ -93,9 +93,9 @@ def loss_options(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict
         options.update(loss_type="dapo", num_items_in_batch=1.0, loss_scale=float(dp_size))
     elif loss_agg_mode in LOSS_AGG_MODES:
         sequences = info.get("global_batch_size")
+        scale = 1.0
         if sequences is None:  # verl: the mean over the non-empty rows of the micro-batch
-            non_empty = (response_mask.sum(-1) > 0).sum().clamp(min=1).to(torch.float32)
-            scale: float | Tensor = batch / non_empty
+            options["skip_empty_rows"] = True
         else:
             scale = batch * dp_size / float(sequences)
         if loss_agg_mode == "seq-mean-token-sum-norm":

@@ -81,6 +81,8 @@ class LossOptions(NamedTuple):
         vespo_k_neg: VESPO's ``k`` where ``A < 0``.
         vespo_lambda_neg: VESPO's ``lambda`` where ``A < 0`` (at least 1e-4).
         loss_scale: multiplies the loss and its gradient (gradient accumulation or a loss scaler).
+        skip_empty_rows: the per-row means (``grpo``, ``sapo``, ``luspo``, ``dr_grpo``) divide by the rows that have a
+            kept token instead of ``B`` (verl's ``seq-mean-*`` aggregation).
     """
 
     old_logps: Tensor | None = None
@@ -105,6 +107,7 @@ class LossOptions(NamedTuple):
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     loss_scale: float | Tensor = 1.0
+    skip_empty_rows: bool = False
 
     @property
     def gradient_needs_whole_rows(self) -> bool:

@@ -89,6 +89,7 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's ``k`` and ``lambda`` where ``A >= 0``
             and where ``A < 0`` (finite; lambda used as at least 1e-4).
         loss_scale: Python number or 0-dim tensor multiplying the loss (and therefore the gradient).
+        skip_empty_rows: ``B`` in the per-row means (grpo, sapo, luspo, dr_grpo) counts only rows with a kept token.
 
     Returns:
         :class:`GRPOLossOutput`: 0-dim ``loss`` and a dict of detached 0-dim metrics, all in the compute dtype
@@ -205,12 +206,13 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
     # ------------------------------------------------------------------ section 5: aggregation
     weighted = per_token * m  # [B, T]
     total_tokens = torch.clamp(m.sum(), min=1)
+    rows = torch.clamp((n > 0).sum(), min=1).to(dtype) if o.skip_empty_rows else batch  # section 5's B
     if o.loss_type in ("grpo", "sapo"):
-        loss = (weighted.sum(dim=1) / torch.clamp(n, min=1)).sum() / batch
+        loss = (weighted.sum(dim=1) / torch.clamp(n, min=1)).sum() / rows
     elif o.loss_type == "bnpo":
         loss = weighted.sum() / total_tokens
     elif o.loss_type == "dr_grpo":
-        loss = weighted.sum() / (batch * o.max_completion_length)
+        loss = weighted.sum() / (rows * o.max_completion_length)
     elif o.loss_type in ("dapo", "cispo", "vespo"):
         if o.num_items_in_batch is None:
             denominator = total_tokens
@@ -220,7 +222,7 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
             denominator = float(o.num_items_in_batch)
         loss = weighted.sum() / denominator
     else:  # "luspo"
-        loss = weighted.sum() / batch
+        loss = weighted.sum() / rows
     if isinstance(o.loss_scale, Tensor):
         loss = loss * o.loss_scale.detach().to(device=logps.device, dtype=dtype)
     else:
