@@ -54,11 +54,11 @@ GRPO_HD T combine_rewards(const StridedMatrix& rewards, const StridedMatrix& wei
 }
 
 // A_i from the combined reward, its baseline and the scale (docs/math.md section 1). `baseline_valid` is false for a
-// leave-one-out row with no other scored member.
+// leave-one-out row with no other scored member; `singleton`: the row is alone in its group.
 template <typename T>
-GRPO_HD T advantage_from(T reward, T baseline, bool baseline_valid, T sigma, const AdvantageParams& p) {
+GRPO_HD T advantage_from(T reward, T baseline, bool baseline_valid, T sigma, bool singleton, const AdvantageParams& p) {
   if (!is_scored(reward)) return T(0);
-  if (p.verl_singletons && p.group_size == 1) {  // verl: mean 0, std 1, so A = R / (1 + eps), or R unscaled
+  if (p.verl_singletons && singleton) {  // verl: mean 0, std 1, so A = R / (1 + eps), or R unscaled
     return p.scale == ScaleRewards::kNone ? reward
                                           : reward / ((p.scale == ScaleRewards::kGroup ? T(1) : sigma) + T(p.eps));
   }

@@ -128,7 +128,7 @@ inline LogitsRows logits_rows_of(const void* data, DType dtype, int64_t dim, con
 }
 
 // Option codes, parsed once on the host from the user's strings.
-enum class LossType : int32_t { kGRPO = 0, kBNPO, kDrGRPO, kDAPO, kLUSPO, kCISPO, kSAPO };
+enum class LossType : int32_t { kGRPO = 0, kBNPO, kDrGRPO, kDAPO, kLUSPO, kCISPO, kSAPO, kVESPO };
 // kAbs, kK1Plus, kK3Plus, kLowVarKL: verl's "abs", straight-through "k1+"/"k3+" and "low_var_kl" (docs/math.md 4).
 enum class KLEstimator : int32_t { kK1 = 1, kK2 = 2, kK3 = 3, kAbs, kK1Plus, kK3Plus, kLowVarKL };
 enum class ScaleRewards : int32_t { kGroup = 0, kBatch, kNone };

@@ -11,9 +11,29 @@
 namespace grpo_ext {
 
 // Slots of the per-row partial sums that the kernels reduce into the loss and metrics.
-enum RowSlot : int { kSlotLoss = 0, kSlotMask, kSlotKL, kSlotLow, kSlotHigh, kSlotRegion, kSlotCispo, kNumRowSlots };
+// kSlotPhi: vespo's sum_t m * phi, or its phi alone with one advantage per row (0 for the other loss types).
+enum RowSlot : int {
+  kSlotLoss = 0,
+  kSlotMask,
+  kSlotKL,
+  kSlotLow,
+  kSlotHigh,
+  kSlotRegion,
+  kSlotCispo,
+  kSlotPhi,
+  kSlotNonEmpty,  // 1 for a row with a kept token (skip_empty_rows' row count)
+  kNumRowSlots
+};
 // Order of the metrics vector returned by the forward op.
-enum MetricSlot : int { kMetricKL = 0, kMetricLow, kMetricHigh, kMetricRegion, kMetricCispo, kNumMetrics };
+enum MetricSlot : int {
+  kMetricKL = 0,
+  kMetricLow,
+  kMetricHigh,
+  kMetricRegion,
+  kMetricCispo,
+  kMetricVespoPhi,
+  kNumMetrics
+};
 
 struct LossParams {
   LossType loss_type = LossType::kGRPO;
@@ -31,6 +51,9 @@ struct LossParams {
   bool has_old = false;
   double sapo_tau_pos = 1.0;
   double sapo_tau_neg = 1.05;
+  double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0, vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;
+  bool per_row_advantages = false;  // [B] advantages: vespo's phi metric is then a mean over rows
+  bool skip_empty_rows = false;     // the per-row means count only rows with a kept token (verl's seq-mean-*)
   bool compute_grad = true;
 };
 
@@ -56,14 +79,18 @@ GRPO_HD bool per_row_normalized(LossType t) {
 
 // The policy term's shape, and the KL estimator (kNone when beta == 0): the two choices that change the per-token
 // code. Kernels dispatch on them once, so the token loop is straight-line code (vectorized on the CPU).
-enum class PolicyFamily : int32_t { kClip = 0, kCispo, kSapo };
+enum class PolicyFamily : int32_t { kClip = 0, kCispo, kSapo, kVespo };
 // verl's low_var_kl (and k3+) clamps the k3 estimate to [-10, 10]; k3 >= 0, so only the upper bound acts.
 constexpr double kLowVarKLCap = 10.0;
 enum class KLKind : int32_t { kNone = 0, kK1, kK2, kK3, kAbs, kK1Plus, kK3Plus, kLowVarKL };
 
 GRPO_HD PolicyFamily policy_family(LossType t) {
-  return t == LossType::kCISPO ? PolicyFamily::kCispo
-                               : (t == LossType::kSAPO ? PolicyFamily::kSapo : PolicyFamily::kClip);
+  switch (t) {
+    case LossType::kCISPO: return PolicyFamily::kCispo;
+    case LossType::kSAPO: return PolicyFamily::kSapo;
+    case LossType::kVESPO: return PolicyFamily::kVespo;
+    default: return PolicyFamily::kClip;
+  }
 }
 GRPO_HD KLKind kl_kind(const LossParams& p) {
   if (p.beta == 0.0) return KLKind::kNone;
@@ -81,9 +108,16 @@ GRPO_HD KLKind kl_kind(const LossParams& p) {
 // The hyperparameters in the compute type, converted once per kernel rather than per token.
 // An unset delta or KL clamp is an infinite bound, which leaves every finite value (and its gradient) alone: the
 // token code needs no branch for them.
+// VESPO (docs/math.md section 3), as TRL 1.16's get_gamma_weights: the bounds of a token's log-ratio, of the row's
+// log-weight (log 1e-8 below) and the smallest lambda.
+constexpr double kVespoLogRatioBound = 20.0;
+constexpr double kVespoMinLogWeight = -18.420680743952367;  // log(1e-8)
+constexpr double kVespoMinLambda = 1e-4;
+
 template <typename T>
 struct TokenConsts {
   T clip_low, clip_high, cispo_cap, delta, beta, kl_clamp, tau_pos, tau_neg;
+  T vespo_k_pos, vespo_k_neg, vespo_lambda_pos, vespo_lambda_neg;
   GRPO_HD explicit TokenConsts(const LossParams& p)
       : clip_low(T(1) - T(p.epsilon_low)),
         clip_high(T(1) + T(p.epsilon_high)),
@@ -92,7 +126,11 @@ struct TokenConsts {
         beta(T(p.beta)),
         kl_clamp(p.has_kl_clamp ? T(p.kl_clamp) : T(INFINITY)),
         tau_pos(T(p.sapo_tau_pos)),
-        tau_neg(T(p.sapo_tau_neg)) {}
+        tau_neg(T(p.sapo_tau_neg)),
+        vespo_k_pos(T(p.vespo_k_pos)),
+        vespo_k_neg(T(p.vespo_k_neg)),
+        vespo_lambda_pos(T(p.vespo_lambda_pos > kVespoMinLambda ? p.vespo_lambda_pos : kVespoMinLambda)),
+        vespo_lambda_neg(T(p.vespo_lambda_neg > kVespoMinLambda ? p.vespo_lambda_neg : kVespoMinLambda)) {}
 };
 
 template <typename T>
@@ -125,9 +163,47 @@ GRPO_HD T log_ratio_of(T l, T l_old) {
   return (l - l_old) + ((l - l) + (l_old - l_old));
 }
 
+// x clamped to [lo, hi]; NaN stays NaN (as torch.clamp).
+template <typename T>
+GRPO_HD T clamp_keep_nan(T x, T lo, T hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// VESPO: token t's term of its row's log-weight, clamp(d, -20, 20) + clamp(log is_weight, log 1e-8, 20) (the caller
+// multiplies by m and sums the row). A non-finite is_weight gives NaN (TRL would clamp +inf to 20), a zero one log
+// 1e-8.
+template <typename T>
+GRPO_HD T vespo_token_log_weight(T d, T is_weight, bool has_is_weights) {
+  T term = clamp_keep_nan(d, T(-kVespoLogRatioBound), T(kVespoLogRatioBound));
+  if (has_is_weights) {
+    using std::log;
+    term += clamp_keep_nan(log(is_weight) + (is_weight - is_weight), T(kVespoMinLogWeight), T(kVespoLogRatioBound));
+  }
+  return term;
+}
+
+// VESPO: the row's log-weight log w from the sum of its tokens' terms.
+template <typename T>
+GRPO_HD T vespo_row_log_weight(T sum) {
+  return clamp_keep_nan(sum, T(kVespoMinLogWeight), T(kVespoLogRatioBound));
+}
+
+// VESPO's gamma weight phi = exp(lambda + k * log w - lambda * w), (k, lambda) by the sign of A (A >= 0: the
+// positive pair). An overflowing phi is 0, as TRL's nan_to_num(posinf=0) makes it; a NaN log w stays NaN.
+template <typename T>
+GRPO_HD T vespo_phi(const TokenConsts<T>& c, T log_w, T adv) {
+  const bool nonneg = adv >= T(0);
+  const T k = nonneg ? c.vespo_k_pos : c.vespo_k_neg;
+  const T lambda = nonneg ? c.vespo_lambda_pos : c.vespo_lambda_neg;
+  const T log_phi = lambda + k * log_w - lambda * math_exp(log_w);
+  const T max_log = sizeof(T) == sizeof(double) ? T(709.782712893384) : T(88.72283905812);  // log of the largest T
+  return log_phi > max_log ? T(0) : math_exp(log_phi);
+}
+
 // Per-token loss, KL, their derivatives and the clip conditions for one policy family and KL estimator; only
 // selects depend on the data, so the CPU compiler vectorizes a loop over this. A token with a non-finite input (rho
 // is NaN when l or l_old is not finite, see log_ratio_of) gets NaN terms: loss, KL and both derivatives.
+// For vespo, `is_weight` is the token's phi (vespo_phi; the is_weights entered its row's log-weight instead).
 template <typename T, PolicyFamily kFamily, KLKind kKL, bool kBias>
 GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv, T is_weight, T rho) {
   TokenTerms<T> out;
@@ -137,6 +213,9 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
     const T w = rho < c.cispo_cap ? rho : c.cispo_cap;  // a stop-gradient weight
     policy = -w * adv * l;
     dpolicy_dl = -w * adv;
+  } else if constexpr (kFamily == PolicyFamily::kVespo) {  // -sg(phi) * A * l, phi passed as is_weight
+    policy = -adv * l;
+    dpolicy_dl = -adv;
   } else if constexpr (kFamily == PolicyFamily::kSapo) {
     const T tau = adv > T(0) ? c.tau_pos : c.tau_neg;
     const T s = T(1) / (T(1) + math_exp(-tau * (rho - T(1))));
@@ -153,8 +232,9 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
     dpolicy_drho = -minimum_grad(a, b, drho_c * adv, drho_clip * adv);
   }
   out.loss = policy * is_weight;
-  // cispo: no gradient through its stop-gradient ratio weight, not even 0 * a non-finite is_weight (NaN)
-  out.dloss_drho = kFamily == PolicyFamily::kCispo ? T(0) : dpolicy_drho * is_weight;
+  // cispo, vespo: no gradient through their stop-gradient ratio weights, not even 0 * a non-finite is_weight (NaN)
+  constexpr bool kStopsRatioGrad = kFamily == PolicyFamily::kCispo || kFamily == PolicyFamily::kVespo;
+  out.dloss_drho = kStopsRatioGrad ? T(0) : dpolicy_drho * is_weight;
   out.dloss_dl = dpolicy_dl * is_weight;
   out.kl = T(0);
 
@@ -208,8 +288,8 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
   out.loss += poison;
   out.kl += poison;
   out.dloss_dl += poison;
-  if constexpr (kFamily != PolicyFamily::kCispo || (kKL != KLKind::kNone && kBias)) {
-    out.dloss_drho += poison;  // cispo's rho is a stop-gradient weight: no gradient flows through it
+  if constexpr (!kStopsRatioGrad || (kKL != KLKind::kNone && kBias)) {
+    out.dloss_drho += poison;  // cispo's and vespo's ratios are stop-gradient weights: no gradient flows through them
   }
 
   clip_flags(c, rho, adv, &out.low, &out.high, &out.cispo_clipped);
@@ -254,6 +334,7 @@ GRPO_HD void dispatch_token_terms(PolicyFamily family, KLKind kl, bool bias_corr
     case PolicyFamily::kClip: dispatch_bias<T, PolicyFamily::kClip>(kl, bias_correction, fn); break;
     case PolicyFamily::kCispo: dispatch_bias<T, PolicyFamily::kCispo>(kl, bias_correction, fn); break;
     case PolicyFamily::kSapo: dispatch_bias<T, PolicyFamily::kSapo>(kl, bias_correction, fn); break;
+    case PolicyFamily::kVespo: dispatch_bias<T, PolicyFamily::kVespo>(kl, bias_correction, fn); break;
   }
 }
 
@@ -267,18 +348,21 @@ GRPO_HD TokenTerms<T> token_terms(const TokenConsts<T>& c, PolicyFamily family, 
   return out;
 }
 
-// The global factor applied to the sum of row partials (and, in backward, to the raw gradient).
+// The global factor applied to the sum of row partials (and, in backward, to the raw gradient). `non_empty_rows`:
+// the rows with a kept token, which replace B in the per-row means when skip_empty_rows is set.
 template <typename T>
 GRPO_HD T global_loss_scale(const LossParams& p, int64_t batch, int64_t max_completion_length, T mask_total,
-                            bool has_num_items, T num_items, T loss_scale) {
+                            T non_empty_rows, bool has_num_items, T num_items, T loss_scale) {
   const T count = mask_total > T(1) ? mask_total : T(1);
+  const T rows = p.skip_empty_rows ? (non_empty_rows > T(1) ? non_empty_rows : T(1)) : T(batch);
   T denom;
   switch (p.loss_type) {
     case LossType::kBNPO: denom = count; break;
-    case LossType::kDrGRPO: denom = T(batch) * T(max_completion_length); break;
+    case LossType::kDrGRPO: denom = rows * T(max_completion_length); break;
     case LossType::kDAPO:
-    case LossType::kCISPO: denom = has_num_items ? num_items : count; break;
-    default: denom = T(batch); break;  // grpo, sapo, luspo
+    case LossType::kCISPO:
+    case LossType::kVESPO: denom = has_num_items ? num_items : count; break;
+    default: denom = rows; break;  // grpo, sapo, luspo
   }
   return loss_scale / denom;
 }
@@ -289,7 +373,8 @@ GRPO_HD void finalize_loss(const LossParams& p, const T* totals, int64_t batch, 
                            bool has_num_items, T num_items, T loss_scale, T* loss_out, T* metrics_out,
                            T* grad_scale_out) {
   const T mask_total = totals[kSlotMask];
-  const T scale = global_loss_scale(p, batch, max_completion_length, mask_total, has_num_items, num_items, loss_scale);
+  const T scale = global_loss_scale(p, batch, max_completion_length, mask_total, totals[kSlotNonEmpty], has_num_items,
+                                    num_items, loss_scale);
   *loss_out = totals[kSlotLoss] * scale;
   *grad_scale_out = scale;
   const T token_count = mask_total > T(1) ? mask_total : T(1);
@@ -299,6 +384,7 @@ GRPO_HD void finalize_loss(const LossParams& p, const T* totals, int64_t batch, 
   metrics_out[kMetricHigh] = totals[kSlotHigh] / share_denom;
   metrics_out[kMetricRegion] = totals[kSlotRegion] / share_denom;
   metrics_out[kMetricCispo] = totals[kSlotCispo] / share_denom;
+  metrics_out[kMetricVespoPhi] = totals[kSlotPhi] / (p.per_row_advantages ? T(batch) : token_count);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

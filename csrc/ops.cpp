@@ -31,7 +31,9 @@
 TORCH_LIBRARY(grpo_ext, m) {
   m.def(
       "group_advantages(Tensor rewards, Tensor? reward_weights, int group_size, str scale_rewards, str baseline, "
-      "str multi_objective_aggregation, float eps, int std_ddof, str singleton_groups=\"zero\") -> "
+      "str multi_objective_aggregation, float eps, int std_ddof, str singleton_groups=\"zero\", Tensor? "
+      "group_ids=None, "
+      "int num_groups=0) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "process_advantages(Tensor step_rewards, Tensor step_end, int group_size, int seq_len, float eps, "

@@ -14,9 +14,10 @@ struct Choice {
   E value;
 };
 
-inline constexpr Choice<LossType> kLossTypeChoices[] = {
-    {"grpo", LossType::kGRPO},   {"bnpo", LossType::kBNPO},   {"dr_grpo", LossType::kDrGRPO}, {"dapo", LossType::kDAPO},
-    {"luspo", LossType::kLUSPO}, {"cispo", LossType::kCISPO}, {"sapo", LossType::kSAPO}};
+inline constexpr Choice<LossType> kLossTypeChoices[] = {{"grpo", LossType::kGRPO},      {"bnpo", LossType::kBNPO},
+                                                        {"dr_grpo", LossType::kDrGRPO}, {"dapo", LossType::kDAPO},
+                                                        {"luspo", LossType::kLUSPO},    {"cispo", LossType::kCISPO},
+                                                        {"sapo", LossType::kSAPO},      {"vespo", LossType::kVESPO}};
 inline constexpr Choice<KLEstimator> kKLEstimatorChoices[] = {{"k1", KLEstimator::kK1},
                                                               {"k2", KLEstimator::kK2},
                                                               {"k3", KLEstimator::kK3},

@@ -167,3 +167,121 @@ def test_infinite_step_rewards_count_as_unscored(device):
         got = impl.process_advantages(infinite.to(device), step_end.to(device), 2, 7)
         assert torch.isfinite(got).all(), impl.__name__
         assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=impl.__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# group_ids: groups in any order and of any sizes (verl's uid grouping)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def assert_same_advantages(got, expected, tol: float) -> None:
+    assert torch.isfinite(got.advantages).all()
+    assert_close(got.advantages, expected.advantages, rtol=tol, atol=tol)
+    assert_close(got.group_mean, expected.group_mean, rtol=tol, atol=tol)
+    assert_close(got.group_std, expected.group_std, rtol=tol, atol=tol)
+    assert torch.equal(got.zero_std.cpu(), expected.zero_std.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("scale", "baseline", "aggregation"), MODES)
+@pytest.mark.parametrize(("group_size", "k"), [(4, 1), (5, 3), (40, 1)])
+def test_group_ids_match_contiguous_groups_after_a_permutation(device, scale, baseline, aggregation, group_size, k):
+    """Rows shuffled, each carrying its group's id: the same advantages (moved with their rows) and group stats."""
+    batch = group_size * 9
+    rewards = random_rewards(batch, k, seed=group_size + k)
+    kwargs = dict(scale_rewards=scale, baseline=baseline, multi_objective_aggregation=aggregation)
+    if k > 1:
+        kwargs["reward_weights"] = [1.0, 0.5, -2.0]
+    perm = torch.randperm(batch, generator=torch.Generator().manual_seed(k))
+    ids = (torch.arange(batch) // group_size)[perm]
+    for impl, dev, dtype, tol in ((reference, "cpu", torch.float64, 1e-12), (grpo_ext, device, torch.float64, 1e-12),
+                                  (grpo_ext, device, torch.float32, 2e-5)):  # fmt: skip
+        contiguous = impl.group_advantages(rewards.to(dev, dtype), group_size, **kwargs)
+        shuffled = impl.group_advantages(rewards[perm].to(dev, dtype), group_ids=ids.to(dev), **kwargs)
+        moved = contiguous._replace(advantages=contiguous.advantages[perm.to(dev)])
+        assert_same_advantages(shuffled, moved, tol)
+
+
+def ragged_groups(seed: int) -> tuple[torch.Tensor, int]:
+    """Group ids of rows in a random order: groups of 1 to 41 rows (wider than a warp), and group 3 without rows."""
+    sizes = [2, 1, 7, 0, 41, 3, 1, 16, 5, 33, 2, 9]
+    ids = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])
+    return ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))], len(sizes)
+
+
+# singleton_groups applies to sum_then_normalize only
+RAGGED_CASES = [(*mode, singletons) for mode in MODES for singletons in ("zero", "verl")
+                if singletons == "zero" or mode[2] == "sum_then_normalize"]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("scale", "baseline", "aggregation", "singleton_groups"), RAGGED_CASES)
+def test_group_ids_of_different_sizes_match_reference(device, scale, baseline, aggregation, singleton_groups):
+    ids, num_groups = ragged_groups(seed=MODES.index((scale, baseline, aggregation)))
+    k = 2 if aggregation == "normalize_then_sum" else 1
+    rewards = random_rewards(len(ids), k, seed=7)
+    kwargs = dict(scale_rewards=scale, baseline=baseline, multi_objective_aggregation=aggregation,
+                  singleton_groups=singleton_groups, num_groups=num_groups)  # fmt: skip
+    expected = reference.group_advantages(rewards, group_ids=ids, **kwargs)
+    assert expected.group_mean.shape == (num_groups,) and expected.group_mean[3] == 0 and not expected.zero_std[3]
+    if scale == "group" and aggregation == "sum_then_normalize":  # each group alone, through the contiguous path
+        for g in range(num_groups):
+            rows = (ids == g).nonzero()[:, 0]
+            if len(rows):
+                alone = reference.group_advantages(rewards[rows], len(rows), **{**kwargs, "num_groups": None})
+                assert_close(expected.advantages[rows], alone.advantages, rtol=1e-12, atol=1e-12)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        runs = [grpo_ext.group_advantages(rewards.to(device, dtype), group_ids=ids.to(device), **kwargs)
+                for _ in range(2)]  # fmt: skip
+        assert_same_advantages(runs[0], expected, tol)
+        assert torch.equal(runs[0].advantages, runs[1].advantages)  # deterministic whatever order rows are placed in
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_ids_default_num_groups_and_strided_ids(device):
+    ids, _ = ragged_groups(seed=1)
+    rewards = random_rewards(len(ids), 1, seed=2)[:, 0].to(device)
+    wide = torch.stack([ids, ids], 1).to(device)[:, 0]  # a strided [B] view
+    out = grpo_ext.group_advantages(rewards, group_ids=wide)  # num_groups = max + 1 = 12
+    expected = reference.group_advantages(rewards.cpu(), group_ids=ids)
+    assert out.group_mean.shape == (12,)
+    assert_same_advantages(out, expected, 2e-5)
+
+
+@pytest.mark.parametrize("impl", [grpo_ext, reference], ids=["kernel", "reference"])
+def test_group_ids_bad_input_raises_naming_it(impl):
+    rewards, ids = torch.rand(6), torch.tensor([0, 1, 0, 2, 1, 2])
+    cases = [
+        (dict(group_ids=ids.int()), r"group_ids must be an int64 tensor, got torch\.int32"),
+        (dict(group_ids=ids[:5]), r"group_ids must have shape \[B\]=\(6,\)"),
+        (dict(group_ids=ids.reshape(2, 3)), r"group_ids must have shape \[B\]"),
+        (dict(group_ids=ids - 1), r"group_ids must be >= 0, got -1"),
+        (dict(group_ids=ids, num_groups=2), r"group_ids must be < num_groups=2, got 2"),
+        (dict(group_ids=ids, num_groups=-1), r"num_groups must be >= 0"),
+        (dict(group_ids=[0, 1, 0, 2, 1, 2]), r"group_ids must be a torch\.Tensor"),
+        (dict(), r"needs group_size .* or group_ids"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            impl.group_advantages(rewards, **kwargs)
+    with pytest.raises(ValueError, match=r"pass group_size or group_ids, not both"):
+        impl.group_advantages(rewards, 2, group_ids=ids)
+    with pytest.raises(ValueError, match=r"num_groups=3 is only taken with group_ids"):
+        impl.group_advantages(rewards, 2, num_groups=3)
+
+
+def test_group_ids_raw_op_checks_them():
+    op = torch.ops.grpo_ext.group_advantages
+    args = (torch.rand(4), None, 0, "group", "mean", "sum_then_normalize", 1e-4, 1, "zero")
+    with pytest.raises(RuntimeError, match=r"group_ids must be >= 0, got -3"):
+        op(*args, torch.tensor([0, -3, 1, 1]), 2)
+    with pytest.raises(RuntimeError, match=r"group_ids must be < num_groups=2, got 5"):
+        op(*args, torch.tensor([0, 5, 1, 1]), 2)
+    with pytest.raises(RuntimeError, match=r"group_ids must be an int64 tensor"):
+        op(*args, torch.tensor([0, 1, 1, 0], dtype=torch.int32), 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_group_ids_on_another_device_raise():
+    with pytest.raises(ValueError, match=r"group_ids is on device cpu but rewards is on device cuda"):
+        grpo_ext.group_advantages(torch.rand(4, device="cuda"), group_ids=torch.tensor([0, 0, 1, 1]))

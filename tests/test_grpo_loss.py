@@ -72,7 +72,8 @@ def case_kwargs(loss_type: str, level: str, kl: str, extra: str) -> dict:
         kwargs["is_weights"] = "is_weights"
         kwargs["sample_mask"] = "sample_mask"
     elif extra == "denominators":
-        kwargs.update(max_completion_length=16, num_items_in_batch=37, loss_scale=0.25, epsilon=0.1)
+        kwargs.update(max_completion_length=16, num_items_in_batch=37, loss_scale=0.25, epsilon=0.1,
+                      skip_empty_rows=True)  # fmt: skip
     return kwargs
 
 
@@ -271,7 +272,10 @@ def test_no_grad_mode_and_grad_scaling(device):
 def expected_nan_grad(bad: torch.Tensor, kept: torch.Tensor, level: str, loss_type: str, where: str) -> torch.Tensor:
     """Where a non-finite kept input must make the gradient NaN (docs/math.md "Non-finite inputs"): its own token,
     and at the sequence level every kept token of its row when the value reaches the row's ratio (through the
-    log-ratio, or through the gradient with respect to the ratio, which cispo stops)."""
+    log-ratio, or through the gradient with respect to the ratio, which cispo and vespo stop); with vespo, at either
+    level, every kept token of its row when the value reaches the row's weight (l, l_old, is_weights)."""
+    if loss_type == "vespo":
+        return kept & bad.any(dim=1, keepdim=True) if where in ("logps", "old_logps", "is_weights") else bad
     reaches_ratio = where in ("logps", "old_logps") or loss_type != "cispo"
     if level == "sequence" and reaches_ratio:
         return kept & bad.any(dim=1, keepdim=True)
@@ -280,7 +284,7 @@ def expected_nan_grad(bad: torch.Tensor, kept: torch.Tensor, level: str, loss_ty
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo", "vespo"])
 @pytest.mark.parametrize("value", [float("-inf"), float("inf"), float("nan")], ids=["-inf", "inf", "nan"])
 @pytest.mark.parametrize(
     ("where", "on_policy"),
@@ -312,5 +316,7 @@ def test_non_finite_kept_input_makes_the_loss_and_its_gradients_nan(device, leve
     assert (grad.cpu()[~kept] == 0).all()
     assert_close(grad[~nan_grad.to(device)], ref_grad[~nan_grad], rtol=1e-4, atol=1e-6)
     for name, value in ref.metrics.items():  # the clip shares skip the NaN ratio alike
-        if name != "kl":
+        if name == "vespo/phi_seq_mean" and torch.isnan(value):  # the row's weight is NaN: so is the mean of phi
+            assert torch.isnan(out.metrics[name])
+        elif name != "kl":
             assert_close(out.metrics[name], value, rtol=1e-5, atol=1e-6, msg=name)

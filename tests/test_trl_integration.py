@@ -150,8 +150,11 @@ def make_inputs(trainer, *, seed: int = 0, old: bool = True, token_advantages: b
     inputs["ref_per_token_logps"] = logps + 0.2 * torch.randn(B, T, generator=g)
     if tool_mask:
         inputs["tool_mask"] = (torch.rand(B, T, generator=g) > 0.3).long()
-    if is_ratio_shape is not None:
-        inputs["importance_sampling_ratio"] = 0.5 + torch.rand(*is_ratio_shape, generator=g)
+    if is_ratio_shape is not None:  # TRL's ratio is exactly 1 on padding (its log-ratio there is masked to 0)
+        ratio = 0.5 + torch.rand(*is_ratio_shape, generator=g)
+        if ratio.shape[1] == T:
+            ratio = ratio.masked_fill(completion_mask == 0, 1.0)
+        inputs["importance_sampling_ratio"] = ratio
     return inputs
 
 
@@ -256,6 +259,9 @@ def test_patched_loss_and_gradients_match_trl(loss_type, beta, level, backend, l
     # The batch must exercise what is compared: clipping happens, and the KL is there when beta != 0.
     if loss_type == "cispo":
         assert metrics["cispo_clip_ratio"] > 0
+    elif loss_type == "vespo":  # weights away from 1, and no clip metric
+        assert metrics["vespo/phi_seq_mean"] != pytest.approx(1.0)
+        assert not any(name.startswith("clip_ratio") for name in metrics)
     elif loss_type in CLIP_FAMILY:
         assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
     else:  # sapo: a soft gate, no clip metric
@@ -295,6 +301,15 @@ CASES = {
         config=dict(loss_type="grpo", importance_sampling_level="sequence"),
         attrs=dict(use_vllm=True, vllm_importance_sampling_correction=True),
         inputs=dict(is_ratio_shape=(B, 1)),
+    ),
+    "vespo_vllm_is_token": Case(
+        config=dict(loss_type="vespo", beta=0.04),
+        attrs=dict(use_vllm=True, vllm_importance_sampling_correction=True),
+        inputs=dict(is_ratio_shape=(B, T)),
+    ),
+    "vespo_params_token_advantages": Case(
+        config=dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.7, vespo_k_neg=4.0, vespo_lambda_neg=1.2),
+        inputs=dict(token_advantages=True),
     ),
     "off_policy_mask": Case(
         config=dict(loss_type="dapo", beta=0.04, off_policy_mask_threshold=0.02), fallback="off_policy_mask_threshold"
@@ -489,11 +504,12 @@ def test_patch_is_idempotent_and_unpatch_restores_trl(llama_dir, tokenizer, tmp_
 
 
 def test_unsupported_settings_raise_naming_them(llama_dir, tokenizer, tmp_path):
-    with pytest.raises(ValueError, match=r"GRPOConfig\.loss_type='vespo'"):
+    with pytest.raises(ValueError, match=r"GRPOConfig\.loss_type='vespo' with off_policy_mask_threshold=0\.1"):
         # raised before TRL loads anything: the model path does not even exist
         grpo_trl.GRPOExtTrainer(
             model=str(tmp_path / "missing"), reward_funcs=digit_reward,
-            args=trl.GRPOConfig(output_dir=str(tmp_path), loss_type="vespo", use_cpu=True, report_to="none"),
+            args=trl.GRPOConfig(output_dir=str(tmp_path), loss_type="vespo", off_policy_mask_threshold=0.1,
+                                use_cpu=True, report_to="none"),
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"GRPOConfig\.entropy_coef=0\.1"):
         grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path, entropy_coef=0.1))

@@ -94,6 +94,30 @@ def test_policy_loss_matches_verl_vanilla(loss_agg_mode, loss_scale_factor, info
     assert want_metrics["actor/pg_clipfrac_lower"] > 0 and want_metrics["actor/pg_clipfrac"] > 0  # both clips act
 
 
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_skip_empty_rows_is_verls_seq_mean(loss_agg_mode):
+    """verl's agg_loss averages the seq-mean modes over the rows with a token: grpo_loss(skip_empty_rows=True)."""
+    import grpo_ext
+
+    log_prob, _, _, adv, mask, _ = make_batch(seed=5)
+    mask[6] = False  # two empty rows of eight
+    loss_type = {"seq-mean-token-mean": "grpo", "seq-mean-token-sum": "luspo", "seq-mean-token-sum-norm": "dr_grpo"}
+    leaf = log_prob.clone().requires_grad_(True)
+    per_token = -adv * torch.exp(leaf - leaf.detach())  # the policy term on-policy: value -A, gradient -A
+    want = core_algos.agg_loss(per_token, mask, loss_agg_mode)
+    want.backward()
+    results = {}
+    for skip in (True, False):
+        ours = log_prob.clone().requires_grad_(True)
+        got = grpo_ext.grpo_loss(ours, adv, mask, loss_type=loss_type[loss_agg_mode], skip_empty_rows=skip).loss
+        got.backward()
+        results[skip] = got.detach(), ours.grad
+    # verl divides a row's token sum by n + 1e-8 where grpo_ext divides by n: 1e-8 relative at most
+    torch.testing.assert_close(results[True][0], want.detach(), rtol=1e-7, atol=1e-12)
+    torch.testing.assert_close(results[True][1], leaf.grad, rtol=1e-7, atol=1e-12)
+    assert results[False][0].item() == pytest.approx(want.item() * 6 / 8, rel=1e-7)  # the default counts all B rows
+
+
 @pytest.mark.parametrize("kl_loss_type", sorted(grpo_verl.KL_LOSS_TYPES))
 @pytest.mark.parametrize("loss_agg_mode", grpo_verl.LOSS_AGG_MODES)
 def test_policy_plus_kl_loss_matches_verl(kl_loss_type, loss_agg_mode):
@@ -139,10 +163,24 @@ def test_advantages_match_verl_with_uid_groups_in_any_order(estimator, norm_adv_
     torch.testing.assert_close(got_returns, want_returns, rtol=1e-6, atol=1e-6)
 
 
-def test_unequal_groups_and_bad_modes_are_named():
+@pytest.mark.parametrize("estimator,norm_adv_by_std_in_grpo", [("grpo", True), ("grpo", False), ("rloo", None)])
+def test_advantages_match_verl_with_uid_groups_of_different_sizes(estimator, norm_adv_by_std_in_grpo):
+    """verl groups rows by uid whatever the group sizes: grpo_ext's group_ids do the same in one launch."""
+    rng = np.random.default_rng(3)
+    sizes = {"a": 1, "b": 4, "c": 2, "d": 7, "e": 1, "f": 3}
+    index = np.array([uid for uid, n in sizes.items() for _ in range(n)], dtype=object)[rng.permutation(18)]
+    g = torch.Generator().manual_seed(4)
+    mask = torch.rand(18, 4, generator=g) < 0.8
+    rewards = torch.zeros(18, 4)
+    rewards[:, -1] = torch.randint(0, 3, (18,), generator=g).float()
+    kwargs = {"norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo} if estimator == "grpo" else {}
+    want, _ = core_algos.get_adv_estimator_fn(estimator)(rewards.clone(), mask, index, **kwargs)
+    got, _ = core_algos.get_adv_estimator_fn(f"grpo_ext_{estimator}")(rewards.clone(), mask, index, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_modes_are_named():
     mask = torch.ones(5, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="same size"):
-        grpo_verl.compute_grpo_advantage(torch.ones(5, 3), mask, np.array(["a", "a", "b", "b", "b"]))
     with pytest.raises(ValueError, match="loss_agg_mode"):
         grpo_verl.loss_options(actor_config("local"), "token-avg", mask)
     with pytest.raises(ValueError, match="kl_loss_type"):

@@ -1,4 +1,4 @@
-// CPU kernel of group_advantages: groups in parallel, each group in a fixed order.
+// CPU kernel of group_advantages: groups in parallel, each group in a fixed order (its rows in increasing order).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -31,28 +31,52 @@ void nan_moments(const T* values, int64_t n, int64_t ddof, T* mean, T* std_out, 
   *count_out = count;
 }
 
+// The rows of each group: group g is members[offsets[g] .. offsets[g + 1]), in increasing row order. Contiguous groups
+// are runs of group_size rows; group_ids are placed by a stable counting sort.
+void group_members(const GroupAdvantagesPlan& plan, std::vector<int64_t>& offsets, std::vector<int64_t>& members) {
+  offsets.assign(static_cast<size_t>(plan.num_groups) + 1, 0);
+  members.resize(static_cast<size_t>(plan.batch));
+  if (!plan.indexed) {
+    for (int64_t g = 0; g <= plan.num_groups; ++g) offsets[g] = g * plan.params.group_size;
+    for (int64_t i = 0; i < plan.batch; ++i) members[i] = i;
+    return;
+  }
+  const int64_t* ids = plan.group_ids.data_ptr<int64_t>();
+  const int64_t id_stride = plan.group_ids.stride(0);
+  for (int64_t i = 0; i < plan.batch; ++i) ++offsets[ids[i * id_stride] + 1];
+  for (int64_t g = 0; g < plan.num_groups; ++g) offsets[g + 1] += offsets[g];
+  std::vector<int64_t> cursor(offsets.begin(), offsets.end() - 1);
+  for (int64_t i = 0; i < plan.batch; ++i) members[cursor[ids[i * id_stride]]++] = i;
+}
+
 template <typename T>
 void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
   const AdvantageParams& p = plan.params;
-  const int64_t g_size = p.group_size, k = p.num_rewards;
+  const int64_t k = p.num_rewards;
   const bool gdpo = p.aggregation == Aggregation::kNormalizeThenSum;
-  std::vector<T> combined(static_cast<size_t>(plan.batch));
+  std::vector<int64_t> offsets, members;
+  group_members(plan, offsets, members);
+  std::vector<T> combined(static_cast<size_t>(plan.batch));  // R in group order: group g at combined[offsets[g]]
   T* adv = plan.advantages.data_ptr<T>();
   T* g_mean = plan.group_mean.data_ptr<T>();
   T* g_std = plan.group_std.data_ptr<T>();
   bool* g_zero = plan.zero_std.data_ptr<bool>();
 
   // Phase 1: the combined reward R of every row and each group's own statistics of R.
-  const int64_t grain = std::max<int64_t>(1, 4096 / g_size);  // small batches stay on one thread
+  const int64_t rows_per_group = std::max<int64_t>(1, plan.batch / std::max<int64_t>(plan.num_groups, 1));
+  const int64_t grain = std::max<int64_t>(1, 4096 / rows_per_group);  // small batches stay on one thread
   at::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> column(static_cast<size_t>(g_size));
+    std::vector<T> column;
     for (int64_t g = begin; g < end; ++g) {
-      T* r_group = combined.data() + g * g_size;
+      const int64_t g_size = offsets[g + 1] - offsets[g];
+      const int64_t* rows = members.data() + offsets[g];
+      T* r_group = combined.data() + offsets[g];
       if (gdpo) {  // z-score each reward function inside the group, then nansum with the weights
         // R starts NaN and turns 0 + ... at its first scored reward: an unscorable row stays NaN (docs/math.md 1).
         for (int64_t i = 0; i < g_size; ++i) r_group[i] = T(NAN);
         for (int64_t j = 0; j < k; ++j) {
-          for (int64_t i = 0; i < g_size; ++i) column[i] = plan.rewards.load<T>(g * g_size + i, j);
+          column.resize(static_cast<size_t>(g_size));
+          for (int64_t i = 0; i < g_size; ++i) column[i] = plan.rewards.load<T>(rows[i], j);
           T mu, sigma, count;
           nan_moments(column.data(), g_size, p.std_ddof, &mu, &sigma, &count);
           const T w = plan.weights.present() ? plan.weights.load<T>(0, j) : T(1);
@@ -66,13 +90,12 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
         const StridedMatrix& r = plan.rewards;
         if (r.dtype == (sizeof(T) == 4 ? DType::kFloat32 : DType::kFloat64)) {
           const T* src = static_cast<const T*>(r.data);
-          for (int64_t i = 0; i < g_size; ++i) r_group[i] = src[(g * g_size + i) * r.row_stride];
+          for (int64_t i = 0; i < g_size; ++i) r_group[i] = src[rows[i] * r.row_stride];
         } else {
-          for (int64_t i = 0; i < g_size; ++i) r_group[i] = r.load<T>(g * g_size + i, 0);
+          for (int64_t i = 0; i < g_size; ++i) r_group[i] = r.load<T>(rows[i], 0);
         }
       } else {
-        for (int64_t i = 0; i < g_size; ++i)
-          r_group[i] = combine_rewards<T>(plan.rewards, plan.weights, g * g_size + i, k);
+        for (int64_t i = 0; i < g_size; ++i) r_group[i] = combine_rewards<T>(plan.rewards, plan.weights, rows[i], k);
       }
       T mu, sigma, count;
       nan_moments(r_group, g_size, p.std_ddof, &mu, &sigma, &count);
@@ -91,11 +114,13 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
   // Phase 3: advantages.
   at::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      const T* r_group = combined.data() + g * g_size;
+      const int64_t g_size = offsets[g + 1] - offsets[g];
+      const int64_t* rows = members.data() + offsets[g];
+      const T* r_group = combined.data() + offsets[g];
       if (gdpo) {
         for (int64_t i = 0; i < g_size; ++i) {
           const T r = r_group[i];
-          adv[g * g_size + i] = is_scored(r) ? (r - batch_mean) / (batch_std + T(p.eps)) : T(0);
+          adv[rows[i]] = is_scored(r) ? (r - batch_mean) / (batch_std + T(p.eps)) : T(0);
         }
         continue;
       }
@@ -110,7 +135,7 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
       for (int64_t i = 0; i < g_size; ++i) {
         bool valid;
         const T b = baseline_for(r_group[i], sum, count, p, &valid);
-        adv[g * g_size + i] = advantage_from(r_group[i], b, valid, sigma, p);
+        adv[rows[i]] = advantage_from(r_group[i], b, valid, sigma, g_size == 1, p);
       }
     }
   });

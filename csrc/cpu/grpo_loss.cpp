@@ -21,7 +21,7 @@ using cpu::row_values;
 template <typename T>
 struct RowScratch {
   std::vector<T> mask, logps, old_logps, ref_logps, advantages, is_weights;
-  std::vector<T> contributions;  // kNumRowSlots + 1 rows of n: loss, mask, kl, low, high, region, cispo, dP/drho
+  std::vector<T> contributions;  // kNumRowSlots + 1 rows of n: loss, mask, kl, low, high, region, cispo, phi, dP/drho
   std::vector<T> grad;           // the gradient's destination when none is wanted
   int64_t n;
   explicit RowScratch(int64_t n_cols)
@@ -83,6 +83,8 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
   if (row_keep == T(0)) {
     if (grad_row) std::fill(grad_row, grad_row + n_cols, T(0));
     for (int s = 0; s < kNumRowSlots; ++s) partials[s] = 0.0;
+    // vespo's phi over rows: a row without tokens has log w = 0, and phi = exp(lambda - lambda) = 1
+    if (p.loss_type == LossType::kVESPO && p.per_row_advantages) partials[kSlotPhi] = 1.0;
     if (p.row_share_metrics) {  // every row counts in the row shares; a row without tokens has ratio 1
       T low, high, cispo;
       clip_flags<T>(consts, T(1), in.advantages.load<T>(row, 0), &low, &high, &cispo);
@@ -113,6 +115,25 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
   } else {
     std::fill(scratch.is_weights.begin(), scratch.is_weights.end(), T(1));
     is_weights = scratch.is_weights.data();
+  }
+
+  double phi_partial = 0.0;
+  if (p.loss_type == LossType::kVESPO) {    // phi of each token, in place of its is_weight (docs/math.md section 3)
+    T* terms = scratch.slot(kNumRowSlots);  // the token loop overwrites this scratch row later
+    const bool has_is_weights = in.is_weights.present();
+    for (int64_t t = 0; t < n_cols; ++t) {
+      terms[t] = mask[t] * vespo_token_log_weight(log_ratio_of(logps[t], old_logps[t]), is_weights[t], has_is_weights);
+    }
+    const T log_w = vespo_row_log_weight(T(lane_sum(terms, n_cols)));
+    T* phi = scratch.is_weights.data();
+    for (int64_t t = 0; t < n_cols; ++t) phi[t] = vespo_phi(consts, log_w, advantages[t]);
+    is_weights = phi;
+    if (p.per_row_advantages) {
+      phi_partial = double(vespo_phi(consts, log_w, in.advantages.load<T>(row, 0)));
+    } else {
+      for (int64_t t = 0; t < n_cols; ++t) terms[t] = mask[t] * phi[t];
+      phi_partial = lane_sum(terms, n_cols);
+    }
   }
 
   const bool need_count = per_row_normalized(p.loss_type) || p.sequence_level;
@@ -150,7 +171,10 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
       run(std::false_type{});
     }
   });
-  for (int s = 0; s < kNumRowSlots; ++s) partials[s] = lane_sum(scratch.slot(s), n_cols);
+  for (int s = 0; s < kSlotNonEmpty; ++s) {  // the token loop writes every slot but phi's and kSlotNonEmpty
+    partials[s] = s == kSlotPhi ? phi_partial : lane_sum(scratch.slot(s), n_cols);
+  }
+  partials[kSlotNonEmpty] = partials[kSlotMask] > 0.0 ? 1.0 : 0.0;
   if (p.row_share_metrics) {  // one condition per row, every row counted
     T low, high, cispo;
     clip_flags<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), &low, &high, &cispo);
@@ -185,7 +209,7 @@ void loss_forward_cpu_impl(LossForwardPlan& plan) {
                   grad ? grad + row * in.seq_len : nullptr);
     }
   });
-  double totals[kNumRowSlots] = {0, 0, 0, 0, 0, 0, 0};
+  double totals[kNumRowSlots] = {};
   for (int64_t row = 0; row < in.batch; ++row) {
     for (int s = 0; s < kNumRowSlots; ++s) totals[s] += partials[row * kNumRowSlots + s];
   }

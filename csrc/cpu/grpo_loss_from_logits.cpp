@@ -31,15 +31,17 @@ template <typename T>
 std::vector<T> row_weights(const LogitsPassPlan& plan) {
   const LossInputs& in = plan.loss.inputs;
   std::vector<double> counts(in.batch);
-  double total = 0.0;
+  double total = 0.0, non_empty = 0.0;
   for (int64_t b = 0; b < in.batch; ++b) {
     double c = 0.0;
     for (int64_t t = 0; t < in.seq_len; ++t) c += in.mask_at<double>(b, t);
     counts[b] = c;
     total += c;
+    non_empty += c > 0.0 ? 1.0 : 0.0;
   }
-  const double scale = global_loss_scale<double>(plan.loss.params, in.batch, plan.loss.max_completion_length, total,
-                                                 plan.loss.has_num_items, plan.loss.num_items, plan.loss.loss_scale);
+  const double scale =
+      global_loss_scale<double>(plan.loss.params, in.batch, plan.loss.max_completion_length, total, non_empty,
+                                plan.loss.has_num_items, plan.loss.num_items, plan.loss.loss_scale);
   std::vector<T> weights(in.batch);
   for (int64_t b = 0; b < in.batch; ++b) {
     weights[b] = T(logits_row_weight<double>(plan.loss.params.loss_type, counts[b], scale));

@@ -22,29 +22,36 @@ __global__ void __launch_bounds__(512)
     grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict__ grad, T* __restrict__ partials) {
   __shared__ T scratch[(kNumRowSlots + 1) * 32];
   const int64_t n_cols = in.seq_len;
-  const bool need_count = per_row_normalized(p.loss_type) || p.sequence_level;
+  const bool vespo = p.loss_type == LossType::kVESPO;
+  const bool need_count = per_row_normalized(p.loss_type) || p.sequence_level || vespo;
   const bool want_kl = p.beta != 0.0;
   const TokenConsts<T> consts(p);
   const PolicyFamily family = policy_family(p.loss_type);
   const KLKind kl = kl_kind(p);
   for (int64_t row = blockIdx.x; row < in.batch; row += gridDim.x) {
     T* grad_row = grad ? grad + row * n_cols : nullptr;
-    T pass1[2] = {T(0), T(0)};  // sum m, sum m * (l - l_old)
+    T pass1[3] = {T(0), T(0), T(0)};  // sum m, sum m * (l - l_old), vespo's sum of log-weight terms
     if (need_count) {
       for (int64_t t = threadIdx.x; t < n_cols; t += blockDim.x) {
         const T m = in.mask_at<T>(row, t);
         if (m == T(0)) continue;
         pass1[0] += m;
-        if (p.sequence_level) {  // on-policy: l - l, 0 or NaN (a non-finite l makes the row's ratio NaN)
+        if (p.sequence_level || vespo) {  // on-policy: l - l, 0 or NaN (a non-finite l makes the row's ratio NaN)
           const T l = in.logps.load<T>(row, t);
-          pass1[1] += m * log_ratio_of(l, p.has_old ? in.old_logps.load<T>(row, t) : l);
+          const T d = log_ratio_of(l, p.has_old ? in.old_logps.load<T>(row, t) : l);
+          if (p.sequence_level) pass1[1] += m * d;
+          if (vespo) {
+            const T isw = in.is_weights.present() ? in.is_weights.load<T>(row, t) : T(1);
+            pass1[2] += m * vespo_token_log_weight(d, isw, in.is_weights.present());
+          }
         }
       }
-      block_sum<T, 2>(pass1, scratch);
+      block_sum<T, 3>(pass1, scratch);
     }
     const T count_clamped = pass1[0] > T(1) ? pass1[0] : T(1);
     const T seq_ratio = p.sequence_level ? math_exp(pass1[1] / count_clamped) : T(1);
     const T row_factor = per_row_normalized(p.loss_type) ? T(1) / count_clamped : T(1);
+    const T vespo_log_w = vespo_row_log_weight(pass1[2]);
 
     T acc[kNumRowSlots + 1];  // the row slots, then sum_t w * dP/drho (sequence level)
 #pragma unroll
@@ -60,7 +67,9 @@ __global__ void __launch_bounds__(512)
       const T rho = p.sequence_level ? seq_ratio : math_exp(log_ratio_of(l, l_old));
       const T adv = in.advantages.load<T>(row, t);
       const T l_ref = want_kl ? in.ref_logps.load<T>(row, t) : T(0);
-      const T isw = in.is_weights.present() ? in.is_weights.load<T>(row, t) : T(1);
+      // vespo: the token's phi in place of its is_weight (docs/math.md section 3)
+      const T isw = vespo ? vespo_phi(consts, vespo_log_w, adv)
+                          : (in.is_weights.present() ? in.is_weights.load<T>(row, t) : T(1));
       const TokenTerms<T> tt = token_terms<T>(consts, family, kl, p.bias_correction, l, l_ref, adv, isw, rho);
       const T w = m * row_factor;
       acc[kSlotLoss] += w * tt.loss;
@@ -70,6 +79,7 @@ __global__ void __launch_bounds__(512)
       acc[kSlotHigh] += tt.high * m;
       acc[kSlotRegion] += (tt.low + tt.high) * m;  // low and high never hold together
       acc[kSlotCispo] += tt.cispo_clipped * m;
+      if (vespo) acc[kSlotPhi] += isw * m;
       if (grad_row) {
         if (p.sequence_level) {
           acc[kNumRowSlots] += w * tt.dloss_drho;
@@ -86,6 +96,8 @@ __global__ void __launch_bounds__(512)
                       &acc[kSlotCispo]);
         acc[kSlotRegion] = acc[kSlotLow] + acc[kSlotHigh];
       }
+      acc[kSlotNonEmpty] = acc[kSlotMask] > T(0) ? T(1) : T(0);
+      if (vespo && p.per_row_advantages) acc[kSlotPhi] = vespo_phi(consts, vespo_log_w, in.advantages.load<T>(row, 0));
 #pragma unroll
       for (int s = 0; s < kNumRowSlots; ++s) partials[row * kNumRowSlots + s] = acc[s];
     }

@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(1024)
                                              bool has_num_items, T num_items_value,
                                              const T* __restrict__ num_items_device, T loss_scale,
                                              T* __restrict__ row_weight) {
-  __shared__ T scratch[32];
+  __shared__ T scratch[2 * 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   for (int64_t b = warp; b < in.batch; b += num_warps) {
     T count = T(0);
@@ -49,13 +49,16 @@ __global__ void __launch_bounds__(1024)
     count = warp_sum(count);
     if (lane == 0) row_weight[b] = count;
   }
-  __syncthreads();  // the counts are visible to the whole block
-  T total[1] = {T(0)};
-  for (int64_t b = threadIdx.x; b < in.batch; b += blockDim.x) total[0] += row_weight[b];
-  block_sum<T, 1>(total, scratch);
+  __syncthreads();            // the counts are visible to the whole block
+  T total[2] = {T(0), T(0)};  // the kept tokens, the rows with one
+  for (int64_t b = threadIdx.x; b < in.batch; b += blockDim.x) {
+    total[0] += row_weight[b];
+    total[1] += row_weight[b] > T(0) ? T(1) : T(0);
+  }
+  block_sum<T, 2>(total, scratch);
   const T num_items = num_items_device ? num_items_device[0] : num_items_value;
-  const T scale =
-      global_loss_scale<T>(p, in.batch, max_completion_length, total[0], has_num_items, num_items, loss_scale);
+  const T scale = global_loss_scale<T>(p, in.batch, max_completion_length, total[0], total[1], has_num_items, num_items,
+                                       loss_scale);
   for (int64_t b = threadIdx.x; b < in.batch; b += blockDim.x) {
     row_weight[b] = logits_row_weight<T>(p.loss_type, row_weight[b], scale);
   }

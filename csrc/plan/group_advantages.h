@@ -2,6 +2,7 @@
 // and CUDA bindings run the plan.
 #pragma once
 
+#include <optional>
 #include <tuple>
 
 #include "../advantages_math.h"
@@ -21,13 +22,14 @@ inline Aggregation parse_aggregation(c10::string_view s) {
   return parse_choice("multi_objective_aggregation", s, kAggregationChoices);
 }
 
-#define GRPO_GROUP_ADVANTAGES_PARAMS                                                                           \
-  const at::Tensor &rewards, const std::optional<at::Tensor>&reward_weights, int64_t group_size,               \
-      c10::string_view scale_rewards, c10::string_view baseline, c10::string_view multi_objective_aggregation, \
-      double eps, int64_t std_ddof, c10::string_view singleton_groups
+#define GRPO_GROUP_ADVANTAGES_PARAMS                                                                              \
+  const at::Tensor &rewards, const std::optional<at::Tensor>&reward_weights, int64_t group_size,                  \
+      c10::string_view scale_rewards, c10::string_view baseline, c10::string_view multi_objective_aggregation,    \
+      double eps, int64_t std_ddof, c10::string_view singleton_groups, const std::optional<at::Tensor>&group_ids, \
+      int64_t num_groups
 #define GRPO_GROUP_ADVANTAGES_ARGS                                                                          \
   rewards, reward_weights, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof, \
-      singleton_groups
+      singleton_groups, group_ids, num_groups
 
 using GroupAdvantagesResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -35,6 +37,8 @@ struct GroupAdvantagesPlan {
   AdvantageParams params;
   StridedMatrix rewards, weights;
   int64_t batch = 0, num_groups = 0;
+  bool indexed = false;  // groups given by group_ids (int64 [B]) rather than runs of group_size rows
+  at::Tensor group_ids;
   at::Tensor advantages, group_mean, group_std, zero_std;
   GroupAdvantagesResult result() const { return {advantages, group_mean, group_std, zero_std}; }
 };
@@ -42,14 +46,33 @@ struct GroupAdvantagesPlan {
 inline GroupAdvantagesPlan plan_group_advantages(GRPO_GROUP_ADVANTAGES_PARAMS) {
   check_float(rewards, "rewards");
   TORCH_CHECK(rewards.dim() == 1 || rewards.dim() == 2, "rewards must have shape [B] or [B, K], got ", rewards.sizes());
-  TORCH_CHECK(group_size >= 1, "group_size must be >= 1, got ", group_size);
   TORCH_CHECK(std_ddof >= 0, "std_ddof must be >= 0, got ", std_ddof);
   TORCH_CHECK(eps >= 0, "eps must be >= 0, got ", eps);
   const int64_t batch = rewards.size(0);
-  TORCH_CHECK(batch % group_size == 0, "rewards.shape[0]=", batch, " is not divisible by group_size=", group_size);
   GroupAdvantagesPlan plan;
   plan.batch = batch;
-  plan.num_groups = batch / group_size;
+  if (group_ids.has_value()) {
+    const at::Tensor& ids = *group_ids;
+    TORCH_CHECK(ids.scalar_type() == at::kLong, "group_ids must be an int64 tensor, got ", ids.scalar_type());
+    TORCH_CHECK(ids.dim() == 1 && ids.size(0) == batch, "group_ids must have shape [", batch, "], got ", ids.sizes());
+    check_same_device(ids, rewards, "group_ids", "rewards");
+    TORCH_CHECK(num_groups >= 0, "num_groups must be >= 0, got ", num_groups);
+    TORCH_CHECK(batch < (int64_t(1) << 30) && num_groups < (int64_t(1) << 30),
+                "group_ids: at most 2^30 rows and groups, got B=", batch, ", num_groups=", num_groups);
+    if (ids.device().is_cpu() && batch > 0) {  // on CUDA this would sync the host: the kernel asserts instead
+      const int64_t low = ids.min().item<int64_t>(), high = ids.max().item<int64_t>();
+      TORCH_CHECK(low >= 0, "group_ids must be >= 0, got ", low);
+      TORCH_CHECK(high < num_groups, "group_ids must be < num_groups=", num_groups, ", got ", high);
+    }
+    plan.indexed = true;
+    plan.group_ids = ids;
+    plan.num_groups = num_groups;
+    group_size = 1;  // unused: each group's own size decides (a singleton is a group of one row)
+  } else {
+    TORCH_CHECK(group_size >= 1, "group_size must be >= 1, got ", group_size);
+    TORCH_CHECK(batch % group_size == 0, "rewards.shape[0]=", batch, " is not divisible by group_size=", group_size);
+    plan.num_groups = batch / group_size;
+  }
   const int64_t k = rewards.dim() == 2 ? rewards.size(1) : 1;
   TORCH_CHECK(k >= 1, "rewards must have at least one column, got shape ", rewards.sizes());
   plan.params.group_size = group_size;

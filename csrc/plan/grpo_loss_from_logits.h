@@ -73,6 +73,9 @@ inline LogitsPassPlan plan_grpo_loss_from_logits(const at::Tensor& logits, const
   token_options.importance_sampling_level = "token";
   plan.loss = plan_loss_inputs(batch, seq_len, nullptr, logits, acc, advantages, completion_mask, token_options,
                                /*compute_grad=*/false, "logits");
+  // vespo's phi needs every log-prob of its row, which a pass over some logits rows does not see.
+  TORCH_CHECK(!compute_grad || token_grad.has_value() || plan.loss.params.loss_type != LossType::kVESPO,
+              "loss_type='vespo' needs token_grad (its gradient depends on whole rows) when compute_grad is true");
   if (token_grad.has_value()) {
     const at::Tensor& g = *token_grad;
     check_float(g, "token_grad");

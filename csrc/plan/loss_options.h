@@ -10,6 +10,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "../grpo_loss_math.h"
 #include "checks.h"
@@ -36,7 +37,12 @@
   X("Tensor?", const std::optional<at::Tensor>&, num_items_tensor) \
   X("float", double, sapo_temperature_pos)                         \
   X("float", double, sapo_temperature_neg)                         \
-  X("float", double, loss_scale)
+  X("float", double, vespo_k_pos)                                  \
+  X("float", double, vespo_lambda_pos)                             \
+  X("float", double, vespo_k_neg)                                  \
+  X("float", double, vespo_lambda_neg)                             \
+  X("float", double, loss_scale)                                   \
+  X("bool", bool, skip_empty_rows)
 
 #define GRPO_OPTION_SCHEMA(schema_type, cpp_type, name) schema_type " " #name ", "
 #define GRPO_OPTION_PARAM(schema_type, cpp_type, name) cpp_type name,
@@ -159,6 +165,17 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at
   TORCH_CHECK(o.sapo_temperature_neg > 0, "sapo_temperature_neg must be > 0, got ", o.sapo_temperature_neg);
   p.sapo_tau_pos = o.sapo_temperature_pos;
   p.sapo_tau_neg = o.sapo_temperature_neg;
+  for (const auto& [value, name] :
+       {std::pair{o.vespo_k_pos, "vespo_k_pos"}, std::pair{o.vespo_lambda_pos, "vespo_lambda_pos"},
+        std::pair{o.vespo_k_neg, "vespo_k_neg"}, std::pair{o.vespo_lambda_neg, "vespo_lambda_neg"}}) {
+    TORCH_CHECK(std::isfinite(value), name, " must be a finite number, got ", value);
+  }
+  p.vespo_k_pos = o.vespo_k_pos;
+  p.vespo_lambda_pos = o.vespo_lambda_pos;
+  p.vespo_k_neg = o.vespo_k_neg;
+  p.vespo_lambda_neg = o.vespo_lambda_neg;
+  p.per_row_advantages = per_row_advantages;
+  p.skip_empty_rows = o.skip_empty_rows;
   p.compute_grad = compute_grad;
 
   TORCH_CHECK(o.max_completion_length >= 1, "max_completion_length must be >= 1, got ", o.max_completion_length);

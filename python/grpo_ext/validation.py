@@ -190,34 +190,75 @@ def reward_weights_tensor(
 
 def validate_group_advantages_args(
     rewards: Tensor,
-    group_size: int,
+    group_size: int | None,
     scale_rewards: str,
     baseline: str,
     multi_objective_aggregation: str,
     eps: float,
     std_ddof: int,
     singleton_groups: str = "zero",
-) -> tuple[int, float, int]:
-    """Checks group_advantages' arguments (shared with the native op's wrapper); returns group_size, eps, std_ddof.
+    group_ids: Tensor | None = None,
+    num_groups: int | None = None,
+) -> tuple[int | None, Tensor | None, int, float, int]:
+    """Checks group_advantages' arguments (shared with the native op's wrapper).
+
+    Returns:
+        ``(group_size, group_ids, num_groups, eps, std_ddof)``; ``num_groups`` is ``B / G`` for contiguous groups
+        and, with ``group_ids``, the given number or ``max(group_ids) + 1`` (a host sync on CUDA).
 
     Raises:
-        ValueError: naming the bad argument and what was expected.
+        ValueError: naming the bad argument and what was expected. The values of CUDA ``group_ids`` are checked
+            only when ``num_groups`` is derived from them (the kernel asserts on the device otherwise).
     """
     check_tensor("rewards", rewards)
     check_floating("rewards", rewards)
     if rewards.dim() not in (1, 2):
         raise ValueError(f"rewards must have shape [B] or [B,K], got {tuple(rewards.shape)}")
-    group_size = check_int("group_size", group_size, 1)
     batch = rewards.shape[0]
-    if batch % group_size != 0:
-        raise ValueError(f"rewards.shape[0]={batch} is not divisible by group_size={group_size}")
+    if group_ids is None:
+        if group_size is None:
+            raise ValueError("group_advantages needs group_size (contiguous groups) or group_ids (groups in any order)")
+        if num_groups is not None:
+            raise ValueError(f"num_groups={num_groups} is only taken with group_ids (contiguous groups: B / G)")
+        group_size = check_int("group_size", group_size, 1)
+        if batch % group_size != 0:
+            raise ValueError(f"rewards.shape[0]={batch} is not divisible by group_size={group_size}")
+        num_groups = batch // group_size
+    else:
+        group_ids, num_groups = _check_group_ids(rewards, group_size, group_ids, num_groups)
     check_choice("scale_rewards", scale_rewards, SCALE_REWARDS)
     check_choice("baseline", baseline, BASELINES)
     check_choice("multi_objective_aggregation", multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
     eps = check_positive("eps", eps)
     std_ddof = check_int("std_ddof", std_ddof, 0)
     check_choice("singleton_groups", singleton_groups, SINGLETON_GROUPS)
-    return group_size, eps, std_ddof
+    return group_size, group_ids, num_groups, eps, std_ddof
+
+
+def _check_group_ids(rewards: Tensor, group_size: object, group_ids: Tensor, num_groups: int | None) -> tuple:
+    """``(group_ids, num_groups)`` checked: an int64 ``[B]`` tensor on ``rewards``' device, ids in range."""
+    batch = rewards.shape[0]
+    if group_size is not None:
+        raise ValueError(f"pass group_size or group_ids, not both (got group_size={group_size!r} and group_ids)")
+    check_tensor("group_ids", group_ids)
+    if group_ids.dtype != torch.int64:
+        raise ValueError(f"group_ids must be an int64 tensor, got {group_ids.dtype}")
+    if tuple(group_ids.shape) != (batch,):
+        raise ValueError(f"group_ids must have shape [B]=({batch},) (one group per row), got {tuple(group_ids.shape)}")
+    if group_ids.device != rewards.device:
+        raise ValueError(f"group_ids is on device {group_ids.device} but rewards is on device {rewards.device}")
+    derive = num_groups is None
+    if not derive:
+        num_groups = check_int("num_groups", num_groups, 0)
+    if batch and (derive or group_ids.device.type == "cpu"):  # reading the values syncs a CUDA tensor's host
+        low, high = int(group_ids.min()), int(group_ids.max())
+        if low < 0:
+            raise ValueError(f"group_ids must be >= 0, got {low}")
+        if derive:
+            num_groups = high + 1
+        elif high >= num_groups:
+            raise ValueError(f"group_ids must be < num_groups={num_groups}, got {high}")
+    return group_ids, 0 if num_groups is None else num_groups
 
 
 def validate_process_advantages_args(
@@ -289,6 +330,8 @@ def validate_grpo_loss_args(
         kl_clamp = check_positive("kl_clamp", kl_clamp)
     sapo_temperature_pos = check_positive("sapo_temperature_pos", sapo_temperature_pos)
     sapo_temperature_neg = check_positive("sapo_temperature_neg", sapo_temperature_neg)
+    vespo = {name: check_finite(name, getattr(options, name))
+             for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}  # fmt: skip
     if isinstance(loss_scale, Tensor):
         if loss_scale.dim() != 0:
             shape = tuple(loss_scale.shape)
@@ -363,7 +406,9 @@ def validate_grpo_loss_args(
         max_completion_length=max_completion_length,
         sapo_temperature_pos=sapo_temperature_pos,
         sapo_temperature_neg=sapo_temperature_neg,
+        **vespo,
         loss_scale=loss_scale,
+        skip_empty_rows=bool(options.skip_empty_rows),
     )
 
 

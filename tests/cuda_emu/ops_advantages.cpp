@@ -29,8 +29,16 @@ std::vector<Tensor> group_advantages(Args& a) {
   p.aggregation = parse(a.string(), grpo_ext::kAggregationChoices);
   p.eps = a.number();
   p.std_ddof = a.integer();
+  p.verl_singletons = parse(a.string(), grpo_ext::kSingletonGroupsChoices);
+  const std::optional<Tensor> group_ids = a.optional_tensor();
+  int64_t num_groups = a.integer();
   a.done();
-  const int64_t batch = rewards.size(0), num_groups = batch / p.group_size;
+  const int64_t batch = rewards.size(0);
+  if (group_ids) {
+    p.group_size = 1;
+  } else {
+    num_groups = batch / p.group_size;
+  }
   p.num_rewards = rewards.dim() == 2 ? rewards.size(1) : 1;
   grpo_ext::StridedMatrix r{rewards.data(), rewards.dtype, rewards.stride(0),
                             rewards.dim() == 2 ? rewards.stride(1) : 0};
@@ -39,13 +47,19 @@ std::vector<Tensor> group_advantages(Args& a) {
   const DType acc = accumulate_type(rewards.dtype);
   Tensor adv = empty({batch}, acc), mean = empty({num_groups}, acc), std = empty({num_groups}, acc);
   Tensor zero_std = empty({num_groups}, DType::kBool);
-  if (batch == 0) return {adv, mean, std, zero_std};
+  if (batch == 0 && num_groups == 0) return {adv, mean, std, zero_std};
+  const int64_t* ids = group_ids ? group_ids->data_as<int64_t>() : nullptr;
+  const int64_t id_stride = group_ids ? group_ids->stride(0) : 0;
+  Tensor workspace = empty({group_ids ? grpo_ext::group_rows_workspace_size(batch, num_groups) : 0}, DType::kInt32);
+  int* ws = group_ids ? workspace.data_as<int>() : nullptr;
   if (acc == DType::kFloat64) {
-    grpo_ext::launch_group_advantages<double>(p, r, w, batch, adv.data_as<double>(), mean.data_as<double>(),
-                                              std.data_as<double>(), zero_std.data_as<bool>(), nullptr);
+    grpo_ext::launch_group_advantages<double>(p, r, w, batch, ids, id_stride, num_groups, ws, adv.data_as<double>(),
+                                              mean.data_as<double>(), std.data_as<double>(), zero_std.data_as<bool>(),
+                                              nullptr);
   } else {
-    grpo_ext::launch_group_advantages<float>(p, r, w, batch, adv.data_as<float>(), mean.data_as<float>(),
-                                             std.data_as<float>(), zero_std.data_as<bool>(), nullptr);
+    grpo_ext::launch_group_advantages<float>(p, r, w, batch, ids, id_stride, num_groups, ws, adv.data_as<float>(),
+                                             mean.data_as<float>(), std.data_as<float>(), zero_std.data_as<bool>(),
+                                             nullptr);
   }
   return {adv, mean, std, zero_std};
 }

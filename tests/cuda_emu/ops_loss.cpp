@@ -57,6 +57,7 @@ LossPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const std::optional<Te
   p.bias_correction = a.boolean();
   p.sequence_level = parse(a.string(), grpo_ext::kSequenceLevelChoices) && !force_token_level;
   p.row_share_metrics = p.sequence_level && per_row_advantages;
+  p.per_row_advantages = per_row_advantages;
   p.has_old = old_logps.has_value();
   p.compute_grad = compute_grad;
   plan.max_completion_length = a.integer();
@@ -64,7 +65,12 @@ LossPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const std::optional<Te
   const std::optional<Tensor> num_items_tensor = a.optional_tensor();
   p.sapo_tau_pos = a.number();
   p.sapo_tau_neg = a.number();
+  p.vespo_k_pos = a.number();
+  p.vespo_lambda_pos = a.number();
+  p.vespo_k_neg = a.number();
+  p.vespo_lambda_neg = a.number();
   plan.loss_scale = a.number();
+  p.skip_empty_rows = a.boolean();
   if (num_items) {
     plan.has_num_items = true;
     plan.num_items = *num_items;

@@ -195,6 +195,12 @@ class KernelLaunch {
 inline void __syncthreads(const std::source_location& site = std::source_location::current()) {
   ::cuda_emu::syncthreads(site);
 }
+// Threads switch only at a synchronization point, so a plain read-modify-write is atomic here.
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;
+  *address = old + value;
+  return old;
+}
 inline void __syncwarp(unsigned mask = 0xffffffffu,
                        const std::source_location& site = std::source_location::current()) {
   ::cuda_emu::warp_op(::cuda_emu::WarpKind::kSync, mask, 0, 0, warpSize, site);

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from test_group_advantages import MODES, random_rewards
+from test_group_advantages import MODES, ragged_groups, random_rewards
 from test_process_advantages import random_steps
 
 from .checks import VALUES, check_op
@@ -21,9 +21,11 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SHAPES = [(1, 1, 1, 1), (3, 4, 2, 1), (24, 16, 3, 1), (33, 3, 1, 0), (5, 40, 1, 1)]
 
 
-def group_args(rewards: torch.Tensor, group_size: int, mode: tuple, ddof: int = 1, weights=None) -> tuple:
+def group_args(rewards: torch.Tensor, group_size: int, mode: tuple, ddof: int = 1, weights=None, group_ids=None,
+               num_groups: int = 0, singleton_groups: str = "zero") -> tuple:  # fmt: skip
     scale, baseline, aggregation = mode
-    return (rewards, weights, group_size, scale, baseline, aggregation, 1e-4, ddof)
+    return (rewards, weights, group_size, scale, baseline, aggregation, 1e-4, ddof, singleton_groups, group_ids,
+            num_groups)  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", MODES, ids="-".join)
@@ -51,6 +53,21 @@ def test_group_advantages_strided_rewards_and_zero_std(emu):
         assert not rewards.is_contiguous()
         for mode in [("group", "leave_one_out", "sum_then_normalize"), ("batch", "mean", "normalize_then_sum")]:
             check_op(emu, "group_advantages", *group_args(rewards, 8, mode, weights=torch.tensor([0.5, 1.0, 2.0])))
+
+
+@pytest.mark.parametrize("mode", MODES, ids="-".join)
+def test_group_advantages_group_ids(emu, mode):
+    """Groups in any order and of any sizes (phase 0's counting sort): an empty group, singletons, groups wider than
+    a warp; the CPU kernel lists the rows otherwise, and every schedule must give the same bits."""
+    ids, num_groups = ragged_groups(seed=MODES.index(mode))
+    k = 2 if mode[2] == "normalize_then_sum" else 1
+    rewards = random_rewards(len(ids), k, seed=4).float()
+    singletons = "verl" if mode[2] == "sum_then_normalize" else "zero"
+    check_op(emu, "group_advantages", *group_args(rewards, 0, mode, group_ids=ids, num_groups=num_groups,
+                                                  singleton_groups=singletons))  # fmt: skip
+    many = (torch.arange(3000) % 1100)[torch.randperm(3000, generator=torch.Generator().manual_seed(1))]
+    check_op(emu, "group_advantages", *group_args(random_rewards(3000, 1, seed=5)[:, 0].double(), 0, mode,
+                                                  group_ids=many, num_groups=1100))  # fmt: skip
 
 
 PROCESS_SHAPES = [(4, 5, 23, 1), (1, 3, 7, 1), (8, 1, 64, 0), (64, 5, 9, 1)]  # the last: more cells than threads

@@ -111,8 +111,8 @@ def loss_options(loss_type: str, level: str, old, ref, is_weights, sample_mask) 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_logits_pass_every_loss(emu, loss_type, level):
-    """The pass as grpo_loss_from_logits chains it: token level in one pass; sequence level as log-probs, the [B, T]
-    loss op's d loss / d logp, then a pass with those per-token gradients."""
+    """The pass as grpo_loss_from_logits chains it: token level in one pass; sequence level and vespo as log-probs,
+    the [B, T] loss op's d loss / d logp, then a pass with those per-token gradients."""
     case = LOSS_TYPES.index(loss_type) * 2 + (level == "sequence")
     dtype = DTYPES[case % len(DTYPES)]
     logits, ids, adv, mask, old, ref = make_problem(seed=LOSS_TYPES.index(loss_type))
@@ -122,7 +122,7 @@ def test_logits_pass_every_loss(emu, loss_type, level):
     options = loss_options(loss_type, level, old.to(acc), ref.to(acc), is_weights.to(acc),
                            torch.tensor([True, True, False, True]))  # fmt: skip
     x, flat_ids, adv = logits.to(dtype), ids.reshape(-1), adv.to(acc)
-    if level == "token":
+    if not LossOptions(**options).gradient_needs_whole_rows:
         check_op(emu, "grpo_loss_from_logits_pass", *pass_args(x, flat_ids, adv, mask, **options), tol=PASS_TOL,
                  names=PASS_NAMES)  # fmt: skip
         return

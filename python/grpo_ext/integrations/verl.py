@@ -34,7 +34,7 @@ __all__ = [
     "compute_grpo_advantage",
     "compute_policy_loss",
     "compute_rloo_advantage",
-    "group_permutation",
+    "group_index",
     "loss_options",
 ]  # fmt: skip
 
@@ -68,12 +68,12 @@ def loss_options(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict
             ``loss_scale_factor``, ``global_batch_info`` (``dp_size``, ``batch_num_tokens``,
             ``global_batch_size``), and for the KL term ``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``.
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
-        response_mask: ``[B, T]`` (its shape and, for ``seq-mean-*`` without ``global_batch_size``, its non-empty
-            rows set the scale; no host sync).
+        response_mask: ``[B, T]`` (its shape sets ``seq-mean-token-sum-norm``'s default horizon).
 
     Returns:
         Keyword options of :func:`grpo_ext.grpo_loss` (and the fused losses): ``loss_type``, ``epsilon``,
-        ``epsilon_high``, ``delta``, ``num_items_in_batch``, ``loss_scale``, and ``beta``/``kl_estimator``/
+        ``epsilon_high``, ``delta``, ``num_items_in_batch``, ``loss_scale``, ``skip_empty_rows`` (``seq-mean-*``
+        without ``global_batch_size``: verl's mean over the non-empty rows), and ``beta``/``kl_estimator``/
         ``kl_clamp`` when ``use_kl_loss`` (the caller passes ``ref_logps``).
     """
     clip = _get(config, "clip_ratio", 0.2)
@@ -93,9 +93,9 @@ def loss_options(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict
         options.update(loss_type="dapo", num_items_in_batch=1.0, loss_scale=float(dp_size))
     elif loss_agg_mode in LOSS_AGG_MODES:
         sequences = info.get("global_batch_size")
+        scale = 1.0
         if sequences is None:  # verl: the mean over the non-empty rows of the micro-batch
-            non_empty = (response_mask.sum(-1) > 0).sum().clamp(min=1).to(torch.float32)
-            scale: float | Tensor = batch / non_empty
+            options["skip_empty_rows"] = True
         else:
             scale = batch * dp_size / float(sequences)
         if loss_agg_mode == "seq-mean-token-sum-norm":
@@ -160,34 +160,25 @@ def compute_policy_loss(
     return out.loss, metrics
 
 
-def group_permutation(index: np.ndarray | list) -> tuple[np.ndarray, int]:
-    """Rows sorted so that each ``uid`` group is contiguous (stable), and the common group size.
+def group_index(index: np.ndarray | list) -> tuple[Tensor, int]:
+    """verl's ``uid`` per row as grpo_ext's ``group_ids`` (groups in any order, of any sizes).
 
     Args:
-        index: ``[B]`` verl's ``uid`` per row (any hashable values, rows of a group in any order).
+        index: ``[B]`` verl's ``uid`` per row (any hashable values, rows of a group anywhere).
 
     Returns:
-        ``(order, group_size)``: ``rows[order]`` has the groups contiguous, in the order of their first row.
-
-    Raises:
-        ValueError: the groups differ in size.
+        ``(group_ids, num_groups)``: ``[B]`` int64 ids in ``[0, num_groups)``, one per distinct ``uid``.
     """
-    _, first, inverse, counts = np.unique(np.asarray(index), return_index=True, return_inverse=True,
-                                          return_counts=True)  # fmt: skip
-    if len(set(counts.tolist())) > 1:
-        raise ValueError(f"index: every uid group must have the same size, got sizes {sorted(set(counts.tolist()))}")
-    rank = np.argsort(np.argsort(first, kind="stable"), kind="stable")  # groups in order of first appearance
-    return np.argsort(rank[inverse.reshape(-1)], kind="stable"), int(counts[0])
+    _, inverse = np.unique(np.asarray(index), return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return torch.as_tensor(inverse, dtype=torch.int64), int(inverse.max()) + 1 if inverse.size else 0
 
 
 def _grouped_advantages(token_level_rewards, response_mask, index, **options) -> tuple[Tensor, Tensor]:
     scores = token_level_rewards.sum(dim=-1)
-    order, group_size = group_permutation(index)
-    order_t = torch.as_tensor(order, device=scores.device)
-    sorted_adv = grpo_ext.group_advantages(scores[order_t].float(), group_size, singleton_groups="verl",
-                                           **options).advantages  # fmt: skip
-    advantages = torch.empty_like(sorted_adv)
-    advantages[order_t] = sorted_adv
+    group_ids, num_groups = group_index(index)
+    advantages = grpo_ext.group_advantages(scores.float(), group_ids=group_ids.to(scores.device), num_groups=num_groups,
+                                           singleton_groups="verl", **options).advantages  # fmt: skip
     advantages = advantages.to(scores.dtype).unsqueeze(-1) * response_mask
     return advantages, advantages
 
@@ -206,7 +197,7 @@ def compute_grpo_advantage(
     Args:
         token_level_rewards: ``[B, T]``; a row's reward is its sum.
         response_mask: ``[B, T]``.
-        index: ``[B]`` the ``uid`` of each row's prompt; groups may come in any order (equal sizes).
+        index: ``[B]`` the ``uid`` of each row's prompt; groups may come in any order and differ in size.
         epsilon: added to the group std (verl's 1e-6).
         norm_adv_by_std_in_grpo: divide by the group std (GRPO) or not (Dr. GRPO); default: the config's, else True.
         config: verl's ``AlgoConfig`` (``norm_adv_by_std_in_grpo``).

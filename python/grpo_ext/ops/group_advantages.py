@@ -18,8 +18,10 @@ from ._common import accumulate_dtype
 
 def group_advantages(
     rewards: Tensor,
-    group_size: int,
+    group_size: int | None = None,
     *,
+    group_ids: Tensor | None = None,
+    num_groups: int | None = None,
     reward_weights: Sequence[float] | Tensor | None = None,
     scale_rewards: str = "group",
     baseline: str = "mean",
@@ -32,8 +34,12 @@ def group_advantages(
 
     Args:
         rewards: ``[B]`` or ``[B, K]`` floating tensor (K reward functions); NaN means "not scored". The ``G``
-            completions of one prompt are contiguous rows.
-        group_size: ``G``; ``B % G`` must be 0.
+            completions of one prompt are contiguous rows, unless ``group_ids`` says which rows form a group.
+        group_size: ``G``; ``B % G`` must be 0. Exactly one of ``group_size`` and ``group_ids``.
+        group_ids: ``[B]`` int64 on ``rewards``' device: the group of each row, in ``[0, num_groups)``; the rows of
+            a group may be anywhere and groups may differ in size (verl's ``uid`` grouping). Still one launch.
+        num_groups: with ``group_ids``: the number of groups; default ``max(group_ids) + 1``, which reads the ids
+            (a host sync on CUDA: pass it to avoid one). Out-of-range CUDA ids fail a device-side assert.
         reward_weights: ``K`` weights (default ones).
         scale_rewards: ``"group"`` (std of the group), ``"batch"`` (std of the batch) or ``"none"`` (Dr. GRPO).
         baseline: ``"mean"`` (GRPO) or ``"leave_one_out"`` (RLOO).
@@ -45,30 +51,37 @@ def group_advantages(
 
     Returns:
         GroupAdvantages: ``advantages [B]``, ``group_mean [B/G]``, ``group_std [B/G]`` (float32, float64 for float64
-        rewards) and ``zero_std [B/G]`` bool. No NaN ever leaves the op.
+        rewards) and ``zero_std [B/G]`` bool; ``[num_groups]`` with ``group_ids`` (a group without rows: 0, 0,
+        False). No NaN ever leaves the op.
     """
-    group_size, eps, std_ddof = validate_group_advantages_args(
-        rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof, singleton_groups
-    )
+    group_size, group_ids, num_groups, eps, std_ddof = validate_group_advantages_args(
+        rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof, singleton_groups,
+        group_ids, num_groups,
+    )  # fmt: skip
     if reward_weights is not None:
         num_rewards = rewards.shape[1] if rewards.dim() == 2 else 1
         weights_dtype = reward_weights.dtype if isinstance(reward_weights, Tensor) else torch.float64
         reward_weights = reward_weights_tensor(reward_weights, num_rewards, weights_dtype, rewards.device)
     out = torch.ops.grpo_ext.group_advantages(
-        rewards, reward_weights, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof,
-        singleton_groups,
-    )
+        rewards, reward_weights, 0 if group_size is None else group_size, scale_rewards, baseline,
+        multi_objective_aggregation, eps, std_ddof, singleton_groups, group_ids, num_groups,
+    )  # fmt: skip
     return GroupAdvantages(*out)
 
 
 @torch.library.register_fake("grpo_ext::group_advantages")
 def _group_advantages_fake(rewards, reward_weights, group_size, scale_rewards, baseline, aggregation, eps, std_ddof,
-                           singleton_groups="zero"):  # fmt: skip
+                           singleton_groups="zero", group_ids=None, num_groups=0):  # fmt: skip
     torch._check(rewards.dim() in (1, 2), lambda: f"rewards must have shape [B] or [B, K], got {tuple(rewards.shape)}")
     batch = rewards.shape[0]
-    torch._check(batch % group_size == 0, lambda: f"rewards.shape[0] is not divisible by group_size={group_size}")
     dtype = accumulate_dtype(rewards.dtype)
-    groups = batch // group_size
+    if group_ids is not None:
+        torch._check(tuple(group_ids.shape) == (batch,), lambda: f"group_ids must have shape [{batch}]")
+        groups = num_groups
+    else:
+        torch._check(group_size >= 1, lambda: f"group_size must be >= 1, got {group_size}")
+        torch._check(batch % group_size == 0, lambda: f"rewards.shape[0] is not divisible by group_size={group_size}")
+        groups = batch // group_size
     return (
         rewards.new_empty((batch,), dtype=dtype),
         rewards.new_empty((groups,), dtype=dtype),

@@ -102,7 +102,7 @@ def _hidden_loss_forward(
         if need_bias:
             grad_bias.add_(grad_logits.sum(0, dtype=acc))
 
-    token_level = options.importance_sampling_level == "token"
+    token_level = not options.gradient_needs_whole_rows
     two_phase = compute_grad and not token_level
     for start in range(0, rows, chunk_size):
         end = min(rows, start + chunk_size)

@@ -54,15 +54,15 @@ def _logits_loss_forward(
     """The fused forward on ``[N, V]``/``[B, T, V]`` logits: (loss, metrics vector, mean entropy, d loss/d logits).
 
     Token-level losses: one pass over the logits (log-probs, entropy and the gradient), then the [B, T] loss op
-    for the loss and metrics. Sequence level: the log-probs first, the loss op's d loss / d logp, then a second
-    pass that writes the gradient. In place, the gradient is written over ``logits`` (returned as the gradient).
+    for the loss and metrics. Sequence level and vespo: the log-probs first, the loss op's d loss / d logp, then a
+    second pass that writes the gradient. In place, the gradient is written over ``logits`` (returned as the gradient).
     """
     batch, length = completion_mask.shape
     ops = torch.ops.grpo_ext
     pass_op = ops.grpo_loss_from_logits_pass_ if inplace else ops.grpo_loss_from_logits_pass
     option_args = options.op_args()
     logit_args = logit.op_args()
-    if compute_grad and options.importance_sampling_level != "token":
+    if compute_grad and options.gradient_needs_whole_rows:
         logps, entropy, _ = ops.grpo_loss_from_logits_pass(
             logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, False
         )

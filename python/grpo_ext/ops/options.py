@@ -10,6 +10,7 @@ native ops' argument tuples and the metrics dict are all built from it. Its C++ 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -20,11 +21,11 @@ from torch import Tensor
 # and the tests)
 # ---------------------------------------------------------------------------------------------------------------
 
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 #: The loss types whose policy term is PPO's clipped surrogate (docs/math.md section 3).
 CLIP_FAMILY_LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 #: The loss types normalized by the tokens of the batch, ``num_items_in_batch`` (docs/math.md section 5).
-TOKEN_LEVEL_LOSS_TYPES: tuple[str, ...] = ("dapo", "cispo")
+TOKEN_LEVEL_LOSS_TYPES: tuple[str, ...] = ("dapo", "cispo", "vespo")
 #: k1-k3 (Schulman), and verl's ``abs``, straight-through ``k1+``/``k3+`` and ``low_var_kl`` (docs/math.md section 4).
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "k1+", "k3+", "low_var_kl")
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
@@ -39,6 +40,13 @@ LOW_VAR_KL_CAP: float = 10.0
 #: Default absolute ratio cap of ``loss_type="cispo"`` when ``epsilon_high`` is left unset (docs/math.md section 3).
 CISPO_DEFAULT_CAP: float = 5.0
 
+#: VESPO's bounds (TRL 1.16's get_gamma_weights; ``kVespo*`` in csrc/grpo_loss_math.h): a token's log-ratio and a
+#: log IS weight are clamped to +-20 (the latter to log 1e-8 below), the row's log-weight to [log 1e-8, 20], and
+#: lambda to at least 1e-4.
+VESPO_LOG_RATIO_BOUND: float = 20.0
+VESPO_MIN_LOG_WEIGHT: float = math.log(1e-8)
+VESPO_MIN_LAMBDA: float = 1e-4
+
 #: A group whose reward std is at most this (and that has >= 2 scored members) is a zero-std group (section 1).
 ZERO_STD_TOL: float = 1e-8
 
@@ -49,9 +57,11 @@ class LossOptions(NamedTuple):
     Attributes:
         old_logps: ``[B, T]`` log-probs of the sampling policy; None means on-policy (``old = logps.detach()``).
         ref_logps: ``[B, T]`` reference-model log-probs; required when ``beta != 0``.
-        is_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` rollout importance-sampling weights (multiply the policy term).
+        is_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` rollout importance-sampling weights (multiply the policy term;
+            for ``vespo`` they enter each row's weight instead).
         sample_mask: ``[B]`` rows to keep (zero-std masking); a dropped row counts in no token denominator.
-        loss_type: one of ``LOSS_TYPES``: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``, ``cispo``, ``sapo``.
+        loss_type: one of ``LOSS_TYPES``: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``, ``cispo``, ``sapo``,
+            ``vespo``.
         epsilon: lower clip ``1 - epsilon``.
         epsilon_high: upper clip ``1 + epsilon_high`` (defaults to ``epsilon``); for ``cispo`` the absolute cap on
             the ratio (default 5.0).
@@ -66,7 +76,13 @@ class LossOptions(NamedTuple):
             tokens). The native ops take it as two arguments, a float and a tensor.
         sapo_temperature_pos: SAPO temperature for positive advantages.
         sapo_temperature_neg: SAPO temperature for non-positive advantages.
+        vespo_k_pos: VESPO's power exponent ``k`` where ``A >= 0`` (TRL's name and default).
+        vespo_lambda_pos: VESPO's decay ``lambda`` where ``A >= 0`` (used as at least 1e-4, as TRL).
+        vespo_k_neg: VESPO's ``k`` where ``A < 0``.
+        vespo_lambda_neg: VESPO's ``lambda`` where ``A < 0`` (at least 1e-4).
         loss_scale: multiplies the loss and its gradient (gradient accumulation or a loss scaler).
+        skip_empty_rows: the per-row means (``grpo``, ``sapo``, ``luspo``, ``dr_grpo``) divide by the rows that have a
+            kept token instead of ``B`` (verl's ``seq-mean-*`` aggregation).
     """
 
     old_logps: Tensor | None = None
@@ -86,7 +102,18 @@ class LossOptions(NamedTuple):
     num_items_in_batch: float | Tensor | None = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     loss_scale: float | Tensor = 1.0
+    skip_empty_rows: bool = False
+
+    @property
+    def gradient_needs_whole_rows(self) -> bool:
+        """Whether a token's gradient depends on the other log-probs of its row (GSPO's ratio, vespo's weight), so
+        that the losses from logits compute the log-probs before the gradient (two passes)."""
+        return self.importance_sampling_level != "token" or self.loss_type == "vespo"
 
     @classmethod
     def from_kwargs(cls, function: str, kwargs: dict[str, Any]) -> LossOptions:
@@ -175,27 +202,29 @@ def takes_loss_options(function: _F) -> _F:
 # ---------------------------------------------------------------------------------------------------------------
 
 # Slots of the metrics vector the forward kernels return (csrc/grpo_loss_math.h, MetricSlot).
-METRIC_KL, METRIC_LOW, METRIC_HIGH, METRIC_REGION, METRIC_CISPO = range(5)
-NUM_METRICS = 5
+METRIC_KL, METRIC_LOW, METRIC_HIGH, METRIC_REGION, METRIC_CISPO, METRIC_VESPO_PHI = range(6)
+NUM_METRICS = 6
 
 
 def metrics_dict(metrics: Tensor, options: LossOptions, entropy: Tensor | None = None) -> dict[str, Tensor]:
     """The metrics vector as a dict under TRL's names (docs/math.md section 7).
 
     Args:
-        metrics: ``[5]`` vector of the native forward (float32, float64 for float64 inputs).
+        metrics: ``[6]`` vector of the native forward (float32, float64 for float64 inputs).
         options: the options of the call (``beta`` and ``loss_type`` decide which metrics exist).
         entropy: 0-dim mean entropy over the kept tokens, for the losses from logits.
 
     Returns:
-        ``kl`` (when ``beta != 0``), ``cispo_clip_ratio`` (cispo) or ``clip_ratio/{low,high,region}_mean``, and
-        ``entropy`` when given; 0-dim views of ``metrics``.
+        ``kl`` (when ``beta != 0``), ``cispo_clip_ratio`` (cispo), ``vespo/phi_seq_mean`` (vespo) or
+        ``clip_ratio/{low,high,region}_mean``, and ``entropy`` when given; 0-dim views of ``metrics``.
     """
     out: dict[str, Tensor] = {}
     if options.beta != 0:
         out["kl"] = metrics[METRIC_KL]
     if options.loss_type == "cispo":
         out["cispo_clip_ratio"] = metrics[METRIC_CISPO]
+    elif options.loss_type == "vespo":  # TRL logs no clip share for vespo
+        out["vespo/phi_seq_mean"] = metrics[METRIC_VESPO_PHI]
     else:
         out["clip_ratio/low_mean"] = metrics[METRIC_LOW]
         out["clip_ratio/high_mean"] = metrics[METRIC_HIGH]

@@ -5,10 +5,49 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.options import CLIP_FAMILY_LOSS_TYPES, LOW_VAR_KL_CAP, LossOptions, takes_loss_options
+from ..ops.options import (
+    CLIP_FAMILY_LOSS_TYPES,
+    LOW_VAR_KL_CAP,
+    VESPO_LOG_RATIO_BOUND,
+    VESPO_MIN_LAMBDA,
+    VESPO_MIN_LOG_WEIGHT,
+    LossOptions,
+    takes_loss_options,
+)
 from ..results import GRPOLossOutput
 from ..validation import validate_grpo_loss_args
 from ._common import compute_dtype, per_row
+
+
+def vespo_phi(o: LossOptions, log_w: Tensor, adv: Tensor) -> Tensor:
+    """VESPO's gamma weight ``phi = exp(lambda + k * log w - lambda * w)`` (docs/math.md section 3), no gradient.
+
+    Args:
+        o: the validated options (``vespo_k_*``, ``vespo_lambda_*``).
+        log_w: the rows' log-weights, broadcastable against ``adv``.
+        adv: the advantages; ``A >= 0`` takes the ``_pos`` pair, ``A < 0`` (and NaN) the ``_neg`` pair.
+
+    Returns:
+        ``phi`` in the broadcast shape; 0 where it overflows to +inf (TRL's ``nan_to_num(posinf=0)``).
+    """
+    with torch.no_grad():
+        nonneg = adv >= 0
+        k = torch.where(nonneg, o.vespo_k_pos, o.vespo_k_neg).to(adv.dtype)
+        lam = torch.where(nonneg, max(o.vespo_lambda_pos, VESPO_MIN_LAMBDA), max(o.vespo_lambda_neg, VESPO_MIN_LAMBDA))
+        lam = lam.to(adv.dtype)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return torch.where(torch.isposinf(phi), 0.0, phi)
+
+
+def vespo_log_weight(d: Tensor, is_w: Tensor | None, m: Tensor) -> Tensor:
+    """VESPO's row log-weight ``[B, 1]``: ``clamp(sum_t m * (clamp(d, +-20) + clamp(log is_w, log 1e-8, 20)),
+    log 1e-8, 20)`` (docs/math.md section 3), no gradient. A non-finite kept ``is_w`` makes it NaN.
+    """
+    with torch.no_grad():
+        term = torch.clamp(d.detach(), -VESPO_LOG_RATIO_BOUND, VESPO_LOG_RATIO_BOUND)
+        if is_w is not None:
+            term = term + torch.clamp(torch.log(is_w) + (is_w - is_w), VESPO_MIN_LOG_WEIGHT, VESPO_LOG_RATIO_BOUND)
+        return torch.clamp((m * term).sum(dim=1, keepdim=True), VESPO_MIN_LOG_WEIGHT, VESPO_LOG_RATIO_BOUND)
 
 
 @takes_loss_options
@@ -19,8 +58,9 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
     ``l``, ``l_old``, ``l_ref`` (and in per-token advantages / IS weights) before any arithmetic, so garbage there
     (even NaN or -inf) never reaches the loss or the gradient. Then ``d = l - l_old``; ``rho = exp(d)`` (token level)
     or ``rho[i,t] = exp(sum_t m_eff*d / max(n_i, 1))`` (sequence level, GSPO); the per-token term ``L`` of
-    ``loss_type`` (section 3) is multiplied by ``is_weights``; ``P = L + beta * KL`` (section 4); ``P`` is
-    aggregated with ``m_eff`` as in section 5 and multiplied by ``loss_scale``.
+    ``loss_type`` (section 3) is multiplied by ``is_weights`` (vespo: they enter its row weight instead);
+    ``P = L + beta * KL`` (section 4); ``P`` is aggregated with ``m_eff`` as in section 5 and multiplied by
+    ``loss_scale``.
 
     Args:
         logps: ``[B, T]`` floating current-policy log-probs of the sampled tokens; the only input with a gradient.
@@ -30,7 +70,7 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         ref_logps: ``[B, T]`` floating reference log-probs (detached); required when ``beta != 0``.
         is_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` floating importance-sampling weights (detached); multiply L only.
         sample_mask: ``[B]`` bool/int/float row mask, multiplied into the completion mask before anything else.
-        loss_type: one of ``LOSS_TYPES``: grpo, bnpo, dr_grpo, dapo, luspo (clip family), cispo, sapo.
+        loss_type: one of ``LOSS_TYPES``: grpo, bnpo, dr_grpo, dapo, luspo (clip family), cispo, sapo, vespo.
         epsilon: lower clip ``1 - epsilon`` (clip family); > 0.
         epsilon_high: upper clip ``1 + epsilon_high`` (clip family, default ``epsilon``); for cispo the absolute
             ratio cap (default 5.0); > 0.
@@ -46,7 +86,10 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
             ``max(sum m_eff, 1)``.
         sapo_temperature_pos: SAPO temperature where ``A > 0``; > 0.
         sapo_temperature_neg: SAPO temperature where ``A <= 0``; > 0.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's ``k`` and ``lambda`` where ``A >= 0``
+            and where ``A < 0`` (finite; lambda used as at least 1e-4).
         loss_scale: Python number or 0-dim tensor multiplying the loss (and therefore the gradient).
+        skip_empty_rows: ``B`` in the per-row means (grpo, sapo, luspo, dr_grpo) counts only rows with a kept token.
 
     Returns:
         :class:`GRPOLossOutput`: 0-dim ``loss`` and a dict of detached 0-dim metrics, all in the compute dtype
@@ -97,8 +140,18 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         log_s = (m * d).sum(dim=1) / torch.clamp(n, min=1)  # [B]
         rho = torch.exp(log_s).unsqueeze(1).expand(batch, length)  # [B, T]; gradient reaches every token of row i
 
+    is_w = None
+    if o.is_weights is not None:
+        is_w = torch.where(keep, per_row(o.is_weights, dtype), zero)  # [B, T]
+        token_bad = token_bad | ~torch.isfinite(is_w)
+
     # ------------------------------------------------------------------ section 3: policy term L
-    if o.loss_type in CLIP_FAMILY_LOSS_TYPES:
+    phi = None
+    if o.loss_type == "vespo":  # is_weights enter the row's weight, not L
+        phi = vespo_phi(o, vespo_log_weight(d, is_w, m), adv)  # [B, T]; NaN rows of a non-finite kept input
+        token_bad = token_bad | (keep & torch.isnan(phi))
+        per_token = -phi * adv * l
+    elif o.loss_type in CLIP_FAMILY_LOSS_TYPES:
         rho_c = torch.clamp(rho, max=o.delta) if o.delta is not None else rho
         clipped = torch.clamp(rho, 1 - o.epsilon, 1 + o.epsilon_high)
         per_token = -torch.minimum(rho_c * adv, clipped * adv)
@@ -113,10 +166,8 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         )
         per_token = -(4 / tau) * torch.sigmoid(tau * (rho - 1)) * adv
 
-    if o.is_weights is not None:
-        w = torch.where(keep, per_row(o.is_weights, dtype), zero)  # [B, T]
-        per_token = per_token * w
-        token_bad = token_bad | ~torch.isfinite(w)
+    if is_w is not None and o.loss_type != "vespo":
+        per_token = per_token * is_w
 
     # ------------------------------------------------------------------ section 4: KL penalty
     kl = None
@@ -155,13 +206,14 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
     # ------------------------------------------------------------------ section 5: aggregation
     weighted = per_token * m  # [B, T]
     total_tokens = torch.clamp(m.sum(), min=1)
+    rows = torch.clamp((n > 0).sum(), min=1).to(dtype) if o.skip_empty_rows else batch  # section 5's B
     if o.loss_type in ("grpo", "sapo"):
-        loss = (weighted.sum(dim=1) / torch.clamp(n, min=1)).sum() / batch
+        loss = (weighted.sum(dim=1) / torch.clamp(n, min=1)).sum() / rows
     elif o.loss_type == "bnpo":
         loss = weighted.sum() / total_tokens
     elif o.loss_type == "dr_grpo":
-        loss = weighted.sum() / (batch * o.max_completion_length)
-    elif o.loss_type in ("dapo", "cispo"):
+        loss = weighted.sum() / (rows * o.max_completion_length)
+    elif o.loss_type in ("dapo", "cispo", "vespo"):
         if o.num_items_in_batch is None:
             denominator = total_tokens
         elif isinstance(o.num_items_in_batch, Tensor):
@@ -170,7 +222,7 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
             denominator = float(o.num_items_in_batch)
         loss = weighted.sum() / denominator
     else:  # "luspo"
-        loss = weighted.sum() / batch
+        loss = weighted.sum() / rows
     if isinstance(o.loss_scale, Tensor):
         loss = loss * o.loss_scale.detach().to(device=logps.device, dtype=dtype)
     else:
@@ -199,6 +251,13 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
 
         if o.loss_type == "cispo":
             metrics["cispo_clip_ratio"] = share((rho_cond > o.epsilon_high) & (adv_cond > 0))
+        elif o.loss_type == "vespo":  # TRL's mean of phi: over rows with one advantage per row, else over tokens
+            assert phi is not None
+            if adv_has_token_dim:
+                metrics["vespo/phi_seq_mean"] = (phi * m).sum() / total_tokens
+            else:
+                log_w = vespo_log_weight(d, is_w, m).squeeze(1)
+                metrics["vespo/phi_seq_mean"] = vespo_phi(o, log_w, advantages.detach().to(dtype).reshape(batch)).mean()
         else:
             low = (rho_cond < 1 - o.epsilon) & (adv_cond < 0)
             high = (rho_cond > 1 + o.epsilon_high) & (adv_cond > 0)

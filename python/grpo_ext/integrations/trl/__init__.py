@@ -19,19 +19,22 @@ What changes, and what does not:
   the parameters of docs/math.md, so the loss and its gradients equal TRL's: ``loss_type``, ``epsilon``,
   ``epsilon_high`` (the cispo cap included), ``delta``, ``beta``, ``use_bias_correction_kl`` (TRL's default True is
   passed explicitly: grpo_ext's own default is False), ``importance_sampling_level``, ``max_completion_length``,
-  ``sapo_temperature_*``, the dapo/cispo ``num_items_in_batch`` normalizer, gradient accumulation (as
-  ``loss_scale``), the vLLM importance-sampling correction, ``off_policy_mask_threshold`` and
-  ``top_entropy_quantile`` (all three as ``is_weights``), tool masks and the MoE router auxiliary loss;
+  ``sapo_temperature_*``, ``vespo_k_*``/``vespo_lambda_*``, the dapo/cispo/vespo ``num_items_in_batch``
+  normalizer, gradient accumulation (as ``loss_scale``), the vLLM importance-sampling correction,
+  ``off_policy_mask_threshold`` and ``top_entropy_quantile`` (all three as ``is_weights``; for vespo the vLLM ratio
+  enters its sequence weight, as in TRL), tool masks and the MoE router auxiliary loss;
 - **the log-prob passes** (policy, old policy and reference): TRL 1.16 computes them inside the model's forward
   (``add_fused_lm_head``), projecting the hidden states through the LM head in tiles. The patched trainer keeps that
   forward (PEFT, multimodal inputs, FSDP, ``cast_lm_head_to_fp32``, logit scaling and soft-capping all stay TRL's)
   and swaps only the tile math for :func:`grpo_ext.selective_log_softmax`, in row chunks whose logits are
   recomputed in the backward, so the ``[N, V]`` logits are never all held at once;
-- **the metrics** keep TRL's names and reductions (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``).
+- **the metrics** keep TRL's names and reductions (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
+  ``vespo/phi_seq_mean``).
 
-Not supported (a clear error when the trainer is built or patched): ``loss_type="vespo"`` (no grpo_ext kernel) and
-TRL's entropy bonus (``entropy_coef != 0`` or ``use_adaptive_entropy``). The differences from TRL are listed in the
-README ("Using grpo_ext from TRL").
+Not supported (a clear error when the trainer is built or patched): TRL's entropy bonus (``entropy_coef != 0`` or
+``use_adaptive_entropy``), and ``loss_type="vespo"`` together with ``off_policy_mask_threshold`` or
+``top_entropy_quantile < 1`` (TRL multiplies vespo's term by those masks; grpo_ext's vespo has no such weight).
+The differences from TRL are listed in the README ("Using grpo_ext from TRL").
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ __all__ = [
 TESTED_TRL_VERSION = "1.16.0"
 _SUPPORTED_RELEASE = (1, 16)
 
-#: TRL loss types grpo_ext computes (TRL's ``vespo`` has no grpo_ext kernel).
+#: TRL loss types grpo_ext computes: all of TRL 1.16's.
 SUPPORTED_LOSS_TYPES: tuple[str, ...] = LOSS_TYPES
 
 
@@ -130,6 +133,13 @@ def _check_config(args: Any) -> None:
             "entropy bonus is not supported by grpo_ext.integrations.trl; set entropy_coef=0.0 and "
             "use_adaptive_entropy=False, or train with the unpatched trl.GRPOTrainer"
         )
+    if args.loss_type == "vespo" and (args.off_policy_mask_threshold is not None or args.top_entropy_quantile < 1.0):
+        raise ValueError(
+            f"GRPOConfig.loss_type='vespo' with off_policy_mask_threshold={args.off_policy_mask_threshold} / "
+            f"top_entropy_quantile={args.top_entropy_quantile} is not supported by grpo_ext.integrations.trl (its "
+            "vespo takes no per-token weight besides the vLLM ratio); drop those options or train with the unpatched "
+            "trl.GRPOTrainer"
+        )
 
 
 class GRPOExtTrainer(trl.GRPOTrainer):
@@ -140,8 +150,8 @@ class GRPOExtTrainer(trl.GRPOTrainer):
 
     Raises:
         RuntimeError: the installed TRL is not a supported release (see :func:`check_trl_version`).
-        ValueError: ``args`` asks for something grpo_ext does not compute (``loss_type="vespo"``, the entropy bonus),
-            before the model is loaded when ``args`` is given.
+        ValueError: ``args`` asks for something grpo_ext does not compute (the entropy bonus, vespo with the
+            off-policy or entropy masks), before the model is loaded when ``args`` is given.
     """
 
     def __init__(self, *args: Any, logps_backend: str = "fused", **kwargs: Any) -> None:
@@ -183,7 +193,7 @@ def patch(trainer: trl.GRPOTrainer, logps_backend: str = "fused") -> trl.GRPOTra
     Raises:
         TypeError: ``trainer`` is not a ``trl.GRPOTrainer``.
         RuntimeError: the installed TRL is not a supported release.
-        ValueError: its config asks for something grpo_ext does not compute (``loss_type="vespo"``, entropy bonus), or
+        ValueError: its config asks for something grpo_ext does not compute (entropy bonus, vespo with masks), or
             ``logps_backend`` is not one of :data:`LOGPS_BACKENDS`.
     """
     if not isinstance(trainer, trl.GRPOTrainer):

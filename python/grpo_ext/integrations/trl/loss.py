@@ -17,7 +17,7 @@ import trl.trainer.utils as _trl_utils
 from torch import Tensor
 
 from ... import ops
-from ...ops.options import CLIP_FAMILY_LOSS_TYPES
+from ...ops.options import CLIP_FAMILY_LOSS_TYPES, TOKEN_LEVEL_LOSS_TYPES
 from .fused import FusedLossRequest, fused_loss_request
 
 # Arguments of TRL's `_get_per_token_logps_and_entropies` that `_compute_loss` does not build itself: they are
@@ -56,6 +56,7 @@ def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor | None, ol
     (``top_entropy_quantile``), the DeepSeek-V3.2 off-policy sequence mask (``off_policy_mask_threshold``) and the
     vLLM importance-sampling ratio; none of them is differentiated, which is what ``is_weights`` means in docs/math.md.
     The first two need the current ``logps`` / ``entropies`` (the fused path, which has neither, refuses them).
+    For vespo only the vLLM ratio can be there (the masks are refused): it enters the sequence weight, as in TRL.
     """
     factors: list[Tensor] = []
     if trainer.top_entropy_quantile < 1.0:
@@ -108,6 +109,11 @@ def _log_metrics(trainer: trl.GRPOTrainer, mode: str, metrics: dict[str, Tensor]
     if trainer.loss_type == "cispo":
         log["cispo_clip_ratio"].append(share("cispo_clip_ratio"))
         return
+    if trainer.loss_type == "vespo":  # a mean over rows with one advantage per row, as TRL's phi_seq [B, 1]
+        per_row = rows_advantages.shape[1] == 1
+        phi_count = torch.tensor(float(mask.shape[0]), device=mask.device) if per_row else token_count
+        log["vespo/phi_seq_mean"].append(_global_mean(trainer, metrics["vespo/phi_seq_mean"] * phi_count, phi_count))
+        return
     if trainer.loss_type not in CLIP_FAMILY_LOSS_TYPES:  # TRL logs no clip metric for sapo
         return
     for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
@@ -135,7 +141,7 @@ def _log_metrics(trainer: trl.GRPOTrainer, mode: str, metrics: dict[str, Tensor]
 def _loss_options(trainer: trl.GRPOTrainer, inputs: dict[str, Any], mode: str, accumulation: int) -> dict[str, Any]:
     """TRL's loss settings as keyword arguments of grpo_ext's losses (all but the log-probs and ``is_weights``)."""
     num_items, loss_scale = None, 1.0
-    if trainer.loss_type in ("dapo", "cispo"):
+    if trainer.loss_type in TOKEN_LEVEL_LOSS_TYPES:
         # TRL's denominator: the generation batch's token count per process, rescaled to one accumulation window.
         device = inputs["completion_mask"].device
         num_items = torch.as_tensor(inputs["num_items_in_batch"], dtype=torch.float32, device=device)
@@ -159,6 +165,10 @@ def _loss_options(trainer: trl.GRPOTrainer, inputs: dict[str, Any], mode: str, a
         num_items_in_batch=num_items,
         sapo_temperature_pos=trainer.args.sapo_temperature_pos,
         sapo_temperature_neg=trainer.args.sapo_temperature_neg,
+        vespo_k_pos=trainer.args.vespo_k_pos,
+        vespo_lambda_pos=trainer.args.vespo_lambda_pos,
+        vespo_k_neg=trainer.args.vespo_k_neg,
+        vespo_lambda_neg=trainer.args.vespo_lambda_neg,
         loss_scale=loss_scale,
     )
 
