@@ -217,6 +217,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--library", help="the built _C module (default: the installed grpo_ext's)")
     parser.add_argument("--out", type=Path, help="also write the Markdown report here")
+    parser.add_argument("--no-traffic", action="store_true",
+                        help="leave out the counted memory traffic (traffic_report.py: about 3 minutes of CPU)")
     args = parser.parse_args()
     library = args.library
     if library is None:
@@ -226,6 +228,11 @@ def main() -> int:
             raise SystemExit("kernel_report: this grpo_ext was built without CUDA kernels (GRPO_EXT_CUDA=ON to build)")
         library = grpo_ext._C.__file__
     report = markdown(collect(library), library)
+    if not args.no_traffic:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import traffic_report
+
+        report += "\n" + traffic_report.markdown(traffic_report.measure())
     print(report)
     if args.out:
         args.out.write_text(report)

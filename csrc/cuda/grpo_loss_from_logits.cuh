@@ -1,12 +1,12 @@
 // CUDA kernels of the fused GRPO loss from logits, on raw pointers and a stream (no torch types).
 //
 // Token-level losses: a small one-block kernel turns the masks into per-row gradient weights (no host sync), then
-// one block per logits row reads the row once for its online softmax statistics, computes the token's log-prob,
-// entropy and d loss / d logp (grpo_loss_math.h), and reads the row a second time to write the gradient
-// g * (onehot - softmax) * dz/dx (docs/math.md section 2: temperature, logit_scale, logit_softcap). The second read
-// follows the first within the same block, so it is served from L2 rather than HBM for rows up to a few MB; the logits
-// never round-trip through an [N, V] float temporary. Sequence-level losses use the same kernel twice: once for the
-// log-probs, once with the per-token gradients.
+// one block per logits row reads the row once (16-byte loads, vector_io.cuh) for its online softmax statistics,
+// computes the token's log-prob, entropy and d loss / d logp (grpo_loss_math.h), and reads the row a second time to
+// write the gradient g * (onehot - softmax) * dz/dx (docs/math.md section 2: temperature, logit_scale, logit_softcap).
+// The second read follows the first within the same block, so it is served from L2 rather than HBM for rows up to a
+// few MB; the logits never round-trip through an [N, V] float temporary. Sequence-level losses use the same kernel
+// twice: once for the log-probs, once with the per-token gradients.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,21 +17,9 @@
 #include "launch.cuh"
 #include "reduce.cuh"
 #include "selective_log_softmax.cuh"
+#include "vector_io.cuh"
 
 namespace grpo_ext {
-
-template <typename T, typename In>
-__device__ __forceinline__ T load_as(const In* p) {
-  return static_cast<T>(*p);
-}
-template <>
-__device__ __forceinline__ float load_as<float, __nv_bfloat16>(const __nv_bfloat16* p) {
-  return __bfloat162float(*p);
-}
-template <>
-__device__ __forceinline__ float load_as<float, __half>(const __half* p) {
-  return __half2float(*p);
-}
 
 // row_weight[b] = global scale * (1 / max(n_b, 1) for grpo/sapo, else 1). One block: a warp per row for n_b (a
 // fixed shuffle tree), then a fixed block tree over the rows for the mask total.
@@ -75,7 +63,7 @@ struct LogitsPassArgs {
   bool grad_in_logits;  // the in-place op: row r's gradient goes over logits row r
 };
 
-// Up to 1024 threads per block (softmax_threads): the bound keeps even the float64 instantiation within the SM's
+// Up to 1024 threads per block (row_threads): the bound keeps even the float64 instantiation within the SM's
 // 64K registers, where it would otherwise fail to launch.
 template <typename T, typename In>
 __global__ void __launch_bounds__(1024)
@@ -98,9 +86,7 @@ __global__ void __launch_bounds__(1024)
     // the thread that writes it).
     In* grad_row = a.compute_grad ? (a.grad_in_logits ? grad + a.logits.offset(r) : grad + r * vocab) : nullptr;
     if (m == T(0)) {  // never read; a zero gradient
-      if (grad_row) {
-        for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) grad_row[v] = to_out<In, T>(T(0));
-      }
+      if (grad_row) fill_row(grad_row, vocab, to_out<In, T>(T(0)));
       if (threadIdx.x == 0) {
         logps[r] = T(0);
         entropy[r] = T(0);
@@ -108,7 +94,7 @@ __global__ void __launch_bounds__(1024)
       continue;
     }
     SoftmaxState<T> s{T(0), T(0), T(0)};
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) s = add_logit(s, f(load_as<T>(x + v)));
+    for_each_in_row<T>(x, vocab, [&](int64_t, T logit) { s = add_logit(s, f(logit)); });
     s = block_merge(s, warp_states);
     if (threadIdx.x == 0) {
       const int64_t id = a.ids.load<int64_t>(r, 0);
@@ -143,11 +129,11 @@ __global__ void __launch_bounds__(1024)
       const int64_t id = row_id;
       // d/dz_v of g * logp = g * (onehot - p_v), times dz/dx; the chosen entry as -expm1(logp), exact where p -> 1.
       const T chosen = -g * expm1(row_logp);
-      for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-        const T z = f(load_as<T>(x + v));
+      transform_row<T>(x, grad_row, vocab, [&](int64_t v, T logit) {
+        const T z = f(logit);
         const T value = v == id ? chosen : -g * exp((z - z_max) - log_sum);
-        grad_row[v] = to_out<In, T>(value * f.slope_at(z));
-      }
+        return value * f.slope_at(z);
+      });
     }
     __syncthreads();  // the shared row values are reused by the next row
   }
@@ -183,7 +169,7 @@ void launch_grpo_loss_from_logits(const LogitsPassArgs& a, const LogitTransform<
   if (a.logits.rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;  // grid-stride beyond that: any number of rows
   const unsigned blocks = static_cast<unsigned>(a.logits.rows < max_blocks ? a.logits.rows : max_blocks);
-  GRPO_LAUNCH(blocks, softmax_threads(a.logits.vocab), 0, stream, grpo_loss_from_logits_kernel<T, In>)(
+  GRPO_LAUNCH(blocks, row_threads(a.logits.vocab, sizeof(In)), 0, stream, grpo_loss_from_logits_kernel<T, In>)(
       a, f, row_weight, grad, logps, entropy);
 }
 

@@ -8,10 +8,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "../common.h"
 #include "../logit_transform.h"
 #include "launch.cuh"
 #include "reduce.cuh"
+#include "vector_io.cuh"
 
 namespace grpo_ext {
 
@@ -72,8 +75,9 @@ __device__ __forceinline__ SoftmaxState<T> block_merge(SoftmaxState<T> s, Softma
   return s;
 }
 
-// Up to 1024 threads per block (softmax_threads); the bound keeps every instantiation launchable at that size.
-template <typename T>
+// Up to 1024 threads per block (row_threads); the bound keeps every instantiation launchable at that size. `In` is
+// the logits' element type: a row with unit stride is read with 16-byte loads (vector_io.cuh).
+template <typename T, typename In>
 __global__ void __launch_bounds__(1024)
     selective_log_softmax_forward_kernel(StridedMatrix logits, StridedMatrix ids, int64_t rows, int64_t vocab,
                                          LogitTransform<T> f, T* __restrict__ logps, T* __restrict__ entropy,
@@ -81,7 +85,13 @@ __global__ void __launch_bounds__(1024)
   __shared__ SoftmaxState<T> warp_states[32];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     SoftmaxState<T> s{T(0), T(0), T(0)};
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) s = add_logit(s, f(logits.load<T>(row, v)));
+    if (logits.col_stride == 1) {
+      const In* x = static_cast<const In*>(logits.data) + row * logits.row_stride;
+      for_each_in_row<T>(x, vocab, [&](int64_t, T z) { s = add_logit(s, f(z)); });
+    } else {
+      for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x)
+        s = add_logit(s, f(logits.load<T>(row, v)));
+    }
     s = block_merge(s, warp_states);
     if (threadIdx.x == 0) {
       const int64_t id = ids.load<int64_t>(row, 0);
@@ -98,20 +108,6 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// The gradient in the logits' dtype, rounded once (to nearest even).
-template <typename Out, typename T>
-__device__ __forceinline__ Out to_out(T v) {
-  return static_cast<Out>(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16, float>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half to_out<__half, float>(float v) {
-  return __float2half_rn(v);
-}
-
 template <typename T, typename Out>
 __global__ void __launch_bounds__(1024)
     selective_log_softmax_backward_kernel(StridedMatrix logits, StridedMatrix ids, StridedMatrix grad_logps,
@@ -123,18 +119,20 @@ __global__ void __launch_bounds__(1024)
     const T gh = grad_entropy.present() ? grad_entropy.load<T>(row, 0) : T(0);
     const int64_t id = ids.load<int64_t>(row, 0);
     Out* out = grad_logits + row * vocab;
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-      const T z = f(logits.load<T>(row, v));
+    const auto grad = [&](int64_t v, T logit) {
+      const T z = f(logit);
       const T p = exp(z - lse);
       const T onehot = v == id ? gl : T(0);
       const T spread = p > T(0) ? p * (z - mean_z) : T(0);  // a -inf logit: p = 0, and not 0 * -inf
-      out[v] = to_out<Out, T>((onehot - gl * p - gh * spread) * f.slope_at(z));
+      return (onehot - gl * p - gh * spread) * f.slope_at(z);
+    };
+    if (logits.col_stride == 1) {  // the logits' dtype is Out's (the binding's dispatch)
+      transform_row<T>(static_cast<const Out*>(logits.data) + row * logits.row_stride, out, vocab, grad);
+    } else {
+      for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x)
+        out[v] = to_out<Out, T>(grad(v, logits.load<T>(row, v)));
     }
   }
-}
-inline int softmax_threads(int64_t vocab) {
-  const int64_t want = (vocab + 3) / 4;
-  return round_up_to_warp(want < 32 ? 32 : (want > 1024 ? 1024 : want));
 }
 
 template <typename T>
@@ -143,8 +141,21 @@ void launch_selective_log_softmax_forward(const StridedMatrix& logits, const Str
                                           cudaStream_t stream) {
   if (rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
-  GRPO_LAUNCH(static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream,
-              selective_log_softmax_forward_kernel<T>)(logits, ids, rows, vocab, f, logps, entropy, row_stats);
+  const unsigned blocks = static_cast<unsigned>(rows < max_blocks ? rows : max_blocks);
+  const auto launch = [&](auto element) {  // the kernel for the logits' element type
+    using In = decltype(element);
+    GRPO_LAUNCH(blocks, row_threads(vocab, sizeof(In)), 0, stream, selective_log_softmax_forward_kernel<T, In>)(
+        logits, ids, rows, vocab, f, logps, entropy, row_stats);
+  };
+  if constexpr (std::is_same_v<T, double>) {  // float64 logits (the only ones accumulated in float64)
+    launch(double());
+  } else if (logits.dtype == DType::kBFloat16) {
+    launch(__nv_bfloat16());
+  } else if (logits.dtype == DType::kFloat16) {
+    launch(__half());
+  } else {
+    launch(float());
+  }
 }
 
 template <typename T, typename Out>
@@ -154,7 +165,7 @@ void launch_selective_log_softmax_backward(const StridedMatrix& logits, const St
                                            Out* grad_logits, cudaStream_t stream) {
   if (rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
-  GRPO_LAUNCH(static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), softmax_threads(vocab), 0, stream,
+  GRPO_LAUNCH(static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), row_threads(vocab, sizeof(Out)), 0, stream,
               selective_log_softmax_backward_kernel<T, Out>)(logits, ids, grad_logps, grad_entropy, row_stats, rows,
                                                              vocab, f, grad_logits);
 }

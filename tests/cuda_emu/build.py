@@ -24,13 +24,23 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-SOURCES = ("runtime.cpp", "driver.cpp", "ops_advantages.cpp", "ops_loss.cpp", "ops_logits.cpp", "ops_selftest.cpp")
+SOURCES = ("runtime.cpp", "driver.cpp", "traffic.cpp", "ops_advantages.cpp", "ops_loss.cpp", "ops_logits.cpp",
+           "ops_selftest.cpp")
+# The translation units holding kernels: the traffic build instruments their memory accesses (traffic.cpp).
+KERNEL_SOURCES = tuple(name for name in SOURCES if name.startswith("ops_"))
 # Kernel headers of the harness itself, compiled (and rewritten) like csrc's.
 HARNESS_KERNELS = ("selftest_kernels.cuh",)
 HARNESS_FILES = (*SOURCES, *HARNESS_KERNELS, "runtime.h", "half_types.h", "driver.h", "loss_plan.h",
                  "include/cuda_runtime.h", "include/cuda_bf16.h", "include/cuda_fp16.h", "build.py")  # fmt: skip
 CXX = os.environ.get("CXX", "g++")
 SANITIZE = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all"]
+# The traffic build: no sanitizer runtime; every load and store of the kernel sources calls traffic.cpp. -O0 there:
+# at -O1 GCC splits a 16-byte vector into scalars and sinks the load of an element whose value a branch does not use,
+# which a GPU's vector load still moves.
+TRAFFIC = ["-DCUDA_EMU_TRAFFIC=1"]
+COUNT_ACCESSES = ["-O0", "-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
+                  "--param", "asan-stack=0", "--param", "asan-globals=0"]  # fmt: skip
+VARIANTS = ("sanitize", "traffic")
 # -ffp-contract=off: no FMA contraction on the host, whatever the target (nvcc contracts; the tolerances cover it).
 CXXFLAGS = ["-std=c++20", "-O1", "-g", "-fno-omit-frame-pointer", "-ffp-contract=off", "-Wall", "-Wextra",
             "-Wno-unused-parameter", "-Wno-unknown-pragmas", "-Werror"]  # fmt: skip
@@ -115,21 +125,32 @@ def _compiler_version() -> str:
         raise BuildError(f"the C++ compiler {CXX!r} is not usable: {e}") from e
 
 
-def build(csrc: Path | None = None, out_root: Path | None = None, jobs: int | None = None) -> Path:
+def _flags(variant: str, source: str) -> list[str]:
+    if variant == "sanitize":
+        return SANITIZE
+    return TRAFFIC + (COUNT_ACCESSES if source in KERNEL_SOURCES else [])
+
+
+def build(csrc: Path | None = None, out_root: Path | None = None, jobs: int | None = None,
+          variant: str = "sanitize") -> Path:  # fmt: skip
     """Builds (or finds in the cache) the driver for the kernel headers under ``csrc``; returns its path.
 
     Args:
         csrc: a ``csrc/`` tree (default: the repository's; the mutation check passes mutated copies).
         out_root: cache directory (default: ``$GRPO_EMU_BUILD``, else ``build/cuda_emu`` in the repository).
         jobs: parallel compiler processes (default: the CPU count).
+        variant: ``"sanitize"`` (ASan and UBSan) or ``"traffic"`` (no sanitizer; counts the bytes each launch reads
+            and writes in each tensor, traffic.cpp).
     """
+    if variant not in VARIANTS:
+        raise BuildError(f"variant must be one of {VARIANTS}, got {variant!r}")
     csrc = Path(csrc or REPO / "csrc").resolve()
     out_root = Path(out_root or os.environ.get("GRPO_EMU_BUILD") or REPO / "build" / "cuda_emu")
     files = _inputs(csrc)
     digest = hashlib.sha256(_compiler_version().encode())
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name] + b"\0")
-    digest.update(" ".join(CXXFLAGS + SANITIZE).encode())
+    digest.update(" ".join([variant, *CXXFLAGS, *_flags(variant, SOURCES[0]), *_flags(variant, SOURCES[-1])]).encode())
     target = out_root / digest.hexdigest()[:16]
     exe = target / "cuda_emu_driver"
     if exe.exists():
@@ -154,7 +175,7 @@ def build(csrc: Path | None = None, out_root: Path | None = None, jobs: int | No
 
         def compile_one(source: str) -> Path:
             obj = work / (Path(source).stem + ".o")
-            cmd = [CXX, *CXXFLAGS, *SANITIZE, *include, "-c", str(HERE / source), "-o", str(obj)]
+            cmd = [CXX, *CXXFLAGS, *_flags(variant, source), *include, "-c", str(HERE / source), "-o", str(obj)]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 raise BuildError(f"compiling {source} failed:\n{result.stderr[-6000:]}")
@@ -162,7 +183,8 @@ def build(csrc: Path | None = None, out_root: Path | None = None, jobs: int | No
 
         with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
             objects = list(pool.map(compile_one, SOURCES))
-        link = [CXX, *SANITIZE, *(str(o) for o in objects), "-o", str(work / "cuda_emu_driver")]
+        link = [CXX, *(SANITIZE if variant == "sanitize" else []), *(str(o) for o in objects), "-o",
+                str(work / "cuda_emu_driver")]
         result = subprocess.run(link, capture_output=True, text=True)
         if result.returncode != 0:
             raise BuildError(f"linking the driver failed:\n{result.stderr[-6000:]}")
@@ -178,4 +200,5 @@ def build(csrc: Path | None = None, out_root: Path | None = None, jobs: int | No
 
 
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
+    variant = os.environ.get("CUDA_EMU_VARIANT", "sanitize")  # or "traffic"
+    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None, variant=variant))

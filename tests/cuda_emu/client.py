@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -120,8 +121,9 @@ class _Driver:
         self.process = None
         return EmuError(f"the driver ({self.name} schedule) died (exit code {rc}):\n{report[-8000:]}")
 
-    def receive(self) -> tuple[list[torch.Tensor], str]:
-        """The outputs of the request sent last, and the kernels it launched ("name(types)#count;...")."""
+    def receive(self) -> tuple[list[torch.Tensor], str, str]:
+        """The outputs of the request sent last, the kernels it launched ("name(types)#count;...") and their
+        traffic (runtime.h: take_traffic_log)."""
         out = self.process.stdout
         header = out.readline().decode()
         if not header:
@@ -140,7 +142,10 @@ class _Driver:
                 raise self._died()
             raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
             tensors.append((raw, dtype, sizes, strides))
-        return [_decode(*t) for t in tensors], launched
+        traffic = out.readline().decode()
+        if not traffic.startswith("TRAFFIC "):
+            raise self._died()
+        return [_decode(*t) for t in tensors], launched, traffic[len("TRAFFIC ") :].rstrip("\n")
 
     def close(self) -> None:
         if self.process is None:
@@ -168,6 +173,35 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+class Access(NamedTuple):
+    """One launch's traffic in one buffer (traffic.cpp): every thread's loads, the distinct bytes among them, stores."""
+
+    read: int
+    distinct: int
+    written: int
+
+
+class Launch(NamedTuple):
+    """One kernel launch's global-memory traffic by buffer, the buffers named ``arg<i>`` (the op's argument ``i``)
+    and ``new<k>`` (the ``k``-th tensor the op allocated: outputs, temporaries)."""
+
+    kernel: str
+    buffers: dict[str, Access]
+
+
+def parse_traffic(text: str) -> list[Launch]:
+    """The launches of a driver's traffic line ("kernel|label:read:distinct:written|...", tab-separated)."""
+    launches = []
+    for entry in filter(None, text.split("\t")):
+        kernel, *buffers = entry.split("|")
+        counts = {}
+        for item in buffers:
+            label, *numbers = item.split(":")
+            counts[label] = Access(*(int(n) for n in numbers))
+        launches.append(Launch(kernel, counts))
+    return launches
+
+
 class EmuDevice:
     """grpo_ext's raw ops on the emulated device, under every schedule of ``schedules``.
 
@@ -176,13 +210,17 @@ class EmuDevice:
     Args:
         csrc: the kernel headers to run (default: the repository's ``csrc/``).
         schedules: (name, order, grid cap) triples; default :data:`SCHEDULES`.
+        variant: the driver build (build.py): ``"sanitize"``, or ``"traffic"``, whose calls leave the bytes each
+            launch moved in :attr:`last_traffic` (the first schedule's).
     """
 
-    def __init__(self, csrc: Path | None = None, schedules: Sequence[tuple[str, str, int]] = SCHEDULES):
-        self.exe = build(csrc)
+    def __init__(self, csrc: Path | None = None, schedules: Sequence[tuple[str, str, int]] = SCHEDULES,
+                 variant: str = "sanitize"):  # fmt: skip
+        self.exe = build(csrc, variant=variant)
         self.drivers = [_Driver(self.exe, *s) for s in schedules]
         self.calls = collections.Counter()  # op -> calls
         self.launches = collections.Counter()  # "kernel(parameter types)" -> launches (first schedule's)
+        self.last_traffic: list[Launch] = []
 
     def __getattr__(self, op: str):
         if op.startswith("_"):
@@ -203,12 +241,13 @@ class EmuDevice:
         if errors:
             raise EmuError("\n".join(errors))
         self.calls[op] += 1
+        self.last_traffic = parse_traffic(results[0][3])
         for entry in results[0][2].split(";"):
             if entry != "-":
                 signature, count = entry.rsplit("#", 1)
                 self.launches[signature] += int(count)
-        first_name, first, _ = results[0]
-        for name, outputs, _ in results[1:]:
+        first_name, first = results[0][:2]
+        for name, outputs, *_ in results[1:]:
             for i, (a, b) in enumerate(zip(first, outputs, strict=True)):
                 if not torch.equal(_bytes(a), _bytes(b)):
                     diff = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()

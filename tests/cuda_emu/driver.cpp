@@ -65,6 +65,20 @@ void bad_args(const std::string& message) {
   throw std::invalid_argument(message);
 }
 
+namespace {
+int allocations = 0;  // tensors the running op allocated ("new<k>" buffers)
+
+// Storage of `bytes` registered with the traffic counter under `label` (forgotten when freed).
+std::shared_ptr<unsigned char[]> allocate(size_t bytes, const std::string& label) {
+  std::shared_ptr<unsigned char[]> storage(new unsigned char[bytes], [](unsigned char* p) {
+    forget_buffer(p);
+    delete[] p;
+  });
+  register_buffer(storage.get(), bytes, label);
+  return storage;
+}
+}  // namespace
+
 Tensor empty(const std::vector<int64_t>& sizes, DType dtype) {
   Tensor t;
   t.dtype = dtype;
@@ -72,7 +86,7 @@ Tensor empty(const std::vector<int64_t>& sizes, DType dtype) {
   t.strides.assign(sizes.size(), 1);
   for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) t.strides[d] = t.strides[d + 1] * sizes[d + 1];
   t.nbytes = static_cast<size_t>(t.numel()) * element_size(dtype);
-  t.storage.reset(new unsigned char[t.nbytes]);
+  t.storage = allocate(t.nbytes, "new" + std::to_string(allocations++));
   memset(t.storage.get(), 0xff, t.nbytes);
   return t;
 }
@@ -175,7 +189,7 @@ std::vector<std::string> split(const std::string& line) {
   return words;
 }
 
-Value read_value() {
+Value read_value(int index) {
   std::string line;
   if (!read_line(&line)) bad_args("truncated request");
   const std::vector<std::string> w = split(line);
@@ -205,7 +219,7 @@ Value read_value() {
     for (size_t d = 0; d < ndim; ++d) t.sizes.push_back(std::stoll(w.at(3 + d)));
     for (size_t d = 0; d < ndim; ++d) t.strides.push_back(std::stoll(w.at(3 + ndim + d)));
     t.nbytes = std::stoull(w.at(3 + 2 * ndim));
-    t.storage.reset(new unsigned char[t.nbytes]);
+    t.storage = allocate(t.nbytes, "arg" + std::to_string(index));
     if (std::fread(t.storage.get(), 1, t.nbytes, stdin) != t.nbytes) bad_args("truncated tensor");
   } else {
     bad_args("unknown argument tag " + tag);
@@ -262,7 +276,8 @@ int main(int argc, char** argv) {
       const std::string op = w.at(0);
       const int n = std::stoi(w.at(1));
       std::vector<Value> values;
-      for (int i = 0; i < n; ++i) values.push_back(read_value());
+      allocations = 0;
+      for (int i = 0; i < n; ++i) values.push_back(read_value(i));
       auto it = op_table().find(op);
       if (it == op_table().end()) bad_args("unknown op " + op);
       Args args(op, std::move(values));
@@ -271,11 +286,16 @@ int main(int argc, char** argv) {
       reply = "OK " + std::to_string(outputs.size()) + " " + (log.empty() ? "-" : log) + "\n";
     } catch (const std::exception& e) {
       take_launch_log();
+      take_traffic_log();
       outputs.clear();
       reply = "ERR " + one_line(e.what()) + "\n";
     }
     std::fwrite(reply.data(), 1, reply.size(), stdout);
     for (const Tensor& t : outputs) write_tensor(t);
+    if (reply[0] == 'O') {
+      const std::string traffic = "TRAFFIC " + take_traffic_log() + "\n";
+      std::fwrite(traffic.data(), 1, traffic.size(), stdout);
+    }
     std::fflush(stdout);
   }
   return 0;

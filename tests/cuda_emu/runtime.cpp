@@ -603,6 +603,10 @@ void run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* context) 
   const int threads = static_cast<int>(spec.block.x * spec.block.y * spec.block.z);
   rt.run_thread = run_thread;
   rt.context = context;
+  traffic_begin(spec.kernel);
+  struct TrafficEnd {
+    ~TrafficEnd() { traffic_end(); }
+  } end_traffic;  // also when a launch fails
   const uint64_t blocks = uint64_t(grid.x) * grid.y * grid.z;
   for (uint64_t n = 0; n < blocks; ++n) {
     const bool descending = rt.schedule.order == Order::kReverse || rt.schedule.order == Order::kGreedyHigh;

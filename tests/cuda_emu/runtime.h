@@ -96,6 +96,15 @@ void set_schedule(const Schedule& s);
 // "name(types)#count;...".
 std::string take_launch_log();
 
+// Global-memory traffic (traffic.cpp; counted only in the traffic build): the driver registers each tensor's
+// storage under a label ("arg<i>": the op's argument i, "new<k>": the k-th tensor the op allocated). The launches
+// since the last call, tab-separated: "kernel|label:bytes read:distinct bytes read:bytes written|...".
+void register_buffer(const void* base, size_t bytes, const std::string& label);
+void forget_buffer(const void* base);
+void traffic_begin(const char* kernel);
+void traffic_end();
+std::string take_traffic_log();
+
 struct Coords {
   uint3 thread_idx, block_idx;
   dim3 block_dim, grid_dim;

@@ -1,0 +1,146 @@
+// Row walkers of the logits kernels: one block reads (and writes) a contiguous row of V elements with 16-byte vector
+// accesses (LDG.E.128 / STG.E.128) in its body and scalar ones in the head (elements before the first 16-byte
+// boundary: a row view that starts mid-vector) and the tail (V not a multiple of the vector width). Each thread keeps
+// kRowUnroll vectors in flight, so that a block of 1024 threads has 32 KiB of loads outstanding.
+//
+// Element v of the row goes to exactly one thread, always the same one for the same (row start % 16, V, blockDim):
+// the per-thread order of the online softmax is fixed, so results are deterministic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace grpo_ext {
+
+template <typename T, typename In>
+__device__ __forceinline__ T load_as(const In* p) {
+  return static_cast<T>(*p);
+}
+template <>
+__device__ __forceinline__ float load_as<float, __nv_bfloat16>(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
+template <>
+__device__ __forceinline__ float load_as<float, __half>(const __half* p) {
+  return __half2float(*p);
+}
+
+// The gradient in the logits' dtype, rounded once (to nearest even).
+template <typename Out, typename T>
+__device__ __forceinline__ Out to_out(T v) {
+  return static_cast<Out>(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half to_out<__half, float>(float v) {
+  return __float2half_rn(v);
+}
+
+constexpr int kVectorBytes = 16;
+// Vectors in flight per thread when reading a row: 2, except for float64 rows (spills under the 64 registers that
+// __launch_bounds__(1024) leaves). transform_row keeps 1: at 2 the bf16 log-softmax backward took 52 registers
+// (one 1024-thread block per SM) instead of 32 (two blocks), i.e. the same bytes in flight at half the occupancy.
+template <typename In>
+constexpr int kRowUnroll = sizeof(In) == 8 ? 1 : 2;
+
+// kVectorBytes of consecutive elements, moved as one access.
+template <typename In>
+struct alignas(kVectorBytes) Vector {
+  static constexpr int kWidth = kVectorBytes / static_cast<int>(sizeof(In));
+  In v[kWidth];
+};
+
+// Elements before the first 16-byte boundary of a row starting at `x` (at most n).
+template <typename In>
+__device__ __forceinline__ int64_t vector_head(const In* x, int64_t n) {
+  const int64_t head =
+      int64_t((kVectorBytes - (reinterpret_cast<uintptr_t>(x) % kVectorBytes)) % kVectorBytes) / int64_t(sizeof(In));
+  return head < n ? head : n;
+}
+
+// g(i, vector i) for every vector of body[0, vectors), U vectors per thread loaded before any is used.
+template <int U, typename In, typename G>
+__device__ __forceinline__ void for_each_vector(const Vector<In>* body, int64_t vectors, G&& g) {
+  const int64_t step = blockDim.x;
+  int64_t i = threadIdx.x;
+  for (; i + (U - 1) * step < vectors; i += U * step) {
+    Vector<In> in[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) in[u] = body[i + u * step];
+#pragma unroll
+    for (int u = 0; u < U; ++u) g(i + u * step, in[u]);
+  }
+  for (; i < vectors; i += step) g(i, body[i]);
+}
+
+// f(v, x[v] as T) for every element of x[0, n): scalar head and tail, vector body.
+template <typename T, typename In, typename F>
+__device__ __forceinline__ void for_each_in_row(const In* x, int64_t n, F&& f) {
+  constexpr int W = Vector<In>::kWidth;
+  const int64_t head = vector_head(x, n), vectors = (n - head) / W;
+  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) f(v, load_as<T>(x + v));
+  const auto* body = reinterpret_cast<const Vector<In>*>(x + head);
+  for_each_vector<kRowUnroll<In>>(body, vectors, [&](int64_t i, const Vector<In>& in) {
+#pragma unroll
+    for (int k = 0; k < W; ++k) f(head + i * W + k, load_as<T>(&in.v[k]));
+  });
+  for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) f(v, load_as<T>(x + v));
+}
+
+// out[v] = f(v, x[v] as T) for every element of [0, n): vector loads as for_each_in_row, and vector stores where
+// `out` has the same offset from a 16-byte boundary as `x` (the in-place gradient, and any row of a contiguous
+// tensor that starts aligned); scalar stores otherwise. `out` may be `x` (each element is read before it is
+// overwritten, by the thread that writes it).
+template <typename T, typename In, typename Out, typename F>
+__device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, F&& f) {
+  static_assert(sizeof(In) == sizeof(Out), "the gradient has the logits' element size");
+  constexpr int W = Vector<In>::kWidth;
+  const int64_t head = vector_head(x, n), vectors = (n - head) / W;
+  const bool vector_stores =
+      reinterpret_cast<uintptr_t>(x) % kVectorBytes == reinterpret_cast<uintptr_t>(out) % kVectorBytes;
+  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) out[v] = to_out<Out, T>(f(v, load_as<T>(x + v)));
+  for_each_vector<1>(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
+    Vector<Out> result;
+#pragma unroll
+    for (int k = 0; k < W; ++k) result.v[k] = to_out<Out, T>(f(head + i * W + k, load_as<T>(&in.v[k])));
+    if (vector_stores) {
+      reinterpret_cast<Vector<Out>*>(out + head)[i] = result;
+    } else {
+#pragma unroll
+      for (int k = 0; k < W; ++k) out[head + i * W + k] = result.v[k];
+    }
+  });
+  for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) {
+    out[v] = to_out<Out, T>(f(v, load_as<T>(x + v)));
+  }
+}
+
+// out[0, n) = value, with 16-byte stores in the body.
+template <typename Out>
+__device__ __forceinline__ void fill_row(Out* out, int64_t n, Out value) {
+  constexpr int W = Vector<Out>::kWidth;
+  const int64_t head = vector_head(out, n), vectors = (n - head) / W;
+  Vector<Out> fill;
+#pragma unroll
+  for (int k = 0; k < W; ++k) fill.v[k] = value;
+  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) out[v] = value;
+  Vector<Out>* body = reinterpret_cast<Vector<Out>*>(out + head);
+  for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) body[i] = fill;
+  for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) out[v] = value;
+}
+
+// Threads per block for a row of `vocab` elements of `element_bytes`: two vectors per thread, 32 to 1024 threads.
+inline int row_threads(int64_t vocab, int element_bytes) {
+  const int64_t per_thread = 2 * (kVectorBytes / element_bytes);
+  const int64_t want = (vocab + per_thread - 1) / per_thread;
+  const int64_t clamped = want < 32 ? 32 : (want > 1024 ? 1024 : want);
+  return static_cast<int>(((clamped + 31) / 32) * 32);
+}
+
+}  // namespace grpo_ext
