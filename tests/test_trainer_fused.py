@@ -4,6 +4,8 @@ fallbacks, and that it never forms the [B, T, V] logits."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -28,10 +30,13 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=12)),
     "gemma_tied": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=12, tie_word_embeddings=True)),
     "gemma2_no_softcap": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=12, final_logit_softcapping=None)),
+    # a cap small enough to bend these tiny logits (Gemma 2's own is 30): the kernels' logit_softcap
+    "gemma2_softcap": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=12, final_logit_softcapping=0.5)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=12, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
     "gpt2_tied": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=HIDDEN, n_layer=1, n_head=2, n_positions=32)),
     "cohere_scale_1": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=1.0)),
+    "cohere_scale": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=3.0)),  # the kernels' logit_scale
 }
 
 
@@ -108,21 +113,18 @@ def test_fused_training_equals_plain(tmp_path, family):
 
 
 @pytest.mark.parametrize(
-    ("family", "overrides", "reason"),
-    [
-        ("cohere_scale_1", dict(logit_scale=0.0625), "scales its logits by 0.0625"),
-        ("gemma2_no_softcap", dict(final_logit_softcapping=30.0), "final_logit_softcapping=30"),
-    ],
+    ("family", "transform"), [("cohere_scale", (3.0, None)), ("gemma2_softcap", (1.0, 0.5)), ("llama", (1.0, None))]
 )
-def test_logits_transforms_fall_back_with_a_warning(tmp_path, family, overrides, reason):
-    """Cohere's logit scale and Gemma 2's soft-capping are not in the fused kernels yet: the plain path, said once."""
-    model = build_family(family, build_tokenizer(), **overrides)
-    with pytest.warns(UserWarning, match=rf"policy model \(\w+\) falls back to the plain path: .*{reason}"):
+def test_logits_transforms_stay_fused(tmp_path, family, transform):
+    """Cohere's logit scale and Gemma 2's soft-capping are read from the model and go through the fused kernels
+    (logit_scale / logit_softcap): no fallback, no warning; test_fused_training_equals_plain checks the values."""
+    model = build_family(family, build_tokenizer())
+    assert logits_transform(model) == transform
+    assert fused_refusal(model) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         trainer = family_trainer(tmp_path, model, "fused", beta=0.0)
-    assert not trainer.policy_fused
-    assert logits_transform(model) == ((0.0625, None) if "cohere" in family else (1.0, 30.0))
-    history = trainer.train()  # the plain path trains
-    assert len(history) == 3
+    assert trainer.policy_fused
 
 
 class DoubledLogits(transformers.LlamaForCausalLM):

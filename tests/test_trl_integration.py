@@ -317,11 +317,9 @@ CASES = {
     "top_entropy_quantile": Case(
         config=dict(loss_type="grpo", top_entropy_quantile=0.5), fallback="top_entropy_quantile=0.5"
     ),
-    "softcap_model": Case(
-        config=dict(loss_type="dapo", beta=0.04), model_config=dict(final_logit_softcapping=3.0),
-        fallback="final_logit_softcapping=3.0",
-    ),
-    "logit_scale_model": Case(config=dict(loss_type="grpo"), model_config=dict(logit_scale=0.7), fallback="scales"),
+    # the logits options of the fused kernels (logit_softcap, logit_scale), TRL's order: scale, cap, temperature
+    "softcap_model": Case(config=dict(loss_type="dapo", beta=0.04), model_config=dict(final_logit_softcapping=0.5)),
+    "logit_scale_model": Case(config=dict(loss_type="grpo"), model_config=dict(logit_scale=0.7)),
     "phi_lm_head_bias": Case(config=dict(loss_type="grpo", beta=0.04), arch="phi"),
     "qwen2_tied_embeddings": Case(config=dict(loss_type="dapo", beta=0.04), arch="qwen2_tied"),
     "temperature": Case(config=dict(loss_type="grpo", beta=0.04, temperature=0.7)),

@@ -52,9 +52,9 @@ def logits_transform(model: torch.nn.Module) -> tuple[float, float | None]:
 def fused_refusal(model: torch.nn.Module) -> str | None:
     """Why the fused path cannot score ``model`` exactly (a short reason), or None when it can.
 
-    Refused: no separate body (``base_model``), an LM head that is not a ``torch.nn.Linear``, a logit scale or
-    soft-capping (not in the fused kernels yet), or, for a class outside :data:`VERIFIED_CAUSAL_LMS`, logits that
-    differ from ``lm_head(last hidden state)`` on a probe of 8 tokens (an unknown transform).
+    Refused: no separate body (``base_model``), an LM head that is not a ``torch.nn.Linear``, or, for a class
+    outside :data:`VERIFIED_CAUSAL_LMS`, logits that differ from the head's output on a probe of 8 tokens, once the
+    logit scale and soft-capping of :func:`logits_transform` (which the fused kernels apply) are taken into account.
     """
     body = getattr(model, "base_model", model)
     if body is model:
@@ -62,11 +62,6 @@ def fused_refusal(model: torch.nn.Module) -> str | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
         return f"its output embeddings are {type(head).__name__}, not a torch.nn.Linear"
-    scale, softcap = logits_transform(model)
-    if scale != 1.0:
-        return f"it scales its logits by {scale:g} (logit_scale / logits_scaling), not in the fused kernels yet"
-    if softcap is not None:
-        return f"it soft-caps its logits (final_logit_softcapping={softcap:g}), not in the fused kernels yet"
     if type(model).__name__ in VERIFIED_CAUSAL_LMS and type(model).__module__.startswith("transformers."):
         return None
     return _probe_logits(model, body, head)
@@ -84,7 +79,10 @@ def _probe_logits(model: torch.nn.Module, body: torch.nn.Module, head: torch.nn.
         hidden = getattr(body(input_ids=ids), "last_hidden_state", None)
         if not isinstance(hidden, Tensor):  # e.g. a PEFT wrapper, whose base_model is the whole causal LM
             return "its base_model does not return last_hidden_state"
-        expected = head(hidden).float()
+        scale, softcap = logits_transform(model)
+        expected = head(hidden).float() * scale
+        if softcap is not None:
+            expected = softcap * torch.tanh(expected / softcap)
     finally:
         model.train(was_training)
     if logits.shape != expected.shape or not torch.allclose(logits, expected, rtol=1e-4, atol=1e-4):
@@ -157,6 +155,7 @@ def fused_token_logps(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
         hidden, weight, bias = _completion_head(model, input_ids, attention_mask, position_ids,
                                                 batch["prompt_ids"].shape[1])  # fmt: skip
         rows, vocab = completion_ids.numel(), weight.shape[0]
+        scale, softcap = logits_transform(model)
         flat_hidden, flat_ids = hidden.reshape(rows, -1), completion_ids.reshape(rows)
         logps, entropy = [], []
         step = chunk_rows(rows, vocab, flat_hidden.element_size())
@@ -164,8 +163,9 @@ def fused_token_logps(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
             for start in range(0, rows, step):
                 logits = project(flat_hidden[start : start + step], weight, bias)
                 chunk = grpo_ext.selective_log_softmax(
-                    logits, flat_ids[start : start + step], temperature=temperature, return_entropy=with_entropy
-                )
+                    logits, flat_ids[start : start + step], temperature=temperature, logit_scale=scale,
+                    logit_softcap=softcap, return_entropy=with_entropy,
+                )  # fmt: skip
                 logps.append(chunk.logps)
                 entropy.append(chunk.entropy.detach() if with_entropy else chunk.logps.new_empty(0))
         return torch.cat(logps).view_as(completion_ids), torch.cat(entropy)
@@ -188,13 +188,16 @@ def fused_policy_loss(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
         **loss_options: :func:`grpo_ext.grpo_loss`'s options (``old_logps``, ``ref_logps``, ``loss_type``, ...).
     """
 
+    scale, softcap = logits_transform(model)
+
     def forward(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> GRPOLossOutput:
         hidden, weight, bias = _completion_head(model, input_ids, attention_mask, position_ids,
                                                 batch["prompt_ids"].shape[1])  # fmt: skip
         with torch.autocast(hidden.device.type, enabled=False):
             return grpo_ext.grpo_loss_from_hidden(
                 hidden, weight, batch["completion_ids"], batch["advantages"], batch["completion_mask"],
-                lm_head_bias=bias, temperature=temperature, **loss_options,
+                lm_head_bias=bias, temperature=temperature, logit_scale=scale, logit_softcap=softcap,
+                **loss_options,
             )  # fmt: skip
 
     return call_through(wrapper, model, forward, *model_inputs(batch))

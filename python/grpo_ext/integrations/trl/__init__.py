@@ -13,8 +13,8 @@ What changes, and what does not:
   the gradients for the hidden states and the head are formed in that pass), so no ``[B, T, V]`` logits and no
   per-token log-prob graph exist (:mod:`.fused`). Settings it cannot express fall back, with a one-line warning
   naming the reason, to the log-prob pass below and :func:`grpo_ext.grpo_loss`: ``top_entropy_quantile < 1``,
-  ``off_policy_mask_threshold`` (both need per-token values before the loss), a model with ``logit_scale != 1`` or
-  ``final_logit_softcapping``. ``logps_backend="plain"`` (a ``GRPOExtTrainer`` / :func:`patch` argument, or the
+  ``off_policy_mask_threshold`` (both need per-token values before the loss); a model's ``logit_scale`` and
+  ``final_logit_softcapping`` go through the kernels' logits options. ``logps_backend="plain"`` (a ``GRPOExtTrainer`` / :func:`patch` argument, or the
   trainer's ``logps_backend`` attribute) always takes that path. Both map every TRL option that shapes the loss onto
   the parameters of docs/math.md, so the loss and its gradients equal TRL's: ``loss_type``, ``epsilon``,
   ``epsilon_high`` (the cispo cap included), ``delta``, ``beta``, ``use_bias_correction_kl`` (TRL's default True is

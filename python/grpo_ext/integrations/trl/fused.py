@@ -84,15 +84,6 @@ def _completion_rows(request: FusedLossRequest, hidden: Tensor) -> tuple[Tensor 
     return hidden.view(batch, request.input_length - 1, size)[:, -length:], None
 
 
-def _refusal(softcap: float | None, logit_scale: float) -> str | None:
-    """Why the model's logits cannot go through grpo_loss_from_hidden (None: they can; any temperature can)."""
-    if softcap is not None:
-        return f"the model soft-caps its logits (final_logit_softcapping={softcap}), which grpo_loss_from_hidden lacks"
-    if logit_scale != 1.0:
-        return f"the model scales its logits (logit_scale={logit_scale}), which grpo_loss_from_hidden lacks"
-    return None
-
-
 def _head_options(final_logit_softcapping: float | None = None, logit_scale: float = 1.0,
                   outputs: tuple[str, ...] = ("log_probs",)) -> tuple[float | None, float, tuple[str, ...]]:
     """TRL's optional head arguments with their defaults."""
@@ -120,9 +111,7 @@ class GrpoExtHead:
                 "grpo_ext.integrations.trl: the model's fused head ran twice for one loss (a "
                 "_get_per_token_logps_and_entropies that splits the batch?); use logps_backend='plain'"
             )
-        rows, request.refusal = None, _refusal(final_logit_softcapping, logit_scale)
-        if request.refusal is None:
-            rows, request.refusal = _completion_rows(request, hidden)
+        rows, request.refusal = _completion_rows(request, hidden)
         if request.refusal is not None:
             return _GrpoExtLogProbs.apply(*args)
 
@@ -133,13 +122,15 @@ class GrpoExtHead:
             rows = rows.to(dtype)
             ids = request.completion_ids.to(hidden.device)
             request.output = ops.grpo_loss_from_hidden(
-                rows, weight_c, ids, lm_head_bias=bias_c, temperature=temperature, **request.loss_options
-            )
+                rows, weight_c, ids, lm_head_bias=bias_c, temperature=temperature, logit_scale=logit_scale,
+                logit_softcap=final_logit_softcapping, **request.loss_options,
+            )  # fmt: skip
             if request.want_logps:
                 with torch.no_grad():
                     logps, *_ = _GrpoExtLogProbs.apply(
                         rows.detach().reshape(-1, rows.shape[-1]), weight_c.detach(),
                         None if bias_c is None else bias_c.detach(), ids.reshape(-1), temperature, chunk_size,
+                        final_logit_softcapping, logit_scale,
                     )  # fmt: skip
                 request.logps = logps.view(ids.shape)
         zeros = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
