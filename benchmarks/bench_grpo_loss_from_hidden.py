@@ -8,8 +8,8 @@ Peers, side by side on the same inputs:
   ``trl_style.trl_style_loss``.
 * ``compile``: ``torch.compile(grpo_ext.reference.grpo_loss_from_hidden)``, compilation excluded from the timing;
   "n/a" with the reason when compiling fails on the machine.
-* ``liger``: Liger-Kernel's ``LigerFusedLinearGRPOLoss``, when ``liger-kernel`` is installed and the device is CUDA;
-  n/a with the reason otherwise.
+* ``liger``: Liger-Kernel's ``LigerFusedLinearGRPOLoss``, when ``liger-kernel`` is installed (on a CPU too: its
+  chunked loss runs through torch.compile there); n/a with the reason otherwise.
 * ``grpo_ext``: ``grpo_ext.grpo_loss_from_hidden``.
 
 Each call computes the loss and its gradients w.r.t. hidden and weight. Before timing, every peer but compile is
@@ -67,9 +67,8 @@ def make_steps(inputs: dict[str, Any], beta: float, device: torch.device) -> tup
 
 
 def liger_step(inputs: dict[str, Any], hidden: Tensor, weight: Tensor, beta: float, device: torch.device):
-    """Liger-Kernel's LigerFusedLinearGRPOLoss, or (None, why)."""
-    if device.type != "cuda":
-        return None, "Liger-Kernel's fused linear loss is benchmarked on CUDA only"
+    """Liger-Kernel's LigerFusedLinearGRPOLoss, or (None, why). On a CPU its chunked loss runs through
+    torch.compile (Liger compiles each chunk's forward and backward; no Triton)."""
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     except Exception as exc:

@@ -9,6 +9,7 @@ import grpo_ext
 from conftest import DEVICES, assert_close, cast_kwargs
 from grpo_ext import reference
 from grpo_ext.ops.grpo_loss_from_hidden import hidden_loss
+from grpo_ext.ops.lm_head import chunk_rows, hidden_chunk_budget
 from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 
 
@@ -92,7 +93,8 @@ def test_partial_requires_grad_no_bias_and_no_grad(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_low_precision_error_at_most_twice_reference(device):
+@pytest.mark.parametrize("chunk_size", [5, None])  # None: one chunk, the weight gradient in bf16 straight away
+def test_low_precision_error_at_most_twice_reference(device, chunk_size):
     hidden, weight, bias, ids, adv, mask, old, ref = make_problem(4, 6, 64, 300, seed=22)
     low = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
     kwargs = dict(old_logps=old.float(), ref_logps=ref.float(), beta=0.04)
@@ -101,7 +103,8 @@ def test_low_precision_error_at_most_twice_reference(device):
     )
     ref_low, ref_grads = run(reference, *low, ids, adv.float(), mask, **kwargs)
     got, grads = run(grpo_ext, *[t.to(device) for t in low], ids.to(device), adv.float().to(device),
-                     mask.to(device), chunk_size=5, **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+                     mask.to(device), chunk_size=chunk_size, **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    assert all(g.dtype == torch.bfloat16 for g in grads)
     pairs = [("loss", got.loss, ref_low.loss, truth.loss)]
     pairs += [
         (n, a, r, t) for n, a, r, t in zip(("hidden", "weight", "bias"), grads, ref_grads, truth_grads, strict=True)
@@ -224,3 +227,13 @@ def test_logit_scale_and_softcap_match_reference(device, logit_scale, logit_soft
     ref_head = (hidden.to(device), ref_weight.to(device), bias.to(device))
     with_head = hidden_loss(*args, lm_head_bias=bias.to(device), ref_head=ref_head, **policy_kwargs)
     assert_close(with_head.loss, with_logps.loss, rtol=1e-10, atol=1e-12)
+
+
+def test_default_chunk_on_cpu_holds_as_many_logits_as_the_weight_gradient():
+    """On a CPU a chunk of logits may take the float32 [V, H] weight gradient's size (fewer, larger GEMMs: issue 14
+    point 7); on CUDA the fixed 256 MiB. Either way the chunk is bounded independently of N (flat memory)."""
+    vocab, size = 151936, 512
+    cpu_rows = chunk_rows(10**6, vocab, 4, hidden_chunk_budget(vocab, size, torch.device("cpu")))
+    assert cpu_rows == 512 and cpu_rows * vocab * 4 <= vocab * size * 4
+    assert chunk_rows(10**6, vocab, 4, hidden_chunk_budget(vocab, size, torch.device("cuda"))) == 256
+    assert chunk_rows(10**6, 32000, 4, hidden_chunk_budget(32000, 64, torch.device("cpu"))) == 2048  # 256 MiB floor

@@ -23,7 +23,7 @@ from .grpo_loss_from_logits import (
     scale_grad,
     take_saved_grads,
 )
-from .lm_head import chunk_rows, project
+from .lm_head import chunk_rows, hidden_chunk_budget, project
 from .options import NUM_METRICS, LogitOptions, LossOptions, metrics_dict, takes_loss_options
 from .selective_log_softmax import selective_log_softmax
 
@@ -37,6 +37,15 @@ def _write_ref_logps(ref_head: RefHead, ids: Tensor, start: int, end: int, logit
     ref_hidden, ref_weight, ref_bias = ref_head
     logits = project(ref_hidden[start:end], ref_weight, ref_bias)
     out[start:end] = selective_log_softmax(logits, ids[start:end], **logit._asdict()).logps
+
+
+def _product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a @ b`` in ``dtype`` (float32 for half-precision ``a`` and ``b`` when asked), into a new tensor."""
+    if a.dtype == dtype:
+        return torch.mm(a, b)
+    if a.is_cuda:  # cuBLAS: half-precision inputs, float32 accumulator and output
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a.to(dtype), b.to(dtype))
 
 
 def _accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -78,7 +87,10 @@ def _hidden_loss_forward(
     logps = torch.empty(rows, dtype=acc, device=hidden.device)
     entropy = torch.empty(rows, dtype=acc, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+    # d/d weight: written by the first chunk (no zero fill of [V, H]), accumulated in float32 by the others; when one
+    # chunk covers every row it is that chunk's product in the weight's dtype (no accumulator, no final cast).
+    grad_weight = None
+    weight_grad_dtype = weight.dtype if chunk_size >= rows else acc
     grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
     ops = torch.ops.grpo_ext
     option_args = options.op_args()
@@ -94,11 +106,15 @@ def _hidden_loss_forward(
         kept_rows = kept_rows.reshape(rows, 1)
 
     def backward_through_chunk(start: int, end: int, grad_logits: Tensor) -> None:
+        nonlocal grad_weight
         if need_hidden:
             torch.mm(grad_logits, weight, out=grad_hidden[start:end])
         if need_weight:
             read = torch.where(kept_rows[start:end], hidden[start:end], 0.0)
-            _accumulate_product(grad_weight, grad_logits.t(), read)
+            if grad_weight is None:
+                grad_weight = _product(grad_logits.t(), read, weight_grad_dtype)
+            else:
+                _accumulate_product(grad_weight, grad_logits.t(), read)
         if need_bias:
             grad_bias.add_(grad_logits.sum(0, dtype=acc))
 
@@ -127,6 +143,8 @@ def _hidden_loss_forward(
             ops.grpo_loss_from_logits_pass_(logits, ids[start:end], start, advantages, completion_mask,
                                             token_grad[start:end], *option_args, *logit_args, True)
             backward_through_chunk(start, end, logits)
+    if need_weight and grad_weight is None:  # no row at all
+        grad_weight = torch.zeros_like(weight)
     if grad_weight is not None and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None and bias is not None and grad_bias.dtype != bias.dtype:
@@ -247,7 +265,8 @@ def grpo_loss_from_hidden(
             and soft-capped (docs/math.md section 2).
         logit_scale: ``y = logit_scale * x`` first (Cohere's ``logit_scale``); finite, > 0.
         logit_softcap: then ``y = logit_softcap * tanh(y / logit_softcap)`` (Gemma 2's final soft-capping), or None.
-        chunk_size: token rows per chunk (default: the largest power of two whose logits fit in 256 MiB).
+        chunk_size: token rows per chunk (default: the largest power of two whose logits fit in
+            ``lm_head.hidden_chunk_budget``: 256 MiB on CUDA; on a CPU at least the float32 weight gradient's size).
         **options: the loss options of :func:`grpo_ext.grpo_loss` (:class:`~grpo_ext.ops.options.LossOptions`).
 
     Returns:
@@ -331,7 +350,7 @@ def hidden_loss(
                                     options)  # fmt: skip
     rows = flat_hidden.shape[0]
     if chunk_size is None:
-        chunk_size = chunk_rows(rows, vocab, hidden.element_size())
+        chunk_size = chunk_rows(rows, vocab, hidden.element_size(), hidden_chunk_budget(vocab, size, hidden.device))
     else:
         chunk_size = check_int("chunk_size", chunk_size, 1)
     flat_hidden = flat_hidden.contiguous()

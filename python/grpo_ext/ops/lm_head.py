@@ -11,16 +11,30 @@ from torch import Tensor
 LOGITS_CHUNK_BYTES = 256 << 20
 
 
-def chunk_rows(rows: int, vocab: int, element_size: int) -> int:
-    """Token rows per chunk: the largest power of two whose ``[rows, vocab]`` logits fit in LOGITS_CHUNK_BYTES.
+def chunk_rows(rows: int, vocab: int, element_size: int, budget: int = LOGITS_CHUNK_BYTES) -> int:
+    """Token rows per chunk: the largest power of two whose ``[rows, vocab]`` logits fit in ``budget`` bytes.
 
     Args:
         rows: the number of token rows to score (the chunk never exceeds it, and is at least 1).
         vocab: ``V``, the logits' row length.
         element_size: bytes per logit (``torch.Tensor.element_size()`` of the logits' dtype).
+        budget: bytes one chunk of logits may take (default LOGITS_CHUNK_BYTES).
     """
-    fit = max(1, LOGITS_CHUNK_BYTES // max(1, vocab * element_size))
+    fit = max(1, budget // max(1, vocab * element_size))
     return max(1, min(rows, 1 << (fit.bit_length() - 1)))
+
+
+def hidden_chunk_budget(vocab: int, size: int, device: torch.device) -> int:
+    """Bytes a chunk of grpo_loss_from_hidden's logits may take: LOGITS_CHUNK_BYTES, and on a CPU at least the
+    float32 ``[V, H]`` weight gradient the op holds anyway (benchmarks/NOTES.md, issue 14 point 7).
+
+    On a CPU the chunk's three GEMMs and its pass over the weight gradient cost per chunk (a read and write of the
+    ``[V, H]`` float32 accumulator, small-M GEMM blocking), so fewer, larger chunks are faster; the peak stays flat
+    in N (at most twice the weight gradient). On CUDA memory is the scarce resource: the fixed budget.
+    """
+    if device.type == "cuda":
+        return LOGITS_CHUNK_BYTES
+    return max(LOGITS_CHUNK_BYTES, vocab * size * 4)
 
 
 def project(
