@@ -83,15 +83,13 @@ def step_loss_and_grads(trainer: GRPOTrainer, fused: bool) -> tuple[torch.Tensor
     return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_fused_training_equals_plain(tmp_path, family):
-    """Loss and gradients of a micro-batch, then 3 training steps (num_iterations=2, beta > 0): the fused path
-    equals the plain path to float32 rounding, for each architecture family."""
+def assert_training_equal(tmp_path, family: str, **overrides) -> None:
+    """3 training steps on the fused and on the plain path: the same metrics and parameters to float32 rounding."""
     tokenizer = build_tokenizer()
     runs = {}
     for backend in ("fused", "plain"):
         model = build_family(family, tokenizer)
-        trainer = family_trainer(tmp_path, model, backend)
+        trainer = family_trainer(tmp_path, model, backend, **overrides)
         assert trainer.policy_fused == (backend == "fused") and trainer.ref_fused == (backend == "fused")
         history = trainer.train()
         runs[backend] = (history, {n: p.detach().clone() for n, p in model.named_parameters()})
@@ -101,6 +99,13 @@ def test_fused_training_equals_plain(tmp_path, family):
     for name, value in runs["fused"][1].items():
         torch.testing.assert_close(value, runs["plain"][1][name], rtol=1e-5, atol=1e-6, msg=name)
 
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_training_equals_plain(tmp_path, family):
+    """3 training steps (num_iterations=2, beta > 0), then the loss and gradients of a micro-batch: the fused path
+    equals the plain path to float32 rounding, for each architecture family."""
+    assert_training_equal(tmp_path, family)
+    tokenizer = build_tokenizer()
     # The gradients of one micro-batch (old and reference log-probs from the queue), parameter by parameter.
     trainer = family_trainer(tmp_path / "grads", build_family(family, tokenizer), "fused")
     trainer._generate_and_score()
@@ -110,6 +115,12 @@ def test_fused_training_equals_plain(tmp_path, family):
     assert fused_grads.keys() == plain_grads.keys()
     for name, grad in fused_grads.items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fused_training_equals_plain_sequence_level_with_accumulation(tmp_path):
+    """GSPO's sequence-level ratios (two passes over the chunks), 2 micro-batches per step, temperature 0.7."""
+    assert_training_equal(tmp_path, "qwen2_tied", loss_type="grpo", importance_sampling_level="sequence",
+                          gradient_accumulation_steps=2, per_device_train_batch_size=4, temperature=0.7)  # fmt: skip
 
 
 @pytest.mark.parametrize(
