@@ -89,8 +89,7 @@ __global__ void __launch_bounds__(1024)
       const In* x = static_cast<const In*>(logits.data) + row * logits.row_stride;
       for_each_in_row<T>(x, vocab, [&](int64_t, T z) { s = add_logit(s, f(z)); });
     } else {
-      for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x)
-        s = add_logit(s, f(logits.load<T>(row, v)));
+      for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) s = add_logit(s, f(logits.load<T>(row, v)));
     }
     s = block_merge(s, warp_states);
     if (threadIdx.x == 0) {
