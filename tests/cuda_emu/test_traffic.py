@@ -59,14 +59,15 @@ def test_selective_log_softmax_reads_each_logit_once(counted, dtype, vocab):
     cases, ids = logits_cases(rows, vocab, dtype, seed=vocab)
     es, acc = dtype.itemsize, ACC.get(dtype, 4)
     for name, logits in cases:
-        (logps, _, row_stats), t = op_traffic(counted, "selective_log_softmax_forward", logits, ids, 0.9, True)
+        logit = (0.9, 1.0, 0.0)  # temperature, logit_scale, logit_softcap (0: none)
+        (logps, _, row_stats), t = op_traffic(counted, "selective_log_softmax_forward", logits, ids, *logit, True)
         # One read of every logit, plus the chosen one re-read by thread 0 for its log-prob.
         assert t["arg0"].distinct == rows * vocab * es, name
         assert t["arg0"].read == rows * vocab * es + rows * es, name
         assert t["arg1"] == Access(rows * 8, rows * 8, 0), name  # the ids, int64
         assert [t[k].written for k in ("new0", "new1", "new2")] == [rows * acc, rows * acc, 2 * rows * acc], name
         grad_logps = torch.ones(rows, dtype=logps.dtype)
-        _, t = op_traffic(counted, "selective_log_softmax_backward", grad_logps, None, logits, ids, row_stats, 0.9)
+        _, t = op_traffic(counted, "selective_log_softmax_backward", grad_logps, None, logits, ids, row_stats, *logit)
         assert t["arg2"] == Access(rows * vocab * es, rows * vocab * es, 0), name  # each logit read once
         assert t["new0"] == Access(0, 0, rows * vocab * es), name  # each gradient element written once
         # The per-row scalars (grad_logps, ids, row_stats) are loaded by every thread of the row's block: distinct
