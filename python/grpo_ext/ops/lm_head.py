@@ -11,15 +11,16 @@ from torch import Tensor
 LOGITS_CHUNK_BYTES = 256 << 20
 
 
-def chunk_rows(rows: int, vocab: int, element_size: int, budget: int = LOGITS_CHUNK_BYTES) -> int:
+def chunk_rows(rows: int, vocab: int, element_size: int, budget: int | None = None) -> int:
     """Token rows per chunk: the largest power of two whose ``[rows, vocab]`` logits fit in ``budget`` bytes.
 
     Args:
         rows: the number of token rows to score (the chunk never exceeds it, and is at least 1).
         vocab: ``V``, the logits' row length.
         element_size: bytes per logit (``torch.Tensor.element_size()`` of the logits' dtype).
-        budget: bytes one chunk of logits may take (default LOGITS_CHUNK_BYTES).
+        budget: bytes one chunk of logits may take (None: LOGITS_CHUNK_BYTES, read at call time).
     """
+    budget = LOGITS_CHUNK_BYTES if budget is None else budget
     fit = max(1, budget // max(1, vocab * element_size))
     return max(1, min(rows, 1 << (fit.bit_length() - 1)))
 
