@@ -206,3 +206,24 @@ def test_fused_step_never_forms_the_logits(tmp_path, monkeypatch):
     assert max(4, chunk) < batch * mb["completion_ids"].shape[1]  # the bound still means chunking here
     assert largest["fused"] <= max(4, chunk) * vocab
     assert largest["plain"] >= batch * full_length * vocab
+
+
+def test_sapo_and_vespo_options_reach_the_loss(tmp_path, monkeypatch):
+    """GRPOConfig's sapo_temperature_* and vespo_* (TRL's names) are passed to the loss, not left at their defaults;
+    one vespo step trains (finite loss)."""
+    from grpo_ext.trainer import trainer as trainer_module
+
+    seen = []
+
+    def spy(*args, **options):
+        seen.append(options)
+        return fused_policy_loss(*args, **options)
+
+    monkeypatch.setattr(trainer_module, "fused_policy_loss", spy)
+    values = dict(sapo_temperature_pos=0.7, sapo_temperature_neg=1.3, vespo_k_pos=1.5, vespo_lambda_pos=0.6,
+                  vespo_k_neg=3.0, vespo_lambda_neg=1.1)  # fmt: skip
+    trainer = family_trainer(tmp_path, build_family("llama", build_tokenizer()), "fused", max_steps=1,
+                             loss_type="vespo", **values)  # fmt: skip
+    history = trainer.train()
+    assert seen and all(options[k] == v for options in seen for k, v in values.items())
+    assert seen[0]["loss_type"] == "vespo" and torch.isfinite(torch.tensor(history[0]["loss"]))

@@ -8,12 +8,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..ops.options import (  # the value sets of the loss options, defined once
+from ..ops.options import (  # the value sets and defaults of the loss options, defined once
     IMPORTANCE_SAMPLING_LEVELS,
     KL_ESTIMATORS,
     LOSS_TYPES,
     SCALE_REWARDS,
+    LossOptions,
 )
+
+_LOSS_DEFAULTS = LossOptions._field_defaults
 
 LR_SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
 
@@ -93,6 +96,13 @@ class GRPOConfig:
     loss_type: str = "grpo"
     kl_estimator: str = "k3"
     importance_sampling_level: str = "token"
+    # loss_type="sapo" and "vespo" only (TRL's names and defaults; docs/math.md section 3)
+    sapo_temperature_pos: float = _LOSS_DEFAULTS["sapo_temperature_pos"]
+    sapo_temperature_neg: float = _LOSS_DEFAULTS["sapo_temperature_neg"]
+    vespo_k_pos: float = _LOSS_DEFAULTS["vespo_k_pos"]
+    vespo_lambda_pos: float = _LOSS_DEFAULTS["vespo_lambda_pos"]
+    vespo_k_neg: float = _LOSS_DEFAULTS["vespo_k_neg"]
+    vespo_lambda_neg: float = _LOSS_DEFAULTS["vespo_lambda_neg"]
     scale_rewards: str = "group"
     reward_weights: list[float] | None = None
     mask_zero_std_groups: bool = True  # drop zero-std groups from the loss when beta != 0 (docs/math.md section 6)

@@ -289,6 +289,9 @@ class GRPOTrainer:
                 beta=self.beta, kl_estimator=cfg.kl_estimator, importance_sampling_level=cfg.importance_sampling_level,
                 max_completion_length=cfg.max_completion_length,
                 num_items_in_batch=step_tokens if token_level else None, loss_scale=scale_of(k),
+                sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+                vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+                vespo_lambda_neg=cfg.vespo_lambda_neg,
             )  # fmt: skip
             with self._grad_sync(k == num_micro - 1):
                 if self.policy_fused:  # the loss from hidden states: no [B, T, V] logits
