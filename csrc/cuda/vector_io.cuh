@@ -43,9 +43,8 @@ __device__ __forceinline__ __half to_out<__half, float>(float v) {
 }
 
 constexpr int kVectorBytes = 16;
-// Vectors in flight per thread when reading a row: 2, except for float64 rows (spills under the 64 registers that
-// __launch_bounds__(1024) leaves). transform_row keeps 1: at 2 the bf16 log-softmax backward took 52 registers
-// (one 1024-thread block per SM) instead of 32 (two blocks), i.e. the same bytes in flight at half the occupancy.
+// Vectors in flight per thread: 2, except for float64 rows, whose backward spilled at 2 under the 64 registers that
+// __launch_bounds__(1024) leaves (float64 is the reference dtype, not a timed one).
 template <typename In>
 constexpr int kRowUnroll = sizeof(In) == 8 ? 1 : 2;
 
@@ -64,11 +63,12 @@ __device__ __forceinline__ int64_t vector_head(const In* x, int64_t n) {
   return head < n ? head : n;
 }
 
-// g(i, vector i) for every vector of body[0, vectors), U vectors per thread loaded before any is used.
-template <int U, typename In, typename G>
+// g(i, vector i) for every vector of body[0, vectors), kRowUnroll vectors per thread loaded before any is used.
+template <typename In, typename G>
 __device__ __forceinline__ void for_each_vector(const Vector<In>* body, int64_t vectors, G&& g) {
   const int64_t step = blockDim.x;
   int64_t i = threadIdx.x;
+  constexpr int U = kRowUnroll<In>;
   for (; i + (U - 1) * step < vectors; i += U * step) {
     Vector<In> in[U];
 #pragma unroll
@@ -85,8 +85,7 @@ __device__ __forceinline__ void for_each_in_row(const In* x, int64_t n, F&& f) {
   constexpr int W = Vector<In>::kWidth;
   const int64_t head = vector_head(x, n), vectors = (n - head) / W;
   for (int64_t v = threadIdx.x; v < head; v += blockDim.x) f(v, load_as<T>(x + v));
-  const auto* body = reinterpret_cast<const Vector<In>*>(x + head);
-  for_each_vector<kRowUnroll<In>>(body, vectors, [&](int64_t i, const Vector<In>& in) {
+  for_each_vector(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
 #pragma unroll
     for (int k = 0; k < W; ++k) f(head + i * W + k, load_as<T>(&in.v[k]));
   });
@@ -105,7 +104,7 @@ __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, 
   const bool vector_stores =
       reinterpret_cast<uintptr_t>(x) % kVectorBytes == reinterpret_cast<uintptr_t>(out) % kVectorBytes;
   for (int64_t v = threadIdx.x; v < head; v += blockDim.x) out[v] = to_out<Out, T>(f(v, load_as<T>(x + v)));
-  for_each_vector<1>(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
+  for_each_vector(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
     Vector<Out> result;
 #pragma unroll
     for (int k = 0; k < W; ++k) result.v[k] = to_out<Out, T>(f(head + i * W + k, load_as<T>(&in.v[k])));
