@@ -76,7 +76,7 @@ def liger_step(inputs: dict[str, Any], hidden: Tensor, weight: Tensor, beta: flo
     try:
         loss_fn = LigerFusedLinearGRPOLoss(
             beta=beta, epsilon_low=EPSILON, epsilon_high=EPSILON, temperature=TEMPERATURE, loss_type=LOSS_TYPE,
-            use_ref_model=False,
+            use_ref_model=beta != 0.0,  # Liger adds the KL term only with a reference model (here: ref_logps given)
         )
     except TypeError as exc:
         return None, f"LigerFusedLinearGRPOLoss's signature differs: {peers.short_reason(exc)}"
