@@ -53,6 +53,7 @@ def measure() -> list[tuple[str, float, float]]:
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))  # the harness and the tests' problem builders
     from conftest import make_loss_batch
+    from cuda_emu.test_advantages import group_args
     from cuda_emu.test_logits import pass_args
     from cuda_emu.test_loss import forward_args
 
@@ -61,9 +62,10 @@ def measure() -> list[tuple[str, float, float]]:
     sample = 2  # rows counted per logits shape
     for n, vocab, dtype in ((8192, 151936, torch.bfloat16), (2048, 32000, torch.float32)):
         logits, ids = _logits(sample, vocab, dtype)
-        (logps, _, stats), f1, t1 = _count(device, "selective_log_softmax_forward", logits, ids, 1.0, True)
+        logit = (1.0, 1.0, 0.0)  # temperature, logit_scale, logit_softcap (0: none)
+        (logps, _, stats), f1, t1 = _count(device, "selective_log_softmax_forward", logits, ids, *logit, True)
         _, f2, t2 = _count(device, "selective_log_softmax_backward", torch.ones_like(logps), None, logits, ids, stats,
-                           1.0)  # fmt: skip
+                           *logit)  # fmt: skip
         label = f"N={n}, V={vocab}, {str(dtype).removeprefix('torch.')}"
         cases.append((f"`selective_log_softmax` forward + backward, {label}", (f1 + f2) * n / sample,
                       (t1 + t2) * n / sample))  # fmt: skip
@@ -82,7 +84,7 @@ def measure() -> list[tuple[str, float, float]]:
     cases.append((f"`grpo_loss` forward + backward, B={batch}, T={seq_len}, float32, old and ref given, full mask",
                   (f1 + f2) * batch / 2, (t1 + t2) * batch / 2))  # fmt: skip
     rewards = torch.rand(1024 * 16)
-    _, f, t = _count(device, "group_advantages", rewards, None, 16, "group", "mean", "sum_then_normalize", 1e-4, 1)
+    _, f, t = _count(device, "group_advantages", *group_args(rewards, 16, ("group", "mean", "sum_then_normalize")))
     cases.append(("`group_advantages`, 1024 groups x G=16, float32", f, t))
     problems = device.close()
     if problems:

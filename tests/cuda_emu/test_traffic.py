@@ -127,3 +127,21 @@ def test_advantages_read_each_reward_once(counted):
     assert t["arg0"].distinct == rewards.numel() * 4
     assert 8 * ends.shape[0] <= t["arg1"].distinct <= 8 * ends.numel()
     assert t["new0"] == Access(0, 0, 16 * 6 * 50 * 4)
+
+
+def test_traffic_report_measures_every_op():
+    """benchmarks/traffic_report.py (the bytes section of `make kernel-report`) calls the ops with their current
+    arguments, and every case moves at least its floor."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "traffic_report.py"
+    spec = importlib.util.spec_from_file_location("traffic_report", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["traffic_report"] = module
+    spec.loader.exec_module(module)
+    cases = module.measure()
+    assert len(cases) == 6
+    for name, floor, moved in cases:
+        assert 0 < floor <= moved, name
