@@ -79,10 +79,7 @@ def _probe_logits(model: torch.nn.Module, body: torch.nn.Module, head: torch.nn.
         hidden = getattr(body(input_ids=ids), "last_hidden_state", None)
         if not isinstance(hidden, Tensor):  # e.g. a PEFT wrapper, whose base_model is the whole causal LM
             return "its base_model does not return last_hidden_state"
-        scale, softcap = logits_transform(model)
-        expected = head(hidden).float() * scale
-        if softcap is not None:
-            expected = softcap * torch.tanh(expected / softcap)
+        expected = project(hidden, head.weight, head.bias, *logits_transform(model)).float()
     finally:
         model.train(was_training)
     if logits.shape != expected.shape or not torch.allclose(logits, expected, rtol=1e-4, atol=1e-4):
