@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import grpo_ext
-from conftest import DEVICES, assert_close, cast_kwargs
+from conftest import DEVICES, HAS_CUDA, assert_close, cast_kwargs
 from grpo_ext import reference
 from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 
@@ -72,6 +72,23 @@ def test_vocabulary_sizes_and_temperature(device, vocab):
     expected, expected_grad = run(reference, logits, ids, adv, mask, **kwargs)
     got, grad = run(grpo_ext, logits.float().to(device), ids.to(device), adv.float().to(device), mask.to(device),
                     **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    assert_close(got.loss, expected.loss, rtol=2e-5, atol=2e-6)
+    assert_close(grad, expected_grad, rtol=1e-4, atol=1e-7)
+    assert_close(got.metrics["entropy"], expected.metrics["entropy"], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("single_read", ["1", "0"])
+@pytest.mark.parametrize("vocab", [32000, 151936, 262144])
+def test_single_read_and_two_read_passes(monkeypatch, single_read, vocab):
+    """Rows staged in shared memory (one block at V=32000, a cluster of 3 to 5 blocks beyond on sm_90; the kernel
+    the launcher picks) and the two-read kernel (GRPO_EXT_LOGITS_SINGLE_READ=0), each against the reference."""
+    monkeypatch.setenv("GRPO_EXT_LOGITS_SINGLE_READ", single_read)
+    logits, ids, adv, mask, old, ref = make_problem(2, 3, vocab, seed=vocab, per_token_adv=True)
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.1, temperature=0.7, loss_type="dapo")
+    expected, expected_grad = run(reference, logits, ids, adv, mask, **kwargs)
+    got, grad = run(grpo_ext, logits.float().cuda(), ids.cuda(), adv.float().cuda(), mask.cuda(),
+                    **cast_kwargs("cuda", torch.float32, kwargs))  # fmt: skip
     assert_close(got.loss, expected.loss, rtol=2e-5, atol=2e-6)
     assert_close(grad, expected_grad, rtol=1e-4, atol=1e-7)
     assert_close(got.metrics["entropy"], expected.metrics["entropy"], rtol=2e-5, atol=2e-5)

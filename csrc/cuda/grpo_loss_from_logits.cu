@@ -1,14 +1,30 @@
 // CUDA binding of the fused GRPO loss from logits: validate, allocate, pick the dtypes, launch on the current stream.
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
 
 #include "../plan/grpo_loss_from_logits.h"
 #include "grpo_loss_from_logits.cuh"
 
 namespace grpo_ext {
 namespace {
+
+// What the current device offers the single-read pass (attribute queries: no sync). GRPO_EXT_LOGITS_SINGLE_READ=0
+// keeps every row on the two-read pass (to compare the two on a GPU).
+RowResidency row_residency() {
+  const char* single_read = std::getenv("GRPO_EXT_LOGITS_SINGLE_READ");
+  if (single_read != nullptr && std::strcmp(single_read, "0") == 0) return {};
+  const int device = c10::cuda::current_device();
+  int shared = 0, major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return {static_cast<size_t>(shared), major >= 9 ? 8u : 1u};  // clusters of up to 8 blocks are portable on sm_90
+}
 
 template <typename T, typename In>
 void run_pass(LogitsPassPlan& plan, bool grad_in_logits, cudaStream_t stream) {
@@ -32,7 +48,7 @@ void run_pass(LogitsPassPlan& plan, bool grad_in_logits, cudaStream_t stream) {
   }
   launch_grpo_loss_from_logits<T, In>(
       args, plan.logit.transform<T>(), row_weight.defined() ? row_weight.data_ptr<T>() : nullptr,
-      static_cast<In*>(plan.grad_data), plan.logps.data_ptr<T>(), plan.entropy.data_ptr<T>(), stream);
+      static_cast<In*>(plan.grad_data), plan.logps.data_ptr<T>(), plan.entropy.data_ptr<T>(), row_residency(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

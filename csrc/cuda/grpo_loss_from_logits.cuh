@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "../grpo_loss_math.h"
+#include "cluster.cuh"
 #include "launch.cuh"
 #include "reduce.cuh"
 #include "selective_log_softmax.cuh"
@@ -63,29 +64,95 @@ struct LogitsPassArgs {
   bool grad_in_logits;  // the in-place op: row r's gradient goes over logits row r
 };
 
-// Up to 1024 threads per block (row_threads): the bound keeps even the float64 instantiation within the SM's
-// 64K registers, where it would otherwise fail to launch.
+// The shared memory of both pass kernels (one declaration, so that the host knows its size: resident_split).
+template <typename T>
+struct PassShared {
+  SoftmaxState<T> warp_states[32];
+  SoftmaxState<T> block_state[2];  // the resident kernel: this block's part of the row, by row parity
+  T row_max, row_log_sum, row_logp, row_g;
+  int64_t row_id;
+};
+
+// What one row's blocks need from the loss: the per-token math and where the row's outputs go.
+template <typename T>
+struct PassRow {
+  int64_t r, b, t;
+  T m;
+};
+
+template <typename T>
+__device__ __forceinline__ PassRow<T> pass_row(const LogitsPassArgs& a, int64_t r) {
+  const int64_t n = a.row_offset + r, b = n / a.inputs.seq_len, t = n % a.inputs.seq_len;
+  return {r, b, t, a.inputs.mask_at<T>(b, t)};
+}
+
+// Thread 0 of a block, once the row's softmax state `s` is known: the log-prob, the entropy (written when
+// `write_outputs`) and d loss / d logp, shared with the block for the gradient.
+template <typename T, typename In>
+__device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight,
+                                           const In* x, const SoftmaxState<T>& s, const PassRow<T>& row, bool with_grad,
+                                           bool write_outputs, T* logps, T* entropy, PassShared<T>& sh) {
+  const LossParams& p = a.params;
+  const LossInputs& in = a.inputs;
+  const int64_t id = a.ids.load<int64_t>(row.r, 0);
+  CUDA_KERNEL_ASSERT(id >= 0 && id < a.logits.vocab);
+  // Relative to the max (see selective_log_softmax_forward_kernel): exact for confident tokens.
+  const T log_sum = log(s.sum);
+  const T logp = (f(load_as<T>(x + id)) - s.max) - log_sum;
+  if (write_outputs) {
+    logps[row.r] = logp;
+    entropy[row.r] = log_sum - s.weighted / s.sum;
+  }
+  T g = T(0);
+  if (with_grad) {
+    if (a.token_grad.present()) {
+      g = a.token_grad.load<T>(row.r, 0);
+    } else {
+      const T l_old = p.has_old ? in.old_logps.load<T>(row.b, row.t) : logp;
+      const T l_ref = p.beta != 0.0 ? in.ref_logps.load<T>(row.b, row.t) : T(0);
+      const T isw = in.is_weights.present() ? in.is_weights.load<T>(row.b, row.t) : T(1);
+      g = row_weight[row.b] * row.m *
+          token_logp_grad<T>(TokenConsts<T>(p), policy_family(p.loss_type), kl_kind(p), p.bias_correction, p.has_old,
+                             logp, l_old, l_ref, in.advantages.load<T>(row.b, row.t), isw);
+    }
+  }
+  sh.row_max = s.max;
+  sh.row_log_sum = log_sum;
+  sh.row_logp = logp;
+  sh.row_g = g;
+  sh.row_id = id;
+}
+
+// out[v] = d/dx_v of g * logp for the row's elements [lo, lo + n) read from `x` (the row at `x - lo`):
+// g * (onehot - p_v) * dz/dx, the chosen entry as -g * expm1(logp) (exact where p -> 1).
+template <typename T, typename In>
+__device__ __forceinline__ void write_row_grad(const LogitTransform<T>& f, const PassShared<T>& sh, const In* x,
+                                               In* out, int64_t lo, int64_t n) {
+  const T z_max = sh.row_max, log_sum = sh.row_log_sum, g = sh.row_g;
+  const int64_t id = sh.row_id - lo;
+  const T chosen = -g * expm1(sh.row_logp);
+  transform_row<T>(x, out, n, [&](int64_t v, T logit) {
+    const T z = f(logit);
+    const T value = v == id ? chosen : -g * exp((z - z_max) - log_sum);
+    return value * f.slope_at(z);
+  });
+}
+
+// The two-read pass, for any row: up to 1024 threads per block (row_threads); the bound keeps even the float64
+// instantiation within the SM's 64K registers, where it would otherwise fail to launch.
 template <typename T, typename In>
 __global__ void __launch_bounds__(1024)
     grpo_loss_from_logits_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight, In* grad,
                                  T* __restrict__ logps, T* __restrict__ entropy) {
-  __shared__ SoftmaxState<T> warp_states[32];
-  __shared__ T row_max, row_log_sum, row_logp, row_g;
-  __shared__ int64_t row_id;
-  const LossParams& p = a.params;
-  const LossInputs& in = a.inputs;
+  __shared__ PassShared<T> sh;
   const int64_t vocab = a.logits.vocab;
-  const TokenConsts<T> consts(p);
-  const PolicyFamily family = policy_family(p.loss_type);
-  const KLKind kl = kl_kind(p);
   for (int64_t r = blockIdx.x; r < a.logits.rows; r += gridDim.x) {
-    const int64_t n = a.row_offset + r, b = n / in.seq_len, t = n % in.seq_len;
-    const T m = in.mask_at<T>(b, t);
+    const PassRow<T> row = pass_row<T>(a, r);
     const In* x = static_cast<const In*>(a.logits.data) + a.logits.offset(r);
     // Not __restrict__: in the in-place op this is x itself (each element is read before it is overwritten, by
     // the thread that writes it).
     In* grad_row = a.compute_grad ? (a.grad_in_logits ? grad + a.logits.offset(r) : grad + r * vocab) : nullptr;
-    if (m == T(0)) {  // never read; a zero gradient
+    if (row.m == T(0)) {  // never read; a zero gradient
       if (grad_row) fill_row(grad_row, vocab, to_out<In, T>(T(0)));
       if (threadIdx.x == 0) {
         logps[r] = T(0);
@@ -95,63 +162,103 @@ __global__ void __launch_bounds__(1024)
     }
     SoftmaxState<T> s{T(0), T(0), T(0)};
     for_each_in_row<T>(x, vocab, [&](int64_t, T logit) { s = add_logit(s, f(logit)); });
-    s = block_merge(s, warp_states);
-    if (threadIdx.x == 0) {
-      const int64_t id = a.ids.load<int64_t>(r, 0);
-      CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
-      // Relative to the max (see selective_log_softmax_forward_kernel): exact for confident tokens.
-      const T log_sum = log(s.sum);
-      const T logp = (f(load_as<T>(x + id)) - s.max) - log_sum;
-      logps[r] = logp;
-      entropy[r] = log_sum - s.weighted / s.sum;
-      T g = T(0);
-      if (grad_row) {
-        if (a.token_grad.present()) {
-          g = a.token_grad.load<T>(r, 0);
-        } else {
-          const T l_old = p.has_old ? in.old_logps.load<T>(b, t) : logp;
-          const T l_ref = p.beta != 0.0 ? in.ref_logps.load<T>(b, t) : T(0);
-          const T isw = in.is_weights.present() ? in.is_weights.load<T>(b, t) : T(1);
-          g = row_weight[b] * m *
-              token_logp_grad<T>(consts, family, kl, p.bias_correction, p.has_old, logp, l_old, l_ref,
-                                 in.advantages.load<T>(b, t), isw);
-        }
-      }
-      row_max = s.max;
-      row_log_sum = log_sum;
-      row_logp = logp;
-      row_g = g;
-      row_id = id;
-    }
+    s = block_merge(s, sh.warp_states);
+    if (threadIdx.x == 0) finish_row(a, f, row_weight, x, s, row, grad_row != nullptr, true, logps, entropy, sh);
     __syncthreads();
-    if (grad_row) {
-      const T z_max = row_max, log_sum = row_log_sum, g = row_g;
-      const int64_t id = row_id;
-      // d/dz_v of g * logp = g * (onehot - p_v), times dz/dx; the chosen entry as -expm1(logp), exact where p -> 1.
-      const T chosen = -g * expm1(row_logp);
-      transform_row<T>(x, grad_row, vocab, [&](int64_t v, T logit) {
-        const T z = f(logit);
-        const T value = v == id ? chosen : -g * exp((z - z_max) - log_sum);
-        return value * f.slope_at(z);
-      });
-    }
-    __syncthreads();  // the shared row values are reused by the next row
+    if (grad_row) write_row_grad(f, sh, x, grad_row, 0, vocab);  // the second read, from L2 if the row is still there
+    __syncthreads();                                             // the shared row values are reused by the next row
   }
+}
+
+// The single-read pass, for rows that fit on chip: a row is split into `slice`-element parts (a multiple of the
+// vector width, so that each part starts at the row's offset from a 16-byte boundary), one per block of a cluster
+// (cluster_num_blocks() blocks, one cluster per row; a single block where the row fits one block's shared memory).
+// Each block copies its part into dynamic shared memory while it accumulates the part's softmax state, the blocks
+// exchange their states through distributed shared memory (every block merges them in rank order: the same bits
+// everywhere), and each block writes its part's gradient from shared memory. HBM sees each row once.
+template <typename T, typename In>
+__global__ void __launch_bounds__(1024)
+    grpo_loss_from_logits_resident_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight,
+                                          In* grad, T* __restrict__ logps, T* __restrict__ entropy, int64_t slice) {
+  __shared__ PassShared<T> sh;
+  In* const staged_base = dynamic_shared<In>();  // slice + one vector of elements
+  const unsigned rank = cluster_block_rank(), blocks = cluster_num_blocks();
+  const int64_t vocab = a.logits.vocab, lo = rank * slice;
+  const int64_t n = lo < vocab ? (vocab - lo < slice ? vocab - lo : slice) : 0;
+  int parity = 0;  // which block_state the row uses: a peer may still read the previous row's
+  for (int64_t r = blockIdx.x / blocks; r < a.logits.rows; r += gridDim.x / blocks) {
+    const PassRow<T> row = pass_row<T>(a, r);
+    const In* x = static_cast<const In*>(a.logits.data) + a.logits.offset(r);
+    In* grad_row = a.compute_grad ? (a.grad_in_logits ? grad + a.logits.offset(r) : grad + r * vocab) : nullptr;
+    if (row.m == T(0)) {  // the same branch in every block of the cluster: no cluster barrier is skipped by some
+      if (grad_row) fill_row(grad_row + lo, n, to_out<In, T>(T(0)));
+      if (rank == 0 && threadIdx.x == 0) {
+        logps[r] = T(0);
+        entropy[r] = T(0);
+      }
+      continue;
+    }
+    // The part at the same offset from a 16-byte boundary as in global memory: 16-byte copies both ways.
+    In* staged = staged_base + (reinterpret_cast<uintptr_t>(x + lo) % kVectorBytes) / sizeof(In);
+    SoftmaxState<T> s{T(0), T(0), T(0)};
+    stage_row<T>(x + lo, staged, n, [&](T logit) { s = add_logit(s, f(logit)); });
+    s = block_merge(s, sh.warp_states);
+    if (threadIdx.x == 0) sh.block_state[parity] = s;
+    cluster_sync();  // every block's state (and this block's staged part) is visible
+    if (threadIdx.x == 0) {
+      SoftmaxState<T> total = *cluster_map_shared(&sh.block_state[parity], 0);
+      for (unsigned k = 1; k < blocks; ++k)
+        total = merge_states(total, *cluster_map_shared(&sh.block_state[parity], k));
+      finish_row(a, f, row_weight, x, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh);
+    }
+    parity ^= 1;
+    __syncthreads();
+    if (grad_row) write_row_grad(f, sh, staged, grad_row + lo, lo, n);
+    __syncthreads();  // the staged part and the shared row values are reused by the next row
+  }
+  cluster_sync();  // no block exits (its shared memory gone) while a peer may still read its block_state
+}
+
+// What the device offers the single-read pass: dynamic shared memory per block (static included: the device's
+// opt-in maximum) and the largest cluster (8 on sm_90, 1 before). {0, 0}: the two-read pass only.
+struct RowResidency {
+  size_t shared_per_block = 0;
+  unsigned max_cluster_blocks = 0;
+};
+
+// How the resident kernel splits a row of `vocab` elements: `cluster_blocks` blocks of `slice` elements each, with
+// `shared_bytes` of dynamic shared memory per block; cluster_blocks == 0 when the row does not fit.
+struct ResidentSplit {
+  unsigned cluster_blocks = 0;
+  int64_t slice = 0;
+  size_t shared_bytes = 0;
+};
+
+template <typename T, typename In>
+inline ResidentSplit resident_split(int64_t vocab, const RowResidency& device) {
+  constexpr int64_t width = Vector<In>::kWidth, element = sizeof(In);
+  const int64_t free_bytes = int64_t(device.shared_per_block) - int64_t(sizeof(PassShared<T>));
+  // Elements a block can stage, a multiple of the vector width, leaving room for the alignment pad (one vector).
+  const int64_t per_block = (free_bytes / element - width) / width * width;
+  if (vocab <= 0 || per_block < width || device.max_cluster_blocks == 0) return {};
+  const int64_t blocks = (vocab + per_block - 1) / per_block;
+  if (blocks > int64_t(device.max_cluster_blocks)) return {};
+  // At most per_block (a multiple of width at least vocab / blocks), so every block's part starts inside the row.
+  const int64_t slice = ((vocab + blocks - 1) / blocks + width - 1) / width * width;
+  return {static_cast<unsigned>(blocks), slice, size_t((slice + width) * element)};
 }
 
 // x *= factor[0] over the rows of a [R, V] (row-strided) gradient, unless the factor is exactly 1: every block
 // reads the factor and returns at once, so a backward with grad_output == 1 costs a launch and no pass over memory.
+// One block per row, 16-byte accesses (rows are contiguous).
 template <typename T, typename Out>
-__global__ void __launch_bounds__(256) scale_rows_kernel(LogitsRows rows, const T* __restrict__ factor) {
+__global__ void __launch_bounds__(1024) scale_rows_kernel(LogitsRows rows, const T* __restrict__ factor) {
   const T f = factor[0];
   if (f == T(1)) return;
   Out* base = static_cast<Out*>(const_cast<void*>(rows.data));
-  for (int64_t r = blockIdx.y; r < rows.rows; r += gridDim.y) {
+  for (int64_t r = blockIdx.x; r < rows.rows; r += gridDim.x) {
     Out* row = base + rows.offset(r);
-    for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < rows.vocab;
-         v += int64_t(gridDim.x) * blockDim.x) {
-      row[v] = to_out<Out, T>(load_as<T>(row + v) * f);
-    }
+    transform_row<T>(row, row, rows.vocab, [&](int64_t, T v) { return v * f; });
   }
 }
 
@@ -163,25 +270,40 @@ void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInp
       p, in, max_completion_length, has_num_items, num_items_value, num_items_device, loss_scale, row_weight);
 }
 
+// The pass over every row: the single-read kernel where a row fits `device` (one block or a cluster), else (or if
+// the device refuses that launch) the two-read kernel.
 template <typename T, typename In>
 void launch_grpo_loss_from_logits(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight, In* grad,
-                                  T* logps, T* entropy, cudaStream_t stream) {
+                                  T* logps, T* entropy, const RowResidency& device, cudaStream_t stream) {
   if (a.logits.rows == 0) return;
-  const int64_t max_blocks = int64_t(1) << 30;  // grid-stride beyond that: any number of rows
-  const unsigned blocks = static_cast<unsigned>(a.logits.rows < max_blocks ? a.logits.rows : max_blocks);
-  GRPO_LAUNCH(blocks, row_threads(a.logits.vocab, sizeof(In)), 0, stream, grpo_loss_from_logits_kernel<T, In>)(
+  const int64_t max_rows = int64_t(1) << 27;  // grid-stride beyond that: any number of rows
+  const int64_t rows = a.logits.rows < max_rows ? a.logits.rows : max_rows;
+  const ResidentSplit split = resident_split<T, In>(a.logits.vocab, device);
+  if (split.cluster_blocks > 0) {
+    constexpr size_t kDefaultShared = 48 * 1024;
+    cudaError_t status = cudaSuccess;
+    if (split.shared_bytes + sizeof(PassShared<T>) > kDefaultShared) {
+      status = GRPO_ALLOW_DYNAMIC_SHARED(split.shared_bytes, grpo_loss_from_logits_resident_kernel<T, In>);
+    }
+    if (status == cudaSuccess) {
+      status = GRPO_LAUNCH_CLUSTER(unsigned(rows * split.cluster_blocks), row_threads(split.slice, sizeof(In)),
+                                   split.cluster_blocks, split.shared_bytes, stream,
+                                   grpo_loss_from_logits_resident_kernel<T, In>)(a, f, row_weight, grad, logps, entropy,
+                                                                                 split.slice);
+    }
+    if (status == cudaSuccess) return;
+    (void)cudaGetLastError();  // refused (no GPC takes the cluster, say): clear it and take the two-read pass
+  }
+  GRPO_LAUNCH(unsigned(rows), row_threads(a.logits.vocab, sizeof(In)), 0, stream, grpo_loss_from_logits_kernel<T, In>)(
       a, f, row_weight, grad, logps, entropy);
 }
 
 template <typename T, typename Out>
 void launch_scale_rows(const LogitsRows& rows, const T* factor, cudaStream_t stream) {
   if (rows.rows == 0) return;
-  const int threads = 256;
-  int64_t x_blocks = (rows.vocab + threads - 1) / threads;
-  if (x_blocks > 64) x_blocks = 64;
-  const int64_t y_blocks = rows.rows < 65535 ? rows.rows : 65535;
-  GRPO_LAUNCH(dim3(unsigned(x_blocks), unsigned(y_blocks)), threads, 0, stream, scale_rows_kernel<T, Out>)(rows,
-                                                                                                           factor);
+  const int64_t max_rows = int64_t(1) << 27;
+  GRPO_LAUNCH(unsigned(rows.rows < max_rows ? rows.rows : max_rows), row_threads(rows.vocab, sizeof(Out)), 0, stream,
+              scale_rows_kernel<T, Out>)(rows, factor);
 }
 
 }  // namespace grpo_ext

@@ -120,6 +120,28 @@ __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, 
   }
 }
 
+// staged[0, n) = x[0, n) as stored (no conversion), and f(x[v] as T) for each element: 16-byte loads and stores in
+// the body. `staged` (shared memory) must have x's offset from a 16-byte boundary.
+template <typename T, typename In, typename F>
+__device__ __forceinline__ void stage_row(const In* x, In* staged, int64_t n, F&& f) {
+  constexpr int W = Vector<In>::kWidth;
+  const int64_t head = vector_head(x, n), vectors = (n - head) / W;
+  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) {
+    staged[v] = x[v];
+    f(load_as<T>(x + v));
+  }
+  Vector<In>* body = reinterpret_cast<Vector<In>*>(staged + head);
+  for_each_vector(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
+    body[i] = in;
+#pragma unroll
+    for (int k = 0; k < W; ++k) f(load_as<T>(&in.v[k]));
+  });
+  for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) {
+    staged[v] = x[v];
+    f(load_as<T>(x + v));
+  }
+}
+
 // out[0, n) = value, with 16-byte stores in the body.
 template <typename Out>
 __device__ __forceinline__ void fill_row(Out* out, int64_t n, Out value) {

@@ -68,8 +68,18 @@ MUTATIONS = [
              "cuda/grpo_loss.cuh", "want > 512 ? 512 : want", "want > 1024 ? 1024 : want"),
     Mutation("missing write", "loss rows: a masked token's gradient is not written (the output keeps garbage)",
              "cuda/grpo_loss.cuh", "        if (grad_row) grad_row[t] = T(0);\n", ""),
-    Mutation("wrong grid stride", "scale_rows: the row loop strides by gridDim.x instead of gridDim.y",
-             "cuda/grpo_loss_from_logits.cuh", "r < rows.rows; r += gridDim.y)", "r < rows.rows; r += gridDim.x)"),
+    Mutation("wrong grid stride", "scale_rows: the row loop strides by 1 instead of gridDim.x (rows scaled twice)",
+             "cuda/grpo_loss_from_logits.cuh", "r < rows.rows; r += gridDim.x) {\n    Out* row",
+             "r < rows.rows; r += 1) {\n    Out* row"),
+    Mutation("missing cluster barrier", "resident pass: no cluster_sync before exit (a block's shared memory may be "
+             "gone while a peer reads it)", "cuda/grpo_loss_from_logits.cuh",
+             "  cluster_sync();  // no block exits", "  // no block exits"),
+    Mutation("shared state reused too early", "resident pass: one block_state for every row (a block may overwrite "
+             "it while a peer still reads the previous row's)", "cuda/grpo_loss_from_logits.cuh",
+             "    parity ^= 1;\n", ""),
+    Mutation("missing cluster barrier", "resident pass: peers' states read before every block has written its own",
+             "cuda/grpo_loss_from_logits.cuh", "    cluster_sync();  // every block's state",
+             "    // every block's state"),
     Mutation("redundant barrier removed", "logits pass: no barrier at the end of the row loop (the next row's "
              "block_merge barrier already orders every shared access)", "cuda/grpo_loss_from_logits.cuh",
              "    __syncthreads();  // the shared row values are reused by the next row\n", "", expect_caught=False),

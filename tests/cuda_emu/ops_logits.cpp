@@ -81,6 +81,12 @@ std::vector<Tensor> selective_log_softmax_backward(Args& a) {
   return {grad};
 }
 
+// What the emulated device offers the single-read pass (its limits come from the driver's command line).
+grpo_ext::RowResidency row_residency() {
+  const DeviceLimits& d = device_limits();
+  return {d.max_shared_per_block, d.max_cluster_blocks};
+}
+
 // cuda/grpo_loss_from_logits.cu's run_pass: the row weights (token-level gradient), then the pass.
 template <typename T, typename In>
 void run_pass(const LossPlan& loss, const grpo_ext::LogitsRows& logits, const grpo_ext::StridedMatrix& ids,
@@ -99,7 +105,7 @@ void run_pass(const LossPlan& loss, const grpo_ext::LogitsRows& logits, const gr
   }
   grpo_ext::launch_grpo_loss_from_logits<T, In>(
       args, logit.transform<T>(), row_weight ? row_weight->data_as<T>() : nullptr, static_cast<In*>(grad_data),
-      logps.data_as<T>(), entropy.data_as<T>(), nullptr);
+      logps.data_as<T>(), entropy.data_as<T>(), row_residency(), nullptr);
 }
 
 // grpo_loss_from_logits_pass (a new gradient tensor) and grpo_loss_from_logits_pass_ (the gradient over the logits).

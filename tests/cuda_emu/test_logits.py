@@ -228,3 +228,62 @@ def test_logits_pass_logit_scale_and_softcap(emu, dtype, logit):
     check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
     check_op(emu, "grpo_loss_from_logits_pass_", *args, tol=[VALUES, VALUES, LOGITS_GRAD],
              names=("logps", "entropy", "logits"))  # fmt: skip
+
+
+# The single-read pass on a device with 2 KiB of shared memory per block (emu_small_shared), so that small rows take
+# every path: which kernel the launcher picks for each (dtype, V), from csrc/cuda/grpo_loss_from_logits.cuh's
+# resident_split: a block stages (2048 - sizeof(PassShared)) / element size - one vector of elements (400 float32,
+# 800 bf16/fp16, 146 float64), a cluster holds 8 blocks; a larger row takes the two-read kernel.
+RESIDENT_CASES = [
+    (torch.float32, 33, "resident"),  # one block
+    (torch.float32, 1000, "resident"),  # a cluster of 3
+    (torch.float32, 3001, "resident"),  # of 8
+    (torch.float32, 4099, "two-read"),  # 11 blocks: too many
+    (torch.bfloat16, 1000, "resident"),  # 2
+    (torch.bfloat16, 4099, "resident"),  # 6
+    (torch.float16, 7001, "two-read"),  # 9
+    (torch.float64, 1000, "resident"),  # 7
+    (torch.float64, 1201, "two-read"),  # 9
+]
+PASS_KERNELS = {"resident": "grpo_loss_from_logits_resident_kernel", "two-read": "grpo_loss_from_logits_kernel"}
+
+
+def kernels_launched(device, run) -> set[str]:
+    """The kernel names ``run()`` launched on ``device``."""
+    before = device.launches.copy()
+    run()
+    return {signature.split("(", 1)[0] for signature in device.launches - before}
+
+
+@pytest.mark.parametrize(("dtype", "vocab", "path"), RESIDENT_CASES)
+@pytest.mark.parametrize("layout", ["contiguous", "misaligned in place"])
+def test_logits_pass_single_read_in_clusters(emu_small_shared, dtype, vocab, path, layout):
+    """Masked rows (never read), a confident token, rows that start off a 16-byte boundary written in place; the
+    outputs match the CPU kernel's whichever path the row size selects, under every schedule."""
+    logits, ids, adv, mask, old, ref = make_problem(2, 3, vocab, seed=vocab, per_token_adv=True)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    options = dict(old_logps=old.to(acc), ref_logps=ref.to(acc), beta=0.1, loss_type="dapo")
+    x = logits.to(dtype).reshape(6, vocab)
+    op, names = "grpo_loss_from_logits_pass", PASS_NAMES
+    if layout != "contiguous":  # rows one element past a 16-byte boundary (row stride V + 1)
+        wide = torch.zeros(6, vocab + 1, dtype=dtype)
+        wide[:, 1:] = x
+        x, op, names = wide[:, 1:], "grpo_loss_from_logits_pass_", ("logps", "entropy", "logits")
+    args = pass_args(x, ids.reshape(-1), adv.to(acc), mask, temperature=0.7, logit=(1.5, 20.0), **options)
+    launched = kernels_launched(emu_small_shared, lambda: check_op(emu_small_shared, op, *args, tol=PASS_TOL,
+                                                                   names=names))  # fmt: skip
+    assert PASS_KERNELS[path] in launched
+    assert not launched & (set(PASS_KERNELS.values()) - {PASS_KERNELS[path]})
+
+
+def test_logits_pass_single_read_grid_stride_and_sequence_gradients(emu_small_shared):
+    """More rows than the schedules' grid cap (every cluster loops over rows, alternating its shared states), with the
+    per-token gradients of a sequence-level loss."""
+    logits, ids, adv, mask, old, _ = make_problem(4, 6, 1000, seed=21)
+    g = torch.Generator().manual_seed(21)
+    token_grad = torch.randn(24, generator=g)
+    args = pass_args(logits.float().reshape(24, 1000), ids.reshape(-1), adv.float(), mask, token_grad=token_grad,
+                     old_logps=old.float(), loss_type="gspo", importance_sampling_level="sequence")  # fmt: skip
+    launched = kernels_launched(emu_small_shared, lambda: check_op(emu_small_shared, "grpo_loss_from_logits_pass",
+                                                                   *args, tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
+    assert PASS_KERNELS["resident"] in launched

@@ -33,6 +33,24 @@ def counted():
     assert not device.close()
 
 
+# The logits pass on three emulated devices: an H100 (a row of V = 1003 fits one block's shared memory), 2 KiB of
+# shared memory per block (the row split over a cluster of `blocks[dtype]` blocks, test_logits.RESIDENT_CASES), and
+# no cluster launch (the two-read kernel).
+PASS_DEVICES = {
+    "one block": ({}, {torch.float32: 1, torch.bfloat16: 1, torch.float16: 1, torch.float64: 1}),
+    "cluster": ({"shared_per_block": 2048}, {torch.float32: 3, torch.bfloat16: 2, torch.float16: 2, torch.float64: 7}),
+    "two-read": ({"max_cluster": 0}, None),
+}
+
+
+@pytest.fixture(scope="module", params=list(PASS_DEVICES))
+def counted_pass(request):
+    limits, blocks = PASS_DEVICES[request.param]
+    device = EmuDevice(CSRC, schedules=SCHEDULES[:1], variant="traffic", **limits)
+    yield device, blocks
+    assert not device.close()
+
+
 def op_traffic(device: EmuDevice, op: str, *args) -> tuple[object, dict[str, Access]]:
     """``op``'s outputs and its traffic by buffer, summed over its launches."""
     out = device.call(op, *args)
@@ -77,7 +95,8 @@ def test_selective_log_softmax_reads_each_logit_once(counted, dtype, vocab):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_place", [False, True])
-def test_logits_pass_reads_unmasked_rows_at_most_twice_and_writes_each_gradient_once(counted, dtype, in_place):
+def test_logits_pass_reads_unmasked_rows_once_or_twice_and_writes_each_gradient_once(counted_pass, dtype, in_place):
+    counted, blocks = counted_pass
     batch, seq_len, vocab = 2, 3, 1003
     cases, ids = logits_cases(batch * seq_len, vocab, dtype, seed=7)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float32)
@@ -87,9 +106,11 @@ def test_logits_pass_reads_unmasked_rows_at_most_twice_and_writes_each_gradient_
         op = "grpo_loss_from_logits_pass_" if in_place else "grpo_loss_from_logits_pass"
         _, t = op_traffic(counted, op, *pass_args(logits, ids, adv, mask, loss_type="dapo"))
         x = t["arg0"]
-        # No masked row is read; an unmasked row twice (statistics, then gradient), plus its chosen logit.
-        assert x.distinct == unmasked * vocab * es, name
-        assert x.read == 2 * unmasked * vocab * es + unmasked * es, name
+        assert x.distinct == unmasked * vocab * es, name  # no masked row is read
+        if blocks is None:  # an unmasked row twice (statistics, then gradient), plus its chosen logit
+            assert x.read == 2 * unmasked * vocab * es + unmasked * es, name
+        else:  # once (staged in shared memory), plus its chosen logit in each block of the row's cluster
+            assert x.read == unmasked * vocab * es + unmasked * blocks[dtype] * es, name
         grad = x if in_place else t["new3"]
         assert grad.written == rows * vocab * es, name  # every row once (masked rows get zeros, not read)
 
