@@ -24,13 +24,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-SOURCES = ("runtime.cpp", "driver.cpp", "traffic.cpp", "ops_advantages.cpp", "ops_loss.cpp", "ops_logits.cpp",
-           "ops_selftest.cpp")
+SOURCES = ("runtime.cpp", "shared_memory.cpp", "driver.cpp", "traffic.cpp", "ops_advantages.cpp", "ops_loss.cpp",
+           "ops_logits.cpp", "ops_selftest.cpp")  # fmt: skip
 # The translation units holding kernels: the traffic build instruments their memory accesses (traffic.cpp).
 KERNEL_SOURCES = tuple(name for name in SOURCES if name.startswith("ops_"))
 # Kernel headers of the harness itself, compiled (and rewritten) like csrc's.
 HARNESS_KERNELS = ("selftest_kernels.cuh",)
-HARNESS_FILES = (*SOURCES, *HARNESS_KERNELS, "runtime.h", "half_types.h", "driver.h", "loss_plan.h",
+HARNESS_FILES = (*SOURCES, *HARNESS_KERNELS, "runtime.h", "shared_memory.h", "half_types.h", "driver.h", "loss_plan.h",
                  "include/cuda_runtime.h", "include/cuda_bf16.h", "include/cuda_fp16.h", "build.py")  # fmt: skip
 CXX = os.environ.get("CXX", "g++")
 SANITIZE = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all"]

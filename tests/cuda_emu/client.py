@@ -7,9 +7,9 @@ in-place op writes into its tensor argument (over the whole memory span it cover
 shows) and returns what the torch op returns.
 
 Failures raise :class:`EmuError`: a launch the harness refused (a divergent barrier, a deadlock, a shuffle reading
-outside its mask, a device assert, a launch over the launch bounds, ...), a sanitizer report (the driver process
-dies; its report is in the message), outputs that differ between schedules, or a bool output that was never
-written.
+outside its mask, a device assert, a launch over the launch bounds, ...), an op that left a refused launch's CUDA
+error pending, a sanitizer report (the driver process dies; its report is in the message), outputs that differ
+between schedules, or a bool output that was never written.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def _encode(value) -> bytes:
 class _Driver:
     """One driver process (one schedule), started on first use and again after it died."""
 
-    def __init__(self, exe: Path, name: str, order: str, grid_cap: int):
+    def __init__(self, exe: Path, name: str, order: str, grid_cap: int, device_flags: Sequence[str] = ()):
         self.exe, self.name, self.order, self.grid_cap = exe, name, order, grid_cap
+        self.device_flags = list(device_flags)  # the emulated device's limits (driver.cpp)
         self.process: subprocess.Popen | None = None
         self.stderr = None
         self.problems: list[str] = []  # reports at exit (leaks) and bad exits, for the session's end
@@ -97,7 +98,7 @@ class _Driver:
         if self.process is not None and self.process.poll() is None:
             return
         self.stderr = tempfile.TemporaryFile()
-        cmd = [str(self.exe), "--order", self.order, "--grid-cap", str(self.grid_cap)]
+        cmd = [str(self.exe), "--order", self.order, "--grid-cap", str(self.grid_cap), *self.device_flags]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                         env={**os.environ, **_ENV})  # fmt: skip
 
@@ -212,12 +213,21 @@ class EmuDevice:
         schedules: (name, order, grid cap) triples; default :data:`SCHEDULES`.
         variant: the driver build (build.py): ``"sanitize"``, or ``"traffic"``, whose calls leave the bytes each
             launch moved in :attr:`last_traffic` (the first schedule's).
+        shared_per_block: the emulated device's max shared memory per block in bytes, static plus dynamic (None: an
+            H100's, 232448); the ops' code reads it (runtime.h: device_limits) to pick a path.
+        max_cluster: the emulated device's largest thread-block cluster in blocks (None: an H100's, 8).
     """
 
     def __init__(self, csrc: Path | None = None, schedules: Sequence[tuple[str, str, int]] = SCHEDULES,
-                 variant: str = "sanitize"):  # fmt: skip
+                 variant: str = "sanitize", shared_per_block: int | None = None,
+                 max_cluster: int | None = None):  # fmt: skip
         self.exe = build(csrc, variant=variant)
-        self.drivers = [_Driver(self.exe, *s) for s in schedules]
+        flags = []
+        if shared_per_block is not None:
+            flags += ["--shared-per-block", str(int(shared_per_block))]
+        if max_cluster is not None:
+            flags += ["--max-cluster", str(int(max_cluster))]
+        self.drivers = [_Driver(self.exe, *s, device_flags=flags) for s in schedules]
         self.calls = collections.Counter()  # op -> calls
         self.launches = collections.Counter()  # "kernel(parameter types)" -> launches (first schedule's)
         self.last_traffic: list[Launch] = []

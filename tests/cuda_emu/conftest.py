@@ -1,9 +1,11 @@
-"""The emulated device for the tests of tests/cuda_emu: one set of driver processes for all of them.
+"""The emulated devices for the tests of tests/cuda_emu: one set of driver processes for all of them per device.
 
-``GRPO_EMU_CSRC=<dir>`` runs the tests on another copy of ``csrc/`` (the mutation check, mutate.py, uses it). At the
-end of the session: the sanitizer reports of the drivers (leaks are reported when they exit) fail the session, and,
-when every test here ran, so does a kernel of csrc/cuda/*.cuh that no test launched. The summary line counts
-the kernels, their instantiations and the cases run.
+``emu`` is an H100's limits; ``emu_small_shared`` has 2 KiB of shared memory per block (and clusters of up to 8
+blocks), so that an op's cluster path runs at small V. ``GRPO_EMU_CSRC=<dir>`` runs the tests on another copy of
+``csrc/`` (the mutation check, mutate.py, uses it). At the end of the session: the sanitizer reports of the drivers
+(leaks are reported when they exit) fail the session, and, when every test here ran, so does a kernel of
+csrc/cuda/*.cuh that no test launched on either device (checked when the last device closes). The summary line counts
+the kernels, their instantiations and the cases run on both.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from .client import SCHEDULES, EmuDevice
 
 CSRC = Path(os.environ.get("GRPO_EMU_CSRC") or Path(__file__).resolve().parents[2] / "csrc")
 HERE = Path(__file__).resolve().parent
-_state: dict = {"device": None, "deselected": False, "complete": False}
+SMALL_SHARED_PER_BLOCK = 2048  # bytes: emu_small_shared's device
+SMALL_MAX_CLUSTER = 8
+# Every device the session opened (launch counts outlive close), and those still open.
+_state: dict = {"devices": [], "open": 0, "deselected": False, "complete": False}
 
 
 def header_kernels(csrc: Path = CSRC) -> set[str]:
@@ -40,29 +45,53 @@ def pytest_collection_finish(session) -> None:
     _state["complete"] = files == set(HERE.glob("test_*.py")) and not _state["deselected"]
 
 
-@pytest.fixture(scope="package")
-def emu():
-    """grpo_ext's raw ops on the emulated device (client.EmuDevice), under every schedule."""
-    device = EmuDevice(CSRC)
-    _state["device"] = device
+def _launched() -> set[str]:
+    """The kernels (names) launched on any device of the session."""
+    return {signature.split("(", 1)[0] for device in _state["devices"] for signature in device.launches}
+
+
+def _device(**limits):
+    """An EmuDevice with ``limits`` (client.EmuDevice's), closed at the end with the session's checks."""
+    device = EmuDevice(CSRC, **limits)
+    _state["devices"].append(device)
+    _state["open"] += 1
     yield device
+    _state["open"] -= 1
     problems = device.close()
     assert not problems, "the drivers reported sanitizer errors or bad exits:\n" + "\n".join(problems)
-    launched = {signature.split("(", 1)[0] for signature in device.launches}
-    missing = header_kernels() - launched
-    assert not _state["complete"] or not missing, f"kernels of csrc/cuda no test launched: {sorted(missing)}"
+    if _state["open"] == 0 and _state["complete"]:  # the last device to close checks the coverage of all
+        missing = header_kernels() - _launched()
+        assert not missing, f"kernels of csrc/cuda no test launched: {sorted(missing)}"
+
+
+@pytest.fixture(scope="package")
+def emu():
+    """grpo_ext's raw ops on the emulated device (client.EmuDevice, an H100's limits), under every schedule."""
+    yield from _device()
+
+
+@pytest.fixture(scope="package")
+def emu_small_shared():
+    """The emulated device with 2 KiB of shared memory per block and clusters of up to 8 blocks, under every
+    schedule: an op's cluster (or fallback) path at small shapes."""
+    yield from _device(shared_per_block=SMALL_SHARED_PER_BLOCK, max_cluster=SMALL_MAX_CLUSTER)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    device = _state["device"]
-    if device is None:
+    devices = _state["devices"]
+    if not devices:
         return
-    kernels = {signature.split("(", 1)[0] for signature in device.launches} & header_kernels()
-    instantiations = [s for s in device.launches if s.split("(", 1)[0] in kernels]
-    cases = sum(count for op, count in device.calls.items() if not op.startswith("selftest"))
-    launches = sum(device.launches[s] for s in instantiations)
+    launched = {}  # signature -> launches, on every device
+    for device in devices:
+        for signature, count in device.launches.items():
+            launched[signature] = launched.get(signature, 0) + count
+    kernels = _launched() & header_kernels()
+    instantiations = [s for s in launched if s.split("(", 1)[0] in kernels]
+    cases = sum(count for d in devices for op, count in d.calls.items() if not op.startswith("selftest"))
+    launches = sum(launched[s] for s in instantiations)
     terminalreporter.write_line(
         f"cuda_emu: {len(kernels)} of {len(header_kernels())} kernels of csrc/cuda ({len(instantiations)} "
-        f"instantiations) ran {launches} launches in {cases} op calls, each under {len(SCHEDULES)} schedules "
+        f"instantiations) ran {launches} launches in {cases} op calls on {len(devices)} emulated device"
+        f"{'s' if len(devices) > 1 else ''}, each under {len(SCHEDULES)} schedules "
         f"({', '.join(name for name, _, _ in SCHEDULES)}) with ASan and UBSan"
     )

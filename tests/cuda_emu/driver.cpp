@@ -1,11 +1,14 @@
 // cuda_emu's driver process: reads op calls on stdin, runs them on the emulated device, writes the outputs on stdout.
 //
-//   cuda_emu_driver --order forward|reverse|greedy-high|greedy-low --grid-cap N
+//   cuda_emu_driver --order forward|reverse|greedy-high|greedy-low --grid-cap N [--shared-per-block BYTES]
+//                   [--max-cluster BLOCKS]
 //
+// (--shared-per-block and --max-cluster set the emulated device's limits, runtime.h's DeviceLimits.)
 // Request: a line "<op> <number of arguments>", then one line per argument (and, for a tensor, its bytes):
 //   N | I <int> | F <float> | B <0|1> | S <string> | D <dtype> | T <dtype> <ndim> <sizes> <strides> <nbytes>
 // Reply: "OK <number of outputs> <kernels launched>" and a T line plus bytes per output (an in-place op returns the
-// tensor it wrote, over its whole span), or "ERR <message>" (a launch the harness refused, or an invalid call).
+// tensor it wrote, over its whole span), or "ERR <message>" (a launch the harness refused, an invalid call, or an op
+// that left a refused launch's error pending, which its binding's C10_CUDA_KERNEL_LAUNCH_CHECK would throw).
 // A sanitizer report ends the process (the client reports it).
 #include "driver.h"
 
@@ -258,15 +261,24 @@ Order parse_order(const std::string& s) {
 int main(int argc, char** argv) {
   using namespace cuda_emu;
   Schedule schedule;
+  DeviceLimits limits;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--order") {
       schedule.order = parse_order(argv[i + 1]);
     } else if (flag == "--grid-cap") {
       schedule.grid_cap = static_cast<unsigned>(std::stoul(argv[i + 1]));
+    } else if (flag == "--shared-per-block") {
+      limits.max_shared_per_block = std::stoul(argv[i + 1]);
+    } else if (flag == "--max-cluster") {
+      limits.max_cluster_blocks = static_cast<unsigned>(std::stoul(argv[i + 1]));
+    } else {
+      std::cerr << "unknown flag " << flag << "\n";
+      return 2;
     }
   }
   set_schedule(schedule);
+  set_device_limits(limits);
   std::string line;
   while (read_line(&line)) {
     std::string reply;
@@ -282,11 +294,19 @@ int main(int argc, char** argv) {
       if (it == op_table().end()) bad_args("unknown op " + op);
       Args args(op, std::move(values));
       outputs = it->second(args);
+      const std::string pending = take_pending_error();
+      if (!pending.empty()) {
+        throw std::runtime_error(op +
+                                 " left a refused launch's error pending (cudaGetLastError() must take it after "
+                                 "falling back; the binding's launch check would throw it): " +
+                                 pending);
+      }
       const std::string log = take_launch_log();
       reply = "OK " + std::to_string(outputs.size()) + " " + (log.empty() ? "-" : log) + "\n";
     } catch (const std::exception& e) {
       take_launch_log();
       take_traffic_log();
+      take_pending_error();
       outputs.clear();
       reply = "ERR " + one_line(e.what()) + "\n";
     }

@@ -1,5 +1,7 @@
 // The self-test kernels of selftest_kernels.cuh as ops: selftest_bug(name, threads) launches one buggy kernel in a
-// single block; selftest_warp_intrinsics(threads) and selftest_convert(values) return what the kernels computed.
+// single block, selftest_cluster_bug(name, cluster_blocks, threads) one in a cluster;
+// selftest_warp_intrinsics(threads), selftest_convert(values) and selftest_cluster(...) return what the kernels
+// computed, selftest_device_limits() the emulated device's limits.
 #include "driver.h"
 #include "harness/selftest_kernels.cuh"  // the copy build.py rewrote
 
@@ -33,8 +35,12 @@ std::vector<Tensor> selftest_bug(Args& a) {
     GRPO_LAUNCH(1, threads, 0, nullptr, selftest::device_assert_kernel)(o);
   } else if (name == "bounded") {
     GRPO_LAUNCH(1, threads, 0, nullptr, selftest::bounded_kernel)(o);
-  } else if (name == "dynamic_shared") {
-    GRPO_LAUNCH(1, threads, 128, nullptr, selftest::bounded_kernel)(o);
+  } else if (name == "dynamic_shared_over_48k") {  // not allowed more (GRPO_ALLOW_DYNAMIC_SHARED)
+    GRPO_LAUNCH(1, threads, 48 * 1024 + 16, nullptr, selftest::dynamic_fill_kernel)(o);
+  } else if (name == "static_plus_dynamic_over_48k") {  // its __shared__ flag on top of 48 KiB of dynamic
+    GRPO_LAUNCH(1, threads, 48 * 1024, nullptr, selftest::dynamic_fill_kernel)(o);
+  } else if (name == "dynamic_shared_over_device") {  // an ordinary launch throws what a cluster launch returns
+    GRPO_LAUNCH(1, threads, device_limits().max_shared_per_block + 16, nullptr, selftest::dynamic_fill_kernel)(o);
   } else {
     bad_args("unknown self-test kernel " + name);
   }
@@ -59,7 +65,86 @@ std::vector<Tensor> selftest_convert(Args& a) {
   return {bf16, f16, back};
 }
 
+// selftest_cluster_bug(name, cluster_blocks, threads): one cluster of the buggy kernel `name`, with `threads` floats
+// of dynamic shared memory per block; "pending_error" leaves a refused launch's error for cudaGetLastError.
+std::vector<Tensor> selftest_cluster_bug(Args& a) {
+  const std::string name = a.string();
+  const unsigned blocks = static_cast<unsigned>(a.integer()), threads = static_cast<unsigned>(a.integer());
+  a.done();
+  Tensor out = empty({blocks, threads}, DType::kFloat32);
+  float* o = out.data_as<float>();
+  const size_t bytes = threads * sizeof(float);
+  cudaError_t code = cudaSuccess;
+  if (name == "missing_final_cluster_sync") {
+    code = GRPO_LAUNCH_CLUSTER(blocks, threads, blocks, bytes, nullptr, selftest::missing_final_cluster_sync_kernel)(o);
+  } else if (name == "map_after_exit") {
+    code = GRPO_LAUNCH_CLUSTER(blocks, threads, blocks, bytes, nullptr, selftest::map_after_exit_kernel)(o);
+  } else if (name == "divergent_cluster_sync") {
+    code = GRPO_LAUNCH_CLUSTER(blocks, threads, blocks, bytes, nullptr, selftest::divergent_cluster_sync_kernel)(o);
+  } else if (name == "early_exit_cluster_sync") {
+    code = GRPO_LAUNCH_CLUSTER(blocks, threads, blocks, bytes, nullptr, selftest::early_exit_cluster_sync_kernel)(o);
+  } else if (name == "mixed_barriers") {
+    code = GRPO_LAUNCH_CLUSTER(blocks, threads, blocks, bytes, nullptr, selftest::mixed_barriers_kernel)(o);
+  } else if (name == "map_global") {
+    code = GRPO_LAUNCH_CLUSTER(blocks, threads, blocks, bytes, nullptr, selftest::map_global_kernel)(o);
+  } else if (name == "map_rank_out_of_range") {
+    code = GRPO_LAUNCH_CLUSTER(blocks, threads, blocks, bytes, nullptr, selftest::map_rank_out_of_range_kernel)(o);
+  } else if (name == "grid_not_multiple") {
+    code = GRPO_LAUNCH_CLUSTER(blocks + 1, threads, blocks, bytes, nullptr, selftest::dynamic_fill_kernel)(o);
+  } else if (name == "dynamic_shared_over_48k") {
+    code = GRPO_LAUNCH_CLUSTER(blocks, threads, blocks, 48 * 1024 + 16, nullptr, selftest::dynamic_fill_kernel)(o);
+  } else if (name == "pending_error") {  // refused (over the device), and the error is not taken
+    code = GRPO_LAUNCH_CLUSTER(blocks, threads, blocks, device_limits().max_shared_per_block + 16, nullptr,
+                               selftest::dynamic_fill_kernel)(o);
+    if (code != cudaSuccess) return {out};
+  } else {
+    bad_args("unknown self-test kernel " + name);
+  }
+  if (code != cudaSuccess) bad_args(std::string("the launch was refused: ") + cudaGetErrorString(cudaGetLastError()));
+  return {out};
+}
+
+// selftest_cluster(cluster_blocks, grid_blocks, threads, words, clusters, launch, allow_bytes): cluster_exchange_kernel
+// over `clusters` clusters of `cluster_blocks` blocks with `words` ints of dynamic shared memory, launched with
+// `grid_blocks` blocks by GRPO_LAUNCH_CLUSTER (launch "cluster") or GRPO_LAUNCH ("plain"), after
+// GRPO_ALLOW_DYNAMIC_SHARED(allow_bytes) when allow_bytes >= 0. Returns the error codes {allow, launch,
+// cudaGetLastError() after}, and the kernel's out, info and sums (runtime.h's kernel comment).
+std::vector<Tensor> selftest_cluster(Args& a) {
+  const int64_t n = a.integer(), grid = a.integer(), threads = a.integer(), words = a.integer(), clusters = a.integer();
+  const std::string launch = a.string();
+  const int64_t allow_bytes = a.integer();
+  a.done();
+  Tensor codes = empty({3}, DType::kInt32), out = empty({clusters * n, words, 2}, DType::kInt32);
+  Tensor info = empty({clusters * n, 3}, DType::kInt32), sums = empty({clusters * n, threads}, DType::kInt32);
+  int* code = codes.data_as<int>();
+  code[0] = allow_bytes < 0 ? cudaSuccess : GRPO_ALLOW_DYNAMIC_SHARED(allow_bytes, selftest::cluster_exchange_kernel);
+  const size_t bytes = static_cast<size_t>(words) * sizeof(int);
+  const auto args = std::make_tuple(out.data_as<int>(), info.data_as<int>(), sums.data_as<int>(), unsigned(words),
+                                    unsigned(clusters));
+  if (launch == "cluster") {
+    code[1] =
+        std::apply(GRPO_LAUNCH_CLUSTER(grid, threads, n, bytes, nullptr, selftest::cluster_exchange_kernel), args);
+  } else if (launch == "plain") {
+    code[1] = std::apply(GRPO_LAUNCH(grid, threads, bytes, nullptr, selftest::cluster_exchange_kernel), args);
+  } else {
+    bad_args("launch must be cluster or plain");
+  }
+  code[2] = cudaGetLastError();
+  return {codes, out, info, sums};
+}
+
+std::vector<Tensor> selftest_device_limits(Args& a) {
+  a.done();
+  Tensor limits = empty({2}, DType::kInt64);
+  limits.data_as<int64_t>()[0] = static_cast<int64_t>(device_limits().max_shared_per_block);
+  limits.data_as<int64_t>()[1] = device_limits().max_cluster_blocks;
+  return {limits};
+}
+
 const RegisterOp kBug("selftest_bug", selftest_bug);
+const RegisterOp kClusterBug("selftest_cluster_bug", selftest_cluster_bug);
+const RegisterOp kCluster("selftest_cluster", selftest_cluster);
+const RegisterOp kLimits("selftest_device_limits", selftest_device_limits);
 const RegisterOp kWarp("selftest_warp_intrinsics", selftest_warp_intrinsics);
 const RegisterOp kConvert("selftest_convert", selftest_convert);
 

@@ -1,5 +1,5 @@
-// cuda_emu's scheduler: fibers for the threads of a block, barriers, warp-level intrinsics, shared memory, launch
-// checks (the semantics are written at the top of runtime.h).
+// cuda_emu's scheduler: fibers for the threads of a block (of a cluster's blocks), barriers, warp-level intrinsics,
+// launch checks (the semantics are written at the top of runtime.h; shared memory is shared_memory.cpp's).
 #include "runtime.h"
 
 #include <cxxabi.h>
@@ -20,6 +20,8 @@
 #include <new>
 #include <sstream>
 #include <vector>
+
+#include "shared_memory.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -70,7 +72,6 @@ namespace {
 constexpr size_t kStackBytes = 64 * 1024;
 constexpr size_t kGuardBytes = 4096;
 constexpr int kMaxThreads = 1024;
-constexpr size_t kMaxSharedBytes = 48 * 1024;
 
 // The __launch_bounds__ of every kernel, read from the headers by build.py: {"name", bound}, ...
 struct LaunchBound {
@@ -96,7 +97,7 @@ Site site_of(const std::source_location& s) {
   return {s.file_name(), static_cast<unsigned>(s.line()), static_cast<unsigned>(s.column())};
 }
 
-enum class State { kReady, kBarrier, kWarp, kDone };
+enum class State { kReady, kBarrier, kClusterBarrier, kWarp, kDone };
 
 // A saved execution context: a stack pointer (x86-64), or a ucontext elsewhere.
 #if CUDA_EMU_ASM_SWITCH
@@ -109,7 +110,10 @@ struct Fiber {
   Context context;
   char* stack = nullptr;  // kStackBytes above a guard page
   Coords coords;
-  int linear = 0, warp = 0, lane = 0;
+  int id = 0;     // in the cluster: block rank * threads per block + linear thread index
+  int block = 0;  // its block's rank in the cluster
+  int warp = 0;   // in the cluster: block rank * warps per block + warp in the block
+  int lane = 0;
   State state = State::kReady;
   Site site;  // where it waits
   // The warp-level intrinsic it waits in.
@@ -128,9 +132,12 @@ struct PendingWarpOp {
   unsigned arrived = 0;
 };
 
-struct SharedVar {
-  void* data;
-  size_t bytes;
+// A block of the running cluster.
+struct Block {
+  int live = 0;  // threads not done
+  // The __syncthreads barrier being gathered: its site and how many threads wait at it.
+  Site barrier_site;
+  int barrier_count = 0;
 };
 
 std::string hex(unsigned v) {
@@ -146,23 +153,24 @@ std::string describe(const Coords& c) {
   return s.str();
 }
 
-// The running launch's state. One launch at a time, on the OS thread that called run_grid.
+// The running launch's state. One launch at a time, on the OS thread that called run_grid; one cluster at a time
+// (an ordinary launch's cluster is one block).
 struct Runtime {
   Schedule schedule;
   std::map<std::string, int> launch_log;
-  std::vector<char*> stacks;  // reused by every block
+  std::vector<char*> stacks;  // reused by every cluster
   Context scheduler;
-  std::vector<Fiber> fibers;
+  std::vector<Fiber> fibers;  // the cluster's threads, block by block
+  std::vector<Block> blocks;  // by rank
+  int threads_per_block = 0, warps_per_block = 0;
   std::deque<int> ready;
   Fiber* current = nullptr;
   int live = 0;  // fibers not done
-  // The barrier being gathered: its site and the fibers parked at it.
-  Site barrier_site;
-  int barrier_count = 0;
+  // The cluster_sync barrier being gathered: its site and how many threads wait at it.
+  Site cluster_site;
+  int cluster_count = 0;
   std::vector<std::vector<PendingWarpOp>> warp_ops;  // per warp
   std::vector<unsigned> live_lanes;                  // per warp: its lanes not done
-  std::map<std::string, SharedVar> shared;
-  size_t shared_bytes = 0;
   std::string error;
   bool aborting = false;  // the launch failed: every fiber unwinds
   void (*run_thread)(void*) = nullptr;
@@ -253,6 +261,7 @@ std::string fiber_state(const Fiber& f) {
     case State::kReady: return "ready";
     case State::kDone: return "exited";
     case State::kBarrier: return "at __syncthreads " + f.site.str();
+    case State::kClusterBarrier: return "at cluster_sync " + f.site.str();
     case State::kWarp: {
       std::ostringstream s;
       s << "at a warp intrinsic " << f.site.str() << " (mask 0x" << std::hex << f.mask << ")";
@@ -262,15 +271,33 @@ std::string fiber_state(const Fiber& f) {
   return "?";
 }
 
-// Completes the barrier when every live thread has arrived.
-void try_release_barrier() {
-  if (rt.barrier_count == 0 || rt.barrier_count < rt.live) return;
+// Completes block `rank`'s __syncthreads when every live thread of the block has arrived, and the cluster_sync when
+// every live thread of the cluster has.
+void try_release_barriers(int rank) {
   std::vector<int> ids;
-  for (Fiber& f : rt.fibers) {
-    if (f.state == State::kBarrier) ids.push_back(f.linear);
+  Block& b = rt.blocks[rank];
+  if (b.barrier_count > 0 && b.barrier_count >= b.live) {
+    const int first = rank * rt.threads_per_block;
+    for (int i = first; i < first + rt.threads_per_block; ++i) {
+      if (rt.fibers[i].state == State::kBarrier) ids.push_back(i);
+    }
+    b.barrier_count = 0;
+    make_ready(ids.data(), static_cast<int>(ids.size()));
   }
-  rt.barrier_count = 0;
-  make_ready(ids.data(), static_cast<int>(ids.size()));
+  if (rt.cluster_count > 0 && rt.cluster_count >= rt.live) {
+    ids.clear();
+    for (Fiber& f : rt.fibers) {
+      if (f.state == State::kClusterBarrier) ids.push_back(f.id);
+    }
+    rt.cluster_count = 0;
+    make_ready(ids.data(), static_cast<int>(ids.size()));
+  }
+}
+
+// The fiber of lane 0 of warp `warp` of the cluster (the lanes follow it).
+Fiber* warp_lanes(int warp) {
+  const int rank = warp / rt.warps_per_block, in_block = warp % rt.warps_per_block;
+  return &rt.fibers[rank * rt.threads_per_block + in_block * 32];
 }
 
 // The lane whose value lane `lane` receives (itself when the shuffle leaves its segment).
@@ -295,7 +322,7 @@ bool try_complete_warp_op(int warp, size_t k) {
   const unsigned needed = op.mask & rt.live_lanes[warp];
   if ((op.arrived & needed) != needed) return false;
   rt.warp_ops[warp].erase(rt.warp_ops[warp].begin() + static_cast<long>(k));
-  Fiber* lanes = &rt.fibers[warp * 32];
+  Fiber* lanes = warp_lanes(warp);
   uint64_t ballot = 0;
   for (int l = 0; l < 32; ++l) {
     if (op.arrived & (1u << l)) ballot |= static_cast<uint64_t>(lanes[l].value != 0) << l;
@@ -322,7 +349,7 @@ bool try_complete_warp_op(int warp, size_t k) {
         f.result = lanes[src].value;
       }
     }
-    ids[n++] = f.linear;
+    ids[n++] = f.id;
   }
   make_ready(ids, n);
   return true;
@@ -345,19 +372,28 @@ void fiber_entry() {
   }
   f.state = State::kDone;
   --rt.live;
+  Block& block = rt.blocks[f.block];
+  --block.live;
   rt.live_lanes[f.warp] &= ~(1u << f.lane);
   if (rt.aborting) {
     park(f);  // never resumed
     __builtin_unreachable();
   }
-  if (rt.barrier_count > 0) {
+  if (block.barrier_count > 0) {
     std::ostringstream s;
     s << "divergent __syncthreads: " << describe(f.coords) << " exited while other threads of its block wait at "
-      << rt.barrier_site.str();
+      << block.barrier_site.str();
+    if (rt.error.empty()) rt.error = s.str();
+  }
+  if (rt.cluster_count > 0) {
+    std::ostringstream s;
+    s << "divergent cluster_sync: " << describe(f.coords) << " exited while other threads of its cluster wait at "
+      << rt.cluster_site.str();
     if (rt.error.empty()) rt.error = s.str();
   }
   check_warp_ops(f.warp);  // an exited lane no longer holds back its warp's intrinsics
-  park(f);                 // never resumed
+  if (block.live == 0) block_exited(static_cast<unsigned>(f.block));  // its shared memory is gone
+  park(f);                                                            // never resumed
   __builtin_unreachable();
 }
 
@@ -391,37 +427,51 @@ void fiber_entry() {
 #endif
 }
 
-void run_block(const LaunchSpec& spec, const Coords& base, int threads) {
-  rt.fibers.assign(threads, Fiber{});
-  rt.warp_ops.assign((threads + 31) / 32, {});
-  rt.live_lanes.assign((threads + 31) / 32, 0);
-  for (int i = 0; i < threads; ++i) rt.live_lanes[i / 32] |= 1u << (i % 32);
+// Runs the `blocks` blocks of one cluster, starting at `first` (block_idx of rank 0), all their threads together.
+void run_cluster(const LaunchSpec& spec, const Coords& first, int blocks) {
+  const int threads = rt.threads_per_block, warps = rt.warps_per_block, total = blocks * threads;
+  rt.fibers.assign(total, Fiber{});
+  rt.blocks.assign(blocks, Block{});
+  rt.warp_ops.assign(blocks * warps, {});
+  rt.live_lanes.assign(blocks * warps, 0);
   rt.ready.clear();
-  rt.live = threads;
-  rt.barrier_count = 0;
-  std::vector<int> ids(threads);
-  for (int i = 0; i < threads; ++i) {
-    Fiber& f = rt.fibers[i];
-    f.coords = base;
-    f.coords.thread_idx = {i % base.block_dim.x, (i / base.block_dim.x) % base.block_dim.y,
-                           i / (base.block_dim.x * base.block_dim.y)};
-    f.linear = i;
-    f.warp = i / 32;
-    f.lane = i % 32;
-    f.stack = stack_for(i);
-    init_context(f);
-    ids[i] = i;
+  rt.live = total;
+  rt.cluster_count = 0;
+  begin_cluster(spec, first.block_idx, static_cast<unsigned>(blocks));
+  std::vector<int> ids(total);
+  for (int rank = 0; rank < blocks; ++rank) {
+    rt.blocks[rank].live = threads;
+    for (int i = 0; i < threads; ++i) {
+      Fiber& f = rt.fibers[rank * threads + i];
+      f.coords = first;
+      f.coords.block_idx.x += rank;
+      f.coords.thread_idx = {i % first.block_dim.x, (i / first.block_dim.x) % first.block_dim.y,
+                             i / (first.block_dim.x * first.block_dim.y)};
+      f.id = rank * threads + i;
+      f.block = rank;
+      f.warp = rank * warps + i / 32;
+      f.lane = i % 32;
+      f.stack = stack_for(f.id);
+      rt.live_lanes[f.warp] |= 1u << f.lane;
+      init_context(f);
+      ids[f.id] = f.id;
+    }
   }
-  make_ready(ids.data(), threads);
+  make_ready(ids.data(), total);
   while (!rt.ready.empty() && rt.error.empty()) {
     const int id = rt.ready.front();
     rt.ready.pop_front();
     resume(rt.fibers[id]);
   }
   if (rt.error.empty() && rt.live > 0) {
+    const uint3 b = first.block_idx;
     std::ostringstream s;
-    s << "deadlock in block (" << base.block_idx.x << "," << base.block_idx.y << "," << base.block_idx.z
-      << "): no thread can run;";
+    if (blocks == 1) {
+      s << "deadlock in block (" << b.x << "," << b.y << "," << b.z << "): no thread can run;";
+    } else {
+      s << "deadlock in the cluster of blocks (" << b.x << ".." << b.x + blocks - 1 << "," << b.y << "," << b.z
+        << "): no thread can run;";
+    }
     int shown = 0;
     for (const Fiber& f : rt.fibers) {
       if (f.state == State::kDone) continue;
@@ -429,7 +479,8 @@ void run_block(const LaunchSpec& spec, const Coords& base, int threads) {
         s << " ...";
         break;
       }
-      s << " thread " << f.linear << " " << fiber_state(f) << ";";
+      if (blocks > 1) s << " block " << f.coords.block_idx.x;
+      s << " thread " << f.id % threads << " " << fiber_state(f) << ";";
     }
     rt.error = s.str();
   }
@@ -440,9 +491,7 @@ void run_block(const LaunchSpec& spec, const Coords& base, int threads) {
     }
     rt.aborting = false;
   }
-  for (auto& [site, var] : rt.shared) operator delete(var.data, std::align_val_t(64));
-  rt.shared.clear();
-  rt.shared_bytes = 0;
+  end_cluster();
   if (!rt.error.empty()) {
     std::string message =
         std::string(spec.kernel) + " (" + spec.file + ":" + std::to_string(spec.line) + "): " + rt.error;
@@ -477,10 +526,12 @@ int launch_bound(const char* kernel) {
   return kMaxThreads;
 }
 
-void check_launch(const LaunchSpec& spec) {
+// Throws LaunchError for an invalid launch; returns what the device refuses ("": nothing), `refused` set then.
+std::string check_launch(const LaunchSpec& spec, bool* refused) {
   const dim3 b = spec.block, g = spec.grid;
   const uint64_t threads = uint64_t(b.x) * b.y * b.z;
   std::ostringstream s;
+  *refused = false;
   if (b.x == 0 || b.y == 0 || b.z == 0 || b.x > 1024 || b.y > 1024 || b.z > 64 || threads > kMaxThreads) {
     s << "invalid block (" << b.x << "," << b.y << "," << b.z << "): at most 1024 threads, x and y <= 1024, z <= 64";
   } else if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 0x7fffffffu || g.y > 65535 || g.z > 65535) {
@@ -488,12 +539,14 @@ void check_launch(const LaunchSpec& spec) {
   } else if (threads > static_cast<uint64_t>(launch_bound(spec.kernel))) {
     s << threads << " threads per block exceed the kernel's __launch_bounds__(" << launch_bound(spec.kernel)
       << "): the launch would fail (too many resources requested)";
-  } else if (spec.shared_bytes != 0) {
-    s << "dynamic shared memory (" << spec.shared_bytes << " bytes) is not emulated";
   } else {
-    return;
+    s << check_cluster_and_shared(spec, refused);
   }
-  throw LaunchError(std::string(spec.kernel) + " (" + spec.file + ":" + std::to_string(spec.line) + "): " + s.str());
+  const std::string problem = s.str();
+  if (problem.empty()) return problem;
+  const std::string message = std::string(spec.kernel) + " (" + spec.file + ":" + std::to_string(spec.line) + "): ";
+  if (*refused) return message + "the device refuses the launch: " + problem;
+  throw LaunchError(message + problem);
 }
 
 }  // namespace
@@ -527,38 +580,56 @@ void device_assert_fail(const char* condition, const char* file, int line) {
        std::to_string(line) + ")");
 }
 
-void* shared_storage(const char* site, size_t bytes, size_t align) {
-  if (rt.current == nullptr) throw LaunchError("__shared__ variable used outside a kernel");
-  auto it = rt.shared.find(site);
-  if (it != rt.shared.end()) {
-    if (it->second.bytes != bytes) fail(std::string("__shared__ ") + site + " declared with two sizes");
-    return it->second.data;
-  }
-  if (align > 64) fail(std::string("__shared__ ") + site + ": alignment over 64 bytes");
-  rt.shared_bytes += bytes;
-  if (rt.shared_bytes > kMaxSharedBytes) {
-    fail("the block's __shared__ variables take " + std::to_string(rt.shared_bytes) + " bytes, over 48 KiB");
-  }
-  void* data = operator new(bytes, std::align_val_t(64));
-  memset(data, 0xff, bytes);  // NaN in every float type: a read before the block wrote it shows
-  rt.shared.emplace(site, SharedVar{data, bytes});
-  return data;
-}
-
 void syncthreads(const std::source_location& where) {
   Fiber& f = *rt.current;
+  Block& b = rt.blocks[f.block];
   const Site site = site_of(where);
-  if (rt.barrier_count == 0) {
-    rt.barrier_site = site;
-  } else if (!(rt.barrier_site == site)) {
+  if (b.barrier_count == 0) {
+    b.barrier_site = site;
+  } else if (!(b.barrier_site == site)) {
     fail("divergent __syncthreads: this thread is at " + site.str() + " while others of its block wait at " +
-         rt.barrier_site.str());
+         b.barrier_site.str());
   }
   f.state = State::kBarrier;
   f.site = site;
-  ++rt.barrier_count;
-  try_release_barrier();
+  ++b.barrier_count;
+  try_release_barriers(f.block);
   park(f);
+}
+
+void cluster_sync(const std::source_location& where) {
+  if (rt.current == nullptr) throw LaunchError("cluster_sync outside a kernel");
+  Fiber& f = *rt.current;
+  const Site site = site_of(where);
+  if (rt.cluster_count == 0) {
+    rt.cluster_site = site;
+  } else if (!(rt.cluster_site == site)) {
+    fail("divergent cluster_sync: this thread is at " + site.str() + " while others of its cluster wait at " +
+         rt.cluster_site.str());
+  }
+  f.state = State::kClusterBarrier;
+  f.site = site;
+  ++rt.cluster_count;
+  try_release_barriers(f.block);
+  park(f);
+}
+
+unsigned cluster_block_rank() {
+  return running_block_rank();
+}
+
+unsigned cluster_num_blocks() {
+  if (rt.current == nullptr) throw LaunchError("cluster_num_blocks outside a kernel");
+  return static_cast<unsigned>(rt.blocks.size());
+}
+
+unsigned running_block_rank() {
+  if (rt.current == nullptr) throw LaunchError("a cluster or shared-memory function used outside a kernel");
+  return static_cast<unsigned>(rt.current->block);
+}
+
+const Coords* running_coords() {
+  return rt.current == nullptr ? nullptr : &rt.current->coords;
 }
 
 uint64_t warp_op(WarpKind kind, unsigned mask, uint64_t value, int lane_arg, int width,
@@ -594,30 +665,41 @@ uint64_t warp_op(WarpKind kind, unsigned mask, uint64_t value, int lane_arg, int
   return f.result;
 }
 
-void run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* context) {
-  check_launch(spec);
+cudaError_t run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* context) {
+  bool refused = false;
+  const std::string refusal = check_launch(spec, &refused);
+  if (refused) {
+    if (!spec.returns_refusal) throw LaunchError(refusal);
+    set_pending_error(cudaErrorInvalidValue, refusal);
+    return cudaErrorInvalidValue;
+  }
   ++rt.launch_log[kernel_signature(spec)];
-  const unsigned cap = rt.schedule.grid_cap;
-  const dim3 grid(cap && spec.grid.x > cap ? cap : spec.grid.x, cap && spec.grid.y > cap ? cap : spec.grid.y,
+  // The grid cap keeps grid.x a multiple of the cluster size (at least one cluster).
+  const unsigned cap = rt.schedule.grid_cap, n = spec.cluster_blocks;
+  const unsigned cap_x = cap / n * n > n ? cap / n * n : n;
+  const dim3 grid(cap && spec.grid.x > cap_x ? cap_x : spec.grid.x, cap && spec.grid.y > cap ? cap : spec.grid.y,
                   cap && spec.grid.z > cap ? cap : spec.grid.z);
-  const int threads = static_cast<int>(spec.block.x * spec.block.y * spec.block.z);
+  rt.threads_per_block = static_cast<int>(spec.block.x * spec.block.y * spec.block.z);
+  rt.warps_per_block = (rt.threads_per_block + 31) / 32;
   rt.run_thread = run_thread;
   rt.context = context;
   traffic_begin(spec.kernel);
   struct TrafficEnd {
     ~TrafficEnd() { traffic_end(); }
   } end_traffic;  // also when a launch fails
-  const uint64_t blocks = uint64_t(grid.x) * grid.y * grid.z;
-  for (uint64_t n = 0; n < blocks; ++n) {
+  const unsigned clusters_x = grid.x / n;
+  const uint64_t clusters = uint64_t(clusters_x) * grid.y * grid.z;
+  for (uint64_t k = 0; k < clusters; ++k) {
     const bool descending = rt.schedule.order == Order::kReverse || rt.schedule.order == Order::kGreedyHigh;
-    const uint64_t id = descending ? blocks - 1 - n : n;
+    const uint64_t id = descending ? clusters - 1 - k : k;
     Coords c;
-    c.block_idx = {static_cast<unsigned>(id % grid.x), static_cast<unsigned>((id / grid.x) % grid.y),
-                   static_cast<unsigned>(id / (uint64_t(grid.x) * grid.y))};
+    c.block_idx = {static_cast<unsigned>(id % clusters_x) * n, static_cast<unsigned>((id / clusters_x) % grid.y),
+                   static_cast<unsigned>(id / (uint64_t(clusters_x) * grid.y))};
     c.block_dim = spec.block;
     c.grid_dim = grid;
-    run_block(spec, c, threads);
+    run_cluster(spec, c, static_cast<int>(n));
   }
+  return cudaSuccess;
 }
 
 }  // namespace cuda_emu

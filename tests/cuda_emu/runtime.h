@@ -1,28 +1,59 @@
 // cuda_emu: runs grpo_ext's CUDA kernel headers (csrc/cuda/*.cuh) on the CPU, under g++ with AddressSanitizer and
 // UBSan, so that every CI run executes every kernel. This header is what the kernels see; runtime.cpp holds the
-// scheduler.
+// scheduler, shared_memory.cpp the shared memory, the clusters' launch checks and the emulated device's limits.
+// (Over 300 lines: the emulation's contract, below, is written once, here, beside every CUDA name the kernels use.)
 //
 // What it emulates
 // - Each CUDA thread is a user-space fiber (ucontext, a 64 KiB stack with a guard page). The blocks of a grid run
-//   one after another; the threads of a block run on one OS thread and switch only at a synchronization point.
-//   threadIdx, blockIdx, blockDim and gridDim are the running fiber's.
+//   one after another (a cluster's blocks together, below); the threads of a block run on one OS thread and switch
+//   only at a synchronization point. threadIdx, blockIdx, blockDim and gridDim are the running fiber's.
 // - __shared__ variables: one fresh heap allocation per block (ASan sees an access past their end), filled with
 //   0xff bytes (NaN in every float type), so a read before the block wrote them shows. tests/cuda_emu/build.py
 //   turns each `__shared__ T x[N];` of a copy of the headers into a reference to that storage, on the same line;
 //   nothing else of the headers is changed. At most 48 KiB per block (the static shared-memory limit).
+// - Dynamic shared memory (grpo_ext::dynamic_shared<T>(), csrc/cuda/cluster.cuh): the launch's `shared_bytes`, per
+//   block one fresh 16-byte aligned heap allocation of exactly that size, 0xff-filled, its end visible to ASan.
+//   As on a GPU, a kernel may use at most 48 KiB of static plus dynamic shared memory unless GRPO_ALLOW_DYNAMIC_SHARED
+//   set its maximum dynamic size (then at most that much dynamic, and that much plus its static shared memory at most
+//   the device's limit); the allowance is per kernel instantiation and lasts for the process (cudaFuncSetAttribute).
+//   Static plus dynamic shared memory must fit the device's max shared memory per block (DeviceLimits). The static
+//   part is known only when the kernel declares its variables, so exceeding a limit with it fails the launch there.
+// - Thread-block clusters (GRPO_LAUNCH_CLUSTER, sm_90): `cluster_blocks` consecutive blocks along x, blockIdx.x / n
+//   the cluster and blockIdx.x % n the rank. All the threads of a cluster's blocks are fibers of one scheduler pass;
+//   the clusters run one after another. grpo_ext::cluster_sync() parks a thread until every live thread of every
+//   block of the cluster has arrived at the same call site (another site, or exiting while others wait: a divergent
+//   barrier); __syncthreads() stays per block (a separate barrier: mixing the two deadlocks, as on a GPU).
+//   cluster_map_shared(p, rank): p must point into the calling block's shared memory (a __shared__ variable or the
+//   dynamic shared memory), rank must be below the cluster size; it returns the same offset in block `rank`'s
+//   storage. Every block's storage lives until its cluster ends, but when a block's last thread exits its storage is
+//   poisoned for ASan (on a GPU the block's shared memory is gone): a peer that reads or writes it afterwards (a
+//   missing cluster_sync before exit) is reported, and so is cluster_map_shared onto an exited block.
+//   An ordinary launch is a cluster of one block: cluster_block_rank() 0, cluster_num_blocks() 1, cluster_sync() a
+//   barrier of the block.
 // - __syncthreads() parks a thread until every thread of the block has arrived at the same call site (file, line,
 //   column). Arriving at another site, or exiting while others wait, is reported as a divergent barrier.
 // - __shfl_sync/_up/_down/_xor, __syncwarp, __ballot_sync, __any_sync, __all_sync wait for every live lane named
 //   in the mask, at the same call site with the same mask. Reported: a lane not in its own mask, lanes of a mask at
 //   different sites, overlapping different masks, and a shuffle reading a lane that is outside the mask, absent or
 //   exited (its value would be undefined on a GPU).
-// - A block in which no thread can run and some wait is reported as a deadlock, with where each thread waits.
+// - A block (a cluster) in which no thread can run and some wait is reported as a deadlock, with where each thread
+//   waits.
 // - Launch checks: block dimensions (x, y <= 1024, z <= 64, at most 1024 threads), grid dimensions (x < 2^31,
-//   y, z <= 65535), the kernel's __launch_bounds__ (build.py reads them from the headers), no dynamic shared memory.
+//   y, z <= 65535), the kernel's __launch_bounds__ (build.py reads them from the headers), the dynamic shared memory
+//   against its allowance, cluster_blocks >= 1 and grid.x a multiple of it: a LaunchError. What a GPU refuses at
+//   launch time because of the device's limits (cluster_blocks over DeviceLimits::max_cluster_blocks, dynamic shared
+//   memory over max_shared_per_block) is a LaunchError for GRPO_LAUNCH, but GRPO_LAUNCH_CLUSTER returns
+//   cudaErrorInvalidValue (and so does GRPO_ALLOW_DYNAMIC_SHARED over the device's limit), so that the launcher can
+//   fall back. As in the CUDA runtime, the error also stays pending until cudaGetLastError() takes it: an op that
+//   leaves one pending fails (its binding's C10_CUDA_KERNEL_LAUNCH_CHECK would throw it).
+// - The emulated device (DeviceLimits, default an H100: 232448 bytes of shared memory per block, clusters of up to 8
+//   blocks) is set by the driver's --shared-per-block and --max-cluster (client.EmuDevice(shared_per_block=...,
+//   max_cluster=...)); the ops' code reads it with device_limits() to pick a path, as the bindings query the GPU.
 // - CUDA_KERNEL_ASSERT fails the launch with the condition, the block and the thread.
-// - Schedules (Schedule below): the order in which ready threads run, the order of the blocks, and a cap on the
-//   grid size, so that every grid-stride loop wraps. Forward and reverse take turns in thread order (the warps
-//   progress together); the greedy orders run a thread released from a barrier or warp intrinsic at once, so that
+// - Schedules (Schedule below): the order in which ready threads run, the order of the blocks (clusters), and a cap
+//   on the grid size, so that every grid-stride loop wraps (grid.x is capped to a multiple of the cluster size, at
+//   least one cluster). Forward and reverse take turns in thread order (the warps progress together; the blocks of a
+//   cluster in rank order); the greedy orders run a thread released from a barrier or warp intrinsic at once, so that
 //   one warp runs ahead of the others as far as it can: the highest warp (it overwrites what warp 0 has not read
 //   yet) or warp 0 (it overwrites what the others have not read yet). A correct kernel gives bit-identical results
 //   under every schedule; the test driver checks that.
@@ -33,7 +64,7 @@
 // What it cannot show (only a GPU run can)
 // - nvcc's code generation: FMA contraction, fast-math intrinsics, the device math library's last-ulp results.
 // - Register pressure, spills, occupancy, and whether a launch fits the SM's registers (launch_bounds is checked
-//   only against the block size).
+//   only against the block size), or whether a cluster fits a GPC (cudaOccupancyMaxActiveClusters).
 // - Memory ordering and real races: threads run one at a time, so a race shows only when some schedule makes it
 //   change a result; atomics are plain read-modify-writes.
 // - Timing, bandwidth, and anything about streams: launches run to completion, in order, when they are made.
@@ -68,12 +99,23 @@
 struct uint3 {
   unsigned x, y, z;
 };
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 using cudaStream_t = struct CUstream_st*;
 constexpr int warpSize = 32;
+
+// The CUDA runtime's error codes, those the harness returns.
+enum cudaError { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+using cudaError_t = cudaError;
+// The error of the last refused launch or attribute setting, which it clears (cudaPeekAtLastError leaves it).
+cudaError_t cudaGetLastError();
+cudaError_t cudaPeekAtLastError();
+const char* cudaGetErrorString(cudaError_t error);
 
 namespace cuda_emu {
 
@@ -91,6 +133,18 @@ struct Schedule {
   unsigned grid_cap = 0;
 };
 void set_schedule(const Schedule& s);
+
+// The emulated device's limits (default an H100's), read by the launch checks and by the ops' code to pick a path.
+struct DeviceLimits {
+  size_t max_shared_per_block = 232448;  // static + dynamic, bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+  unsigned max_cluster_blocks = 8;       // the portable cluster size limit
+};
+const DeviceLimits& device_limits();
+void set_device_limits(const DeviceLimits& limits);
+
+// The refused launch or attribute setting whose error is still pending (cudaGetLastError did not take it), and
+// clears it; empty when none.
+std::string take_pending_error();
 
 // The kernels launched since the last call, with their parameter types and launch counts:
 // "name(types)#count;...".
@@ -122,7 +176,17 @@ A& shared(const char* site) {
   return *static_cast<A*>(shared_storage(site, sizeof(A), alignof(A)));
 }
 
+// The calling block's dynamic shared memory (the launch's shared_bytes).
+void* dynamic_shared_storage();
+// The address at p's offset in the shared memory of block `rank` of the calling block's cluster.
+void* map_shared(const void* p, unsigned rank);
+// GRPO_ALLOW_DYNAMIC_SHARED: `kernel` may launch with up to `bytes` of dynamic shared memory.
+cudaError_t allow_dynamic_shared(const void* kernel, long long bytes, const char* name, const char* file, int line);
+
 void syncthreads(const std::source_location& site);
+void cluster_sync(const std::source_location& site);
+unsigned cluster_block_rank();
+unsigned cluster_num_blocks();
 
 enum class WarpKind { kSync, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll };
 // One lane's part in a warp-level intrinsic: its mask, 8 bytes of value, the lane argument and the width. Returns
@@ -149,12 +213,16 @@ struct LaunchSpec {
   const char* kernel;     // the kernel expression as written at the launch ("name<T, Out>")
   const char* signature;  // typeid(kernel).name(): which instantiation
   dim3 grid, block;
-  size_t shared_bytes;
+  size_t shared_bytes;  // dynamic
   cudaStream_t stream;
   const char* file;
   int line;
+  unsigned cluster_blocks;  // 1: an ordinary launch
+  bool returns_refusal;     // a launch the device's limits refuse returns cudaErrorInvalidValue instead of throwing
+  const void* function;     // the kernel instantiation (its dynamic shared memory allowance)
 };
-void run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* context);
+// Runs the grid; returns cudaSuccess, or the refusal of a launch with returns_refusal. Throws LaunchError.
+cudaError_t run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* context);
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...): the arguments are converted to the kernel's parameter
 // types once, as a launch copies them, and every thread calls the kernel with its own copy.
@@ -163,16 +231,17 @@ class KernelLaunch {
  public:
   KernelLaunch(void (*kernel)(P...), LaunchSpec spec) : kernel_(kernel), spec_(spec) {
     spec_.signature = typeid(kernel).name();
+    spec_.function = reinterpret_cast<const void*>(kernel);
   }
 
   template <typename... A>
-  void operator()(A&&... args) const {
+  cudaError_t operator()(A&&... args) const {
     static_assert(sizeof...(A) == sizeof...(P), "a kernel launch with the wrong number of arguments");
     struct Context {
       void (*kernel)(P...);
       std::tuple<std::decay_t<P>...> params;
     } context{kernel_, std::tuple<std::decay_t<P>...>(std::forward<A>(args)...)};
-    run_grid(
+    return run_grid(
         spec_,
         [](void* c) {
           auto* ctx = static_cast<Context*>(c);
@@ -188,15 +257,22 @@ class KernelLaunch {
 
 }  // namespace cuda_emu
 
-// The launch macro of csrc/cuda/launch.cuh, defined here first.
-#define GRPO_LAUNCH(grid, block, shared_bytes, stream, ...)                                                       \
-  ::cuda_emu::KernelLaunch(&__VA_ARGS__, ::cuda_emu::LaunchSpec{#__VA_ARGS__, nullptr, grid, block, shared_bytes, \
-                                                                stream, __FILE__, __LINE__})
-
-// Not emulated yet (csrc/cuda/launch.cuh, cluster.cuh): a kernel header that uses them does not compile here.
-#define GRPO_LAUNCH_CLUSTER(...) cuda_emu_does_not_emulate_cluster_launches_yet
-#define GRPO_ALLOW_DYNAMIC_SHARED(...) cuda_emu_does_not_emulate_dynamic_shared_memory_yet
-#define GRPO_CLUSTER_API 0
+// The launch macros of csrc/cuda/launch.cuh, defined here first. GRPO_LAUNCH throws (LaunchError) on any launch
+// failure; GRPO_LAUNCH_CLUSTER returns what a GPU refuses at launch time (runtime.h's top comment).
+#define GRPO_LAUNCH(grid, block, shared_bytes, stream, ...)                                                          \
+  ::cuda_emu::KernelLaunch(&__VA_ARGS__, ::cuda_emu::LaunchSpec{#__VA_ARGS__, nullptr, ::dim3(grid), ::dim3(block),  \
+                                                                static_cast<size_t>(shared_bytes), stream, __FILE__, \
+                                                                __LINE__, 1u, false, nullptr})
+#define GRPO_LAUNCH_CLUSTER(grid, block, cluster_blocks, shared_bytes, stream, ...)                                 \
+  ::cuda_emu::KernelLaunch(                                                                                         \
+      &__VA_ARGS__,                                                                                                 \
+      ::cuda_emu::LaunchSpec{#__VA_ARGS__, nullptr, ::dim3(grid), ::dim3(block), static_cast<size_t>(shared_bytes), \
+                             stream, __FILE__, __LINE__, static_cast<unsigned>(cluster_blocks), true, nullptr})
+#define GRPO_ALLOW_DYNAMIC_SHARED(bytes, ...)                                                                  \
+  ::cuda_emu::allow_dynamic_shared(reinterpret_cast<const void*>(&__VA_ARGS__), static_cast<long long>(bytes), \
+                                   #__VA_ARGS__, __FILE__, __LINE__)
+// csrc/cuda/cluster.cuh: the harness's versions of its functions are below.
+#define GRPO_CLUSTER_API 1
 
 #define CUDA_KERNEL_ASSERT(cond) \
   ((cond) ? static_cast<void>(0) : ::cuda_emu::device_assert_fail(#cond, __FILE__, __LINE__))
@@ -209,6 +285,27 @@ class KernelLaunch {
 inline void __syncthreads(const std::source_location& site = std::source_location::current()) {
   ::cuda_emu::syncthreads(site);
 }
+
+// csrc/cuda/cluster.cuh's functions (runtime.h's top comment says what they check).
+namespace grpo_ext {
+inline unsigned cluster_block_rank() {
+  return ::cuda_emu::cluster_block_rank();
+}
+inline unsigned cluster_num_blocks() {
+  return ::cuda_emu::cluster_num_blocks();
+}
+inline void cluster_sync(const std::source_location& site = std::source_location::current()) {
+  ::cuda_emu::cluster_sync(site);
+}
+template <typename T>
+T* cluster_map_shared(T* p, unsigned rank) {
+  return static_cast<T*>(::cuda_emu::map_shared(p, rank));
+}
+template <typename T>
+T* dynamic_shared() {
+  return static_cast<T*>(::cuda_emu::dynamic_shared_storage());
+}
+}  // namespace grpo_ext
 // Threads switch only at a synchronization point, so a plain read-modify-write is atomic here.
 inline int atomicAdd(int* address, int value) {
   const int old = *address;

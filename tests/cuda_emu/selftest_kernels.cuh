@@ -1,6 +1,6 @@
-// Kernels with one known bug each, and a conversion kernel: tests/cuda_emu/test_runtime.py checks that the harness
-// reports each bug (and converts as CUDA does). Compiled like csrc/cuda/*.cuh: __shared__ rewritten by build.py,
-// launch bounds read from here.
+// Kernels with one known bug each, a conversion kernel and a cluster kernel: tests/cuda_emu/test_runtime.py checks that
+// the harness reports each bug (and converts as CUDA does, and runs clusters as a GPU does). Compiled like
+// csrc/cuda/*.cuh: shared variables rewritten by build.py, launch bounds read from here.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "cuda/cluster.cuh"
 #include "cuda/launch.cuh"
 
 namespace selftest {
@@ -104,6 +105,118 @@ __global__ void convert_kernel(const float* in, __nv_bfloat16* bf16, __half* f16
     back[2 * i] = __bfloat162float(bf16[i]);
     back[2 * i + 1] = __half2float(f16[i]);
   }
+}
+
+// Thread-block clusters, correctly: each block fills its dynamic shared memory (`words` ints) and a static shared tag,
+// then reads both neighbours' in its cluster through distributed shared memory, in a grid-stride loop over
+// `clusters` clusters. Per block b (rank r of n): out[b][i] = {next block's word words-1-i, previous block's word i},
+// info[b] = {r, n, next block's tag}, sums[b][t] = the sum of t + b over t's warp.
+__global__ void cluster_exchange_kernel(int* out, int* info, int* sums, unsigned words, unsigned clusters) {
+  __shared__ int tag;
+  int* mine = grpo_ext::dynamic_shared<int>();
+  const unsigned n = grpo_ext::cluster_num_blocks(), rank = grpo_ext::cluster_block_rank();
+  const unsigned next = (rank + 1) % n, prev = (rank + n - 1) % n;
+  const unsigned warp = threadIdx.x / 32, lanes = blockDim.x - warp * 32 < 32 ? blockDim.x - warp * 32 : 32;
+  const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1;  // the warp's lanes (16 or 32 here)
+  for (unsigned c = blockIdx.x / n; c < clusters; c += gridDim.x / n) {
+    const unsigned block = c * n + rank;
+    for (unsigned i = threadIdx.x; i < words; i += blockDim.x) mine[i] = static_cast<int>(block * 65536 + i);
+    __syncthreads();
+    if (threadIdx.x == 0) tag = mine[words - 1] - static_cast<int>(words - 1);  // another thread's word
+    int sum = static_cast<int>(threadIdx.x + block);
+    for (unsigned offset = 16; offset > 0; offset >>= 1) {
+      if (offset < lanes) sum += __shfl_xor_sync(mask, sum, static_cast<int>(offset));
+    }
+    sums[block * blockDim.x + threadIdx.x] = sum;
+    grpo_ext::cluster_sync();
+    const int* right = grpo_ext::cluster_map_shared(mine, next);
+    const int* left = grpo_ext::cluster_map_shared(mine, prev);
+    for (unsigned i = threadIdx.x; i < words; i += blockDim.x) {
+      out[(size_t(block) * words + i) * 2] = right[words - 1 - i];
+      out[(size_t(block) * words + i) * 2 + 1] = left[i];
+    }
+    if (threadIdx.x == 0) {
+      info[block * 3] = static_cast<int>(rank);
+      info[block * 3 + 1] = static_cast<int>(n);
+      info[block * 3 + 2] = *grpo_ext::cluster_map_shared(&tag, next);
+    }
+    grpo_ext::cluster_sync();  // the peers have read this block's shared memory: it may be refilled, or exit
+  }
+}
+
+// Fills its dynamic shared memory (`blockDim.x` floats at least) and a static shared flag; never allowed more than
+// 48 KiB (GRPO_ALLOW_DYNAMIC_SHARED is not called for it anywhere).
+__global__ void dynamic_fill_kernel(float* out) {
+  __shared__ float flag;
+  float* mine = grpo_ext::dynamic_shared<float>();
+  mine[threadIdx.x] = 1.0f;
+  if (threadIdx.x == 0) flag = 1.0f;
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = mine[threadIdx.x] * flag;
+}
+
+// Cluster bugs (a cluster of 2 blocks or more; `blockDim.x` floats of dynamic shared memory):
+// each block reads its neighbour's shared memory with no cluster_sync before it exits, through a pointer mapped while
+// the neighbour was alive: a block that exits first frees what the other still reads.
+__global__ void missing_final_cluster_sync_kernel(float* out) {
+  float* mine = grpo_ext::dynamic_shared<float>();
+  const float* right = grpo_ext::cluster_map_shared(mine, (grpo_ext::cluster_block_rank() + 1) % 2);
+  mine[threadIdx.x] = static_cast<float>(blockIdx.x);
+  grpo_ext::cluster_sync();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = right[threadIdx.x];
+}
+
+// The same, the neighbour's address mapped after the barrier (after it may have exited).
+__global__ void map_after_exit_kernel(float* out) {
+  float* mine = grpo_ext::dynamic_shared<float>();
+  mine[threadIdx.x] = static_cast<float>(blockIdx.x);
+  grpo_ext::cluster_sync();
+  out[blockIdx.x * blockDim.x + threadIdx.x] =
+      grpo_ext::cluster_map_shared(mine, (grpo_ext::cluster_block_rank() + 1) % 2)[threadIdx.x];
+}
+
+// Rank 0 and the others take different cluster barriers.
+__global__ void divergent_cluster_sync_kernel(float* out) {
+  if (grpo_ext::cluster_block_rank() == 0) {
+    grpo_ext::cluster_sync();
+  } else {
+    grpo_ext::cluster_sync();
+  }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f;
+}
+
+// Rank 1 exits while rank 0 waits at a cluster barrier.
+__global__ void early_exit_cluster_sync_kernel(float* out) {
+  if (grpo_ext::cluster_block_rank() == 1) return;
+  grpo_ext::cluster_sync();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f;
+}
+
+// Half of each block waits at __syncthreads, the other half at cluster_sync: two different barriers.
+__global__ void mixed_barriers_kernel(float* out) {
+  if (threadIdx.x < 16) {
+    __syncthreads();
+  } else {
+    grpo_ext::cluster_sync();
+  }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f;
+}
+
+// cluster_map_shared of a global-memory pointer.
+__global__ void map_global_kernel(float* out) {
+  grpo_ext::cluster_sync();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = *grpo_ext::cluster_map_shared(out, 0);
+  grpo_ext::cluster_sync();
+}
+
+// cluster_map_shared to a rank past the cluster's last block.
+__global__ void map_rank_out_of_range_kernel(float* out) {
+  float* mine = grpo_ext::dynamic_shared<float>();
+  mine[threadIdx.x] = 1.0f;
+  grpo_ext::cluster_sync();
+  out[blockIdx.x * blockDim.x + threadIdx.x] =
+      grpo_ext::cluster_map_shared(mine, grpo_ext::cluster_num_blocks())[threadIdx.x];
+  grpo_ext::cluster_sync();
 }
 
 }  // namespace selftest

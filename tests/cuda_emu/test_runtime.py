@@ -21,7 +21,9 @@ from .client import EmuError
         ("device_assert", 32, "device assert failed: threadIdx.x < 8"),
         ("bounded", 128, r"exceed the kernel's __launch_bounds__\(64\)"),
         ("bounded", 2048, "invalid block"),
-        ("dynamic_shared", 32, "dynamic shared memory"),
+        ("dynamic_shared_over_48k", 32, "49168 bytes of dynamic shared memory, over the kernel's maximum of 49152"),
+        ("static_plus_dynamic_over_48k", 32, "exceed 48 KiB, and GRPO_ALLOW_DYNAMIC_SHARED did not allow the kernel"),
+        ("dynamic_shared_over_device", 32, "the device refuses the launch: 232464 bytes of dynamic shared memory"),
         ("shared_overflow", 32, "out of bounds for type 'float \\[32\\]'|heap-buffer-overflow"),
         ("global_overflow", 32, "heap-buffer-overflow"),
     ],
@@ -69,3 +71,136 @@ def test_bf16_and_fp16_conversions_round_to_nearest_even_as_torch(emu):
     assert torch.equal(back[:, 0], bf16.float()) and torch.equal(back[:, 1], f16.float())
     nan_bf16, nan_f16, _ = emu.selftest_convert(torch.tensor([float("nan")]))
     assert torch.isnan(nan_bf16).all() and torch.isnan(nan_f16).all()
+
+
+# Thread-block clusters and dynamic shared memory (selftest_kernels.cuh: cluster_exchange_kernel and the cluster bugs).
+H100_SHARED = 232448
+INVALID_VALUE = 1  # cudaErrorInvalidValue
+
+
+def cluster_expected(n: int, clusters: int, threads: int, words: int) -> tuple[torch.Tensor, ...]:
+    """What cluster_exchange_kernel writes for ``clusters`` clusters of ``n`` blocks (its comment in
+    selftest_kernels.cuh): each block reads its ring neighbours' dynamic shared memory and its next one's tag."""
+    block = torch.arange(clusters * n)
+    rank = block % n
+    next_block, prev_block = block - rank + (rank + 1) % n, block - rank + (rank + n - 1) % n
+    i = torch.arange(words)
+    right = next_block[:, None] * 65536 + (words - 1 - i)[None, :]
+    left = prev_block[:, None] * 65536 + i[None, :]
+    out = torch.stack([right, left], dim=2)
+    info = torch.stack([rank, torch.full_like(rank, n), next_block * 65536], dim=1)
+    t = torch.arange(threads)
+    warp_first = t // 32 * 32
+    lanes = torch.clamp(threads - warp_first, max=32)
+    # sum over t's warp of (t' + b): lanes * b + the sum of the warp's thread ids
+    warp_ids = lanes * warp_first + lanes * (lanes - 1) // 2
+    sums = lanes[None, :] * block[:, None] + warp_ids[None, :]
+    return out.int(), info.int(), sums.int()
+
+
+def run_cluster(device, n, clusters, threads, words, *, grid_clusters=None, launch="cluster", allow=-1):
+    grid = (grid_clusters or clusters) * n
+    return device.selftest_cluster(n, grid, threads, words, clusters, launch, allow)
+
+
+@pytest.mark.parametrize(
+    ("n", "clusters", "threads", "words", "allow"),
+    [
+        (1, 3, 64, 100, -1),
+        (2, 3, 48, 37, -1),  # a partial warp in every block
+        (4, 2, 64, 200, -1),
+        (8, 2, 32, 65, -1),
+        (2, 2, 64, 16384, 16384 * 4),  # 64 KiB per block: over 48 KiB, allowed
+        (8, 1, 64, 200 * 1024 // 4, 200 * 1024),  # 200 KiB per block
+    ],
+)
+def test_cluster_exchanges_shared_memory_under_every_schedule(emu, n, clusters, threads, words, allow):
+    codes, out, info, sums = run_cluster(emu, n, clusters, threads, words, allow=allow)
+    assert codes.tolist() == [0, 0, 0]
+    expected = cluster_expected(n, clusters, threads, words)
+    for got, want in zip((out, info, sums), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_grid_stride_over_clusters_with_a_smaller_grid(emu):
+    # 5 clusters of 2 on a grid of 2 clusters: each cluster's blocks loop, reusing their shared memory
+    codes, out, info, sums = run_cluster(emu, 2, 5, 64, 50, grid_clusters=2)
+    assert codes.tolist() == [0, 0, 0]
+    for got, want in zip((out, info, sums), cluster_expected(2, 5, 64, 50), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_an_ordinary_launch_takes_dynamic_shared_memory(emu):
+    # GRPO_LAUNCH with shared_bytes: a cluster of one block (rank 0 of 1, cluster_sync a block barrier)
+    codes, out, info, sums = run_cluster(emu, 1, 3, 64, 300, launch="plain")
+    assert codes.tolist() == [0, 0, 0]
+    for got, want in zip((out, info, sums), cluster_expected(1, 3, 64, 300), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("n", "words", "allow", "codes"),
+    [
+        (16, 8, -1, [0, INVALID_VALUE, INVALID_VALUE]),  # a cluster over the device's 8 blocks
+        (2, H100_SHARED // 4 + 1, -1, [0, INVALID_VALUE, INVALID_VALUE]),  # dynamic shared over the device
+        (2, 8, H100_SHARED + 1, [INVALID_VALUE, 0, INVALID_VALUE]),  # an allowance over the device: its error
+        # stays pending through the (successful) launch
+    ],
+)
+def test_cluster_launch_returns_what_the_device_refuses(emu, n, words, allow, codes):
+    got, out, info, sums = run_cluster(emu, n, 1, 32, words, allow=allow)
+    assert got.tolist() == codes  # {allow, launch, cudaGetLastError() after}: the error, then taken
+    if codes[1] != 0:  # not launched: the outputs as allocated (0xff bytes)
+        assert (out == -1).all() and (info == -1).all() and (sums == -1).all()
+
+
+def test_device_limits_come_from_the_device(emu, emu_small_shared):
+    assert emu.selftest_device_limits().tolist() == [H100_SHARED, 8]
+    assert emu_small_shared.selftest_device_limits().tolist() == [2048, 8]
+
+
+def test_small_shared_device_refuses_what_an_h100_runs(emu, emu_small_shared):
+    codes, *_ = run_cluster(emu_small_shared, 2, 1, 32, 1024)  # 4 KiB of dynamic shared memory
+    assert codes.tolist() == [0, INVALID_VALUE, INVALID_VALUE]
+    codes, out, info, sums = run_cluster(emu_small_shared, 8, 1, 32, 500)  # 2000 bytes + the 4-byte tag
+    assert codes.tolist() == [0, 0, 0]
+    for got, want in zip((out, info, sums), cluster_expected(8, 1, 32, 500), strict=True):
+        assert torch.equal(got, want)
+    # its static tag on top of 2048 bytes of dynamic shared memory: over the device, known only in the kernel
+    with pytest.raises(EmuError, match="exceed the device's 2048 bytes per block"):
+        run_cluster(emu_small_shared, 2, 1, 32, 512)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "blocks", "message"),
+    [
+        ("missing_final_cluster_sync", 2, "use-after-poison(.|\n)*after all of that block's threads had exited"),
+        ("map_after_exit", 2, r"cluster_map_shared onto block \(\d,0,0\) \(rank \d\), whose threads have all exited"),
+        ("divergent_cluster_sync", 2, "divergent cluster_sync: this thread is at .* while others of its cluster"),
+        ("early_exit_cluster_sync", 2, r"divergent cluster_sync: block \(1,0,0\) thread \(\d+,0,0\) exited while"),
+        ("mixed_barriers", 2, r"deadlock in the cluster of blocks \(0..1,0,0\): .* block 0 thread 0 at __syncthreads"),
+        ("map_global", 2, "the pointer is not in this block's shared memory"),
+        ("map_rank_out_of_range", 4, "cluster_map_shared to rank 4, but the cluster has 4 blocks"),
+        ("grid_not_multiple", 2, r"grid.x \(3\) is not a multiple of the cluster size \(2\)"),
+        ("dynamic_shared_over_48k", 1, "49168 bytes of dynamic shared memory, over the kernel's maximum of 49152"),
+        ("pending_error", 2, "left a refused launch's error pending"),
+    ],
+)
+def test_each_cluster_bug_is_reported(emu, kernel, blocks, message):
+    with pytest.raises(EmuError, match=message):
+        emu.selftest_cluster_bug(kernel, blocks, 32)
+
+
+def test_a_cluster_launch_over_the_cluster_size_limit_is_not_a_bug(emu):
+    # cluster_blocks 0 is a bug (LaunchError), 9 a refusal (returned; here the op throws it as a bad argument)
+    with pytest.raises(EmuError, match="the launch was refused: invalid argument"):
+        emu.selftest_cluster_bug("divergent_cluster_sync", 9, 32)
+
+
+def test_an_allowance_must_leave_room_for_static_shared_memory(emu):
+    # GRPO_ALLOW_DYNAMIC_SHARED(the whole device) for a kernel with a 4-byte static tag: cudaFuncSetAttribute fails
+    try:
+        with pytest.raises(EmuError, match="plus the kernel's 4 bytes of __shared__ variables exceed the device's"):
+            run_cluster(emu, 2, 1, 32, 1000, allow=H100_SHARED)
+    finally:  # the allowance lasts for the driver process (as cudaFuncSetAttribute's): set a valid one back
+        run_cluster(emu, 1, 1, 32, 8, allow=48 * 1024)

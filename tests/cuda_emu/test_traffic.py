@@ -150,6 +150,21 @@ def test_advantages_read_each_reward_once(counted):
     assert t["new0"] == Access(0, 0, 16 * 6 * 50 * 4)
 
 
+def test_shared_memory_is_not_global_traffic(counted):
+    """cluster_exchange_kernel (selftest_kernels.cuh) reads only shared memory, its own block's (static and dynamic)
+    and its cluster peers': none of it counts, and its global writes count exactly."""
+    n, clusters, threads, words = 4, 2, 64, 300
+    blocks = n * clusters
+    codes, *_ = counted.selftest_cluster(n, blocks, threads, words, clusters, "cluster", -1)
+    assert codes.tolist() == [0, 0, 0]
+    (launch,) = counted.last_traffic
+    assert launch.buffers == {  # new0: the error codes, written by the host
+        "new1": Access(0, 0, blocks * words * 2 * 4),
+        "new2": Access(0, 0, blocks * 3 * 4),
+        "new3": Access(0, 0, blocks * threads * 4),
+    }
+
+
 def test_traffic_report_measures_every_op():
     """benchmarks/traffic_report.py (the bytes section of `make kernel-report`) calls the ops with their current
     arguments, and every case moves at least its floor."""
