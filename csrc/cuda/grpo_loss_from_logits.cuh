@@ -86,19 +86,33 @@ __device__ __forceinline__ PassRow<T> pass_row(const LogitsPassArgs& a, int64_t 
   return {r, b, t, a.inputs.mask_at<T>(b, t)};
 }
 
+// The row's chosen token and its transformed logit, read by thread 0 before any block writes over the row (the
+// in-place op).
+template <typename T>
+struct ChosenToken {
+  int64_t id;
+  T z;
+};
+
+template <typename T, typename In>
+__device__ __forceinline__ ChosenToken<T> chosen_token(const LogitsPassArgs& a, const LogitTransform<T>& f, const In* x,
+                                                       int64_t r) {
+  const int64_t id = a.ids.load<int64_t>(r, 0);
+  CUDA_KERNEL_ASSERT(id >= 0 && id < a.logits.vocab);
+  return {id, f(load_as<T>(x + id))};
+}
+
 // Thread 0 of a block, once the row's softmax state `s` is known: the log-prob, the entropy (written when
 // `write_outputs`) and d loss / d logp, shared with the block for the gradient.
-template <typename T, typename In>
-__device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight,
-                                           const In* x, const SoftmaxState<T>& s, const PassRow<T>& row, bool with_grad,
+template <typename T>
+__device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const T* row_weight, const ChosenToken<T>& chosen,
+                                           const SoftmaxState<T>& s, const PassRow<T>& row, bool with_grad,
                                            bool write_outputs, T* logps, T* entropy, PassShared<T>& sh) {
   const LossParams& p = a.params;
   const LossInputs& in = a.inputs;
-  const int64_t id = a.ids.load<int64_t>(row.r, 0);
-  CUDA_KERNEL_ASSERT(id >= 0 && id < a.logits.vocab);
   // Relative to the max (see selective_log_softmax_forward_kernel): exact for confident tokens.
   const T log_sum = log(s.sum);
-  const T logp = (f(load_as<T>(x + id)) - s.max) - log_sum;
+  const T logp = (chosen.z - s.max) - log_sum;
   if (write_outputs) {
     logps[row.r] = logp;
     entropy[row.r] = log_sum - s.weighted / s.sum;
@@ -120,7 +134,7 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const LogitT
   sh.row_log_sum = log_sum;
   sh.row_logp = logp;
   sh.row_g = g;
-  sh.row_id = id;
+  sh.row_id = chosen.id;
 }
 
 // out[v] = d/dx_v of g * logp for the row's elements [lo, lo + n) read from `x` (the row at `x - lo`):
@@ -163,7 +177,9 @@ __global__ void __launch_bounds__(1024)
     SoftmaxState<T> s{T(0), T(0), T(0)};
     for_each_in_row<T>(x, vocab, [&](int64_t, T logit) { s = add_logit(s, f(logit)); });
     s = block_merge(s, sh.warp_states);
-    if (threadIdx.x == 0) finish_row(a, f, row_weight, x, s, row, grad_row != nullptr, true, logps, entropy, sh);
+    if (threadIdx.x == 0) {
+      finish_row(a, row_weight, chosen_token(a, f, x, r), s, row, grad_row != nullptr, true, logps, entropy, sh);
+    }
     __syncthreads();
     if (grad_row) write_row_grad(f, sh, x, grad_row, 0, vocab);  // the second read, from L2 if the row is still there
     __syncthreads();                                             // the shared row values are reused by the next row
@@ -203,13 +219,19 @@ __global__ void __launch_bounds__(1024)
     SoftmaxState<T> s{T(0), T(0), T(0)};
     stage_row<T>(x + lo, staged, n, [&](T logit) { s = add_logit(s, f(logit)); });
     s = block_merge(s, sh.warp_states);
-    if (threadIdx.x == 0) sh.block_state[parity] = s;
+    // Before the barrier: past it, the block that holds the chosen token may be writing its gradient over it.
+    ChosenToken<T> chosen{};
+    if (threadIdx.x == 0) {
+      sh.block_state[parity] = s;
+      chosen = chosen_token(a, f, x, r);
+    }
     cluster_sync();  // every block's state (and this block's staged part) is visible
     if (threadIdx.x == 0) {
       SoftmaxState<T> total = *cluster_map_shared(&sh.block_state[parity], 0);
-      for (unsigned k = 1; k < blocks; ++k)
+      for (unsigned k = 1; k < blocks; ++k) {
         total = merge_states(total, *cluster_map_shared(&sh.block_state[parity], k));
-      finish_row(a, f, row_weight, x, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh);
+      }
+      finish_row(a, row_weight, chosen, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh);
     }
     parity ^= 1;
     __syncthreads();

@@ -76,7 +76,10 @@ __device__ __forceinline__ void for_each_vector(const Vector<In>* body, int64_t 
 #pragma unroll
     for (int u = 0; u < U; ++u) g(i + u * step, in[u]);
   }
-  for (; i < vectors; i += step) g(i, body[i]);
+  for (; i < vectors; i += step) {
+    const Vector<In> in = body[i];  // one load, whatever g does with it (a reference could be re-read)
+    g(i, in);
+  }
 }
 
 // f(v, x[v] as T) for every element of x[0, n): scalar head and tail, vector body.
@@ -127,8 +130,9 @@ __device__ __forceinline__ void stage_row(const In* x, In* staged, int64_t n, F&
   constexpr int W = Vector<In>::kWidth;
   const int64_t head = vector_head(x, n), vectors = (n - head) / W;
   for (int64_t v = threadIdx.x; v < head; v += blockDim.x) {
-    staged[v] = x[v];
-    f(load_as<T>(x + v));
+    const In value = x[v];
+    staged[v] = value;
+    f(load_as<T>(&value));
   }
   Vector<In>* body = reinterpret_cast<Vector<In>*>(staged + head);
   for_each_vector(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
@@ -137,8 +141,9 @@ __device__ __forceinline__ void stage_row(const In* x, In* staged, int64_t n, F&
     for (int k = 0; k < W; ++k) f(load_as<T>(&in.v[k]));
   });
   for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) {
-    staged[v] = x[v];
-    f(load_as<T>(x + v));
+    const In value = x[v];
+    staged[v] = value;
+    f(load_as<T>(&value));
   }
 }
 

@@ -1,5 +1,7 @@
 // selective_log_softmax and the fused logits pass on the emulated device: plan/selective_log_softmax.h,
 // plan/grpo_loss_from_logits.h, cuda/selective_log_softmax.cu and cuda/grpo_loss_from_logits.cu without torch.
+#include <cstdlib>
+
 #include "cuda/grpo_loss_from_logits.cuh"
 #include "cuda/selective_log_softmax.cuh"
 #include "driver.h"
@@ -82,9 +84,15 @@ std::vector<Tensor> selective_log_softmax_backward(Args& a) {
 }
 
 // What the emulated device offers the single-read pass (its limits come from the driver's command line).
+// CUDA_EMU_CLAIM_MAX_CLUSTER=n tells the launcher that clusters of n blocks fit where the device takes fewer: a GPU
+// that reports sm_90 and then refuses the cluster (no GPC free for it), to test the launcher's fallback.
 grpo_ext::RowResidency row_residency() {
   const DeviceLimits& d = device_limits();
-  return {d.max_shared_per_block, d.max_cluster_blocks};
+  grpo_ext::RowResidency residency{d.max_shared_per_block, d.max_cluster_blocks};
+  if (const char* claim = std::getenv("CUDA_EMU_CLAIM_MAX_CLUSTER")) {
+    residency.max_cluster_blocks = static_cast<unsigned>(std::strtoul(claim, nullptr, 10));
+  }
+  return residency;
 }
 
 // cuda/grpo_loss_from_logits.cu's run_pass: the row weights (token-level gradient), then the pass.

@@ -181,7 +181,7 @@ std::string check_cluster_and_shared(const LaunchSpec& spec, bool* refused) {
     s << "a cluster of 0 blocks";
   } else if (spec.grid.x % n != 0) {
     s << "grid.x (" << spec.grid.x << ") is not a multiple of the cluster size (" << n << ")";
-  } else if (n > state.limits.max_cluster_blocks) {
+  } else if (n > 1 && n > state.limits.max_cluster_blocks) {  // a single block is an ordinary launch anywhere
     *refused = true;
     s << "a cluster of " << n << " blocks, over the device's maximum of " << state.limits.max_cluster_blocks;
   } else if (spec.shared_bytes > state.limits.max_shared_per_block) {

@@ -17,6 +17,8 @@ from test_grpo_loss_from_logits import make_problem
 from test_selective_log_softmax import make_logits
 
 from .checks import LOGITS_GRAD, LOSS, LOSS_GRAD, VALUES, check_op
+from .client import EmuDevice
+from .conftest import CSRC
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 VOCABS = [1, 7, 33, 1000, 4099, 50257]
@@ -283,7 +285,24 @@ def test_logits_pass_single_read_grid_stride_and_sequence_gradients(emu_small_sh
     g = torch.Generator().manual_seed(21)
     token_grad = torch.randn(24, generator=g)
     args = pass_args(logits.float().reshape(24, 1000), ids.reshape(-1), adv.float(), mask, token_grad=token_grad,
-                     old_logps=old.float(), loss_type="gspo", importance_sampling_level="sequence")  # fmt: skip
+                     old_logps=old.float(), loss_type="grpo", importance_sampling_level="sequence")  # fmt: skip
     launched = kernels_launched(emu_small_shared, lambda: check_op(emu_small_shared, "grpo_loss_from_logits_pass",
                                                                    *args, tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
     assert PASS_KERNELS["resident"] in launched
+
+
+def test_logits_pass_falls_back_when_the_device_refuses_the_cluster(monkeypatch):
+    """A device that takes clusters of 2 blocks while the launcher is told 8 fit (as a GPU with no GPC free for the
+    cluster): the launch of a 3-block cluster is refused, the error is cleared (a pending one would fail the op) and
+    the two-read kernel computes the same outputs."""
+    monkeypatch.setenv("CUDA_EMU_CLAIM_MAX_CLUSTER", "8")  # the drivers start on the first call, with this set
+    device = EmuDevice(CSRC, shared_per_block=2048, max_cluster=2)
+    try:
+        logits, ids, adv, mask, old, _ = make_problem(2, 3, 1000, seed=30, per_token_adv=True)
+        args = pass_args(logits.float().reshape(6, 1000), ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
+                         loss_type="dapo")  # fmt: skip
+        launched = kernels_launched(device, lambda: check_op(device, "grpo_loss_from_logits_pass", *args,
+                                                             tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
+        assert PASS_KERNELS["two-read"] in launched
+    finally:
+        assert not device.close()

@@ -177,7 +177,12 @@ def test_traffic_report_measures_every_op():
     module = importlib.util.module_from_spec(spec)
     sys.modules["traffic_report"] = module
     spec.loader.exec_module(module)
-    cases = module.measure()
-    assert len(cases) == 6
-    for name, floor, moved in cases:
+    cases = dict((name, (floor, moved)) for name, floor, moved in module.measure())
+    assert len(cases) == 8
+    for name, (floor, moved) in cases.items():
         assert 0 < floor <= moved, name
+    # one read of each row (plus the per-row scalars every thread loads: one broadcast on a GPU), or two
+    for shape in ("N=8192, V=151936, bfloat16", "N=2048, V=32000, float32"):
+        single, two = (cases[f"`grpo_loss_from_logits` pass (forward + gradient), {path}, {shape}, every row unmasked"]
+                       for path in ("single-read", "two-read"))  # fmt: skip
+        assert single[0] == two[0] and single[1] < 1.02 * single[0] and two[1] > 1.49 * two[0], shape
