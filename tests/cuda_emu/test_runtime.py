@@ -198,8 +198,10 @@ def test_each_cluster_bug_is_reported(emu, kernel, blocks, message):
         emu.selftest_cluster_bug(kernel, blocks, 32)
 
 
-def test_a_cluster_launch_over_the_cluster_size_limit_is_not_a_bug(emu):
-    # cluster_blocks 0 is a bug (LaunchError), 9 a refusal (returned; here the op throws it as a bad argument)
+def test_a_cluster_of_zero_blocks_is_a_bug_and_one_over_the_limit_a_refusal(emu):
+    with pytest.raises(EmuError, match="a cluster of 0 blocks"):
+        emu.selftest_cluster(0, 2, 32, 8, 1, "cluster", -1)
+    # 9 blocks: returned (the op makes a bad-argument error of it), the kernel not run
     with pytest.raises(EmuError, match="the launch was refused: invalid argument"):
         emu.selftest_cluster_bug("divergent_cluster_sync", 9, 32)
 
