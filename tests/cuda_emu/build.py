@@ -31,7 +31,8 @@ KERNEL_SOURCES = tuple(name for name in SOURCES if name.startswith("ops_"))
 # Kernel headers of the harness itself, compiled (and rewritten) like csrc's.
 HARNESS_KERNELS = ("selftest_kernels.cuh",)
 HARNESS_FILES = (*SOURCES, *HARNESS_KERNELS, "runtime.h", "shared_memory.h", "half_types.h", "driver.h", "loss_plan.h",
-                 "include/cuda_runtime.h", "include/cuda_bf16.h", "include/cuda_fp16.h", "build.py")  # fmt: skip
+                 "include/cuda_runtime.h", "include/cuda_bf16.h", "include/cuda_fp16.h", "include/cooperative_groups.h",
+                 "build.py")  # fmt: skip
 CXX = os.environ.get("CXX", "g++")
 SANITIZE = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all"]
 # The traffic build: no sanitizer runtime; every load and store of the kernel sources calls traffic.cpp. -O0 there:

@@ -35,6 +35,10 @@ std::vector<Tensor> selftest_bug(Args& a) {
     GRPO_LAUNCH(1, threads, 0, nullptr, selftest::device_assert_kernel)(o);
   } else if (name == "bounded") {
     GRPO_LAUNCH(1, threads, 0, nullptr, selftest::bounded_kernel)(o);
+  } else if (name == "dynamic_shared_overflow") {
+    GRPO_LAUNCH(1, threads, threads * sizeof(float), nullptr, selftest::dynamic_shared_overflow_kernel)(o);
+  } else if (name == "dynamic_shared_unwritten") {  // not a bug the harness reports: it returns NaN
+    GRPO_LAUNCH(1, threads, threads * sizeof(float), nullptr, selftest::dynamic_shared_unwritten_kernel)(o);
   } else if (name == "dynamic_shared_over_48k") {  // not allowed more (GRPO_ALLOW_DYNAMIC_SHARED)
     GRPO_LAUNCH(1, threads, 48 * 1024 + 16, nullptr, selftest::dynamic_fill_kernel)(o);
   } else if (name == "static_plus_dynamic_over_48k") {  // its __shared__ flag on top of 48 KiB of dynamic

@@ -549,6 +549,25 @@ std::string check_launch(const LaunchSpec& spec, bool* refused) {
   throw LaunchError(message + problem);
 }
 
+// The running thread arrives at a barrier (`name`: __syncthreads of its block or cluster_sync of its cluster, whose
+// gathering site and count are `barrier_site` and `count`) and waits until it completes.
+void arrive(const std::source_location& where, State state, const char* name, const char* scope, Site& barrier_site,
+            int& count) {
+  Fiber& f = *rt.current;
+  const Site site = site_of(where);
+  if (count == 0) {
+    barrier_site = site;
+  } else if (!(barrier_site == site)) {
+    fail(std::string("divergent ") + name + ": this thread is at " + site.str() + " while others of its " + scope +
+         " wait at " + barrier_site.str());
+  }
+  f.state = state;
+  f.site = site;
+  ++count;
+  try_release_barriers(f.block);
+  park(f);
+}
+
 }  // namespace
 
 void set_schedule(const Schedule& s) {
@@ -581,37 +600,13 @@ void device_assert_fail(const char* condition, const char* file, int line) {
 }
 
 void syncthreads(const std::source_location& where) {
-  Fiber& f = *rt.current;
-  Block& b = rt.blocks[f.block];
-  const Site site = site_of(where);
-  if (b.barrier_count == 0) {
-    b.barrier_site = site;
-  } else if (!(b.barrier_site == site)) {
-    fail("divergent __syncthreads: this thread is at " + site.str() + " while others of its block wait at " +
-         b.barrier_site.str());
-  }
-  f.state = State::kBarrier;
-  f.site = site;
-  ++b.barrier_count;
-  try_release_barriers(f.block);
-  park(f);
+  Block& b = rt.blocks[rt.current->block];
+  arrive(where, State::kBarrier, "__syncthreads", "block", b.barrier_site, b.barrier_count);
 }
 
 void cluster_sync(const std::source_location& where) {
   if (rt.current == nullptr) throw LaunchError("cluster_sync outside a kernel");
-  Fiber& f = *rt.current;
-  const Site site = site_of(where);
-  if (rt.cluster_count == 0) {
-    rt.cluster_site = site;
-  } else if (!(rt.cluster_site == site)) {
-    fail("divergent cluster_sync: this thread is at " + site.str() + " while others of its cluster wait at " +
-         rt.cluster_site.str());
-  }
-  f.state = State::kClusterBarrier;
-  f.site = site;
-  ++rt.cluster_count;
-  try_release_barriers(f.block);
-  park(f);
+  arrive(where, State::kClusterBarrier, "cluster_sync", "cluster", rt.cluster_site, rt.cluster_count);
 }
 
 unsigned cluster_block_rank() {

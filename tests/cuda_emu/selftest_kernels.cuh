@@ -155,6 +155,21 @@ __global__ void dynamic_fill_kernel(float* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = mine[threadIdx.x] * flag;
 }
 
+// Writes one element past its dynamic shared memory (`blockDim.x` floats).
+__global__ void dynamic_shared_overflow_kernel(float* out) {
+  float* mine = grpo_ext::dynamic_shared<float>();
+  mine[threadIdx.x + 1] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = mine[threadIdx.x];
+}
+
+// Reads its dynamic shared memory before any thread wrote it (NaN, as a fresh block's on the emulated device).
+__global__ void dynamic_shared_unwritten_kernel(float* out) {
+  const float* mine = grpo_ext::dynamic_shared<float>();
+  CUDA_KERNEL_ASSERT(reinterpret_cast<uintptr_t>(mine) % 16 == 0);
+  out[threadIdx.x] = mine[threadIdx.x];
+}
+
 // Cluster bugs (a cluster of 2 blocks or more; `blockDim.x` floats of dynamic shared memory):
 // each block reads its neighbour's shared memory with no cluster_sync before it exits, through a pointer mapped while
 // the neighbour was alive: a block that exits first frees what the other still reads.

@@ -21,6 +21,7 @@ from .client import EmuError
         ("device_assert", 32, "device assert failed: threadIdx.x < 8"),
         ("bounded", 128, r"exceed the kernel's __launch_bounds__\(64\)"),
         ("bounded", 2048, "invalid block"),
+        ("dynamic_shared_overflow", 32, "heap-buffer-overflow"),
         ("dynamic_shared_over_48k", 32, "49168 bytes of dynamic shared memory, over the kernel's maximum of 49152"),
         ("static_plus_dynamic_over_48k", 32, "exceed 48 KiB, and GRPO_ALLOW_DYNAMIC_SHARED did not allow the kernel"),
         ("dynamic_shared_over_device", 32, "the device refuses the launch: 232464 bytes of dynamic shared memory"),
@@ -35,6 +36,12 @@ def test_each_bug_is_reported(emu, kernel, threads, message):
 
 def test_a_correct_launch_passes(emu):
     assert torch.equal(emu.selftest_bug("bounded", 64), torch.ones(64))
+
+
+def test_dynamic_shared_memory_starts_as_nan(emu):
+    # fresh per block, 0xff bytes (NaN), 16-byte aligned (the kernel asserts it)
+    out = emu.selftest_bug("dynamic_shared_unwritten", 64)
+    assert torch.equal(out.view(torch.int32), torch.full((64,), -1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("threads", [32, 96])
@@ -191,8 +198,10 @@ def test_each_cluster_bug_is_reported(emu, kernel, blocks, message):
         emu.selftest_cluster_bug(kernel, blocks, 32)
 
 
-def test_a_cluster_launch_over_the_cluster_size_limit_is_not_a_bug(emu):
-    # cluster_blocks 0 is a bug (LaunchError), 9 a refusal (returned; here the op throws it as a bad argument)
+def test_a_cluster_of_zero_blocks_is_a_bug_and_one_over_the_limit_a_refusal(emu):
+    with pytest.raises(EmuError, match="a cluster of 0 blocks"):
+        emu.selftest_cluster(0, 2, 32, 8, 1, "cluster", -1)
+    # 9 blocks: returned (the op makes a bad-argument error of it), the kernel not run
     with pytest.raises(EmuError, match="the launch was refused: invalid argument"):
         emu.selftest_cluster_bug("divergent_cluster_sync", 9, 32)
 

@@ -3,12 +3,13 @@
 //
 // The traffic build (build.py, variant "traffic") compiles the kernels' translation units with GCC's
 // -fsanitize=kernel-address and a call threshold of 0: every load and store the compiled code makes calls
-// __asan_{load,store}{1,2,4,8,16,N}_noabort(address[, size]), defined here. An access inside a registered buffer,
-// made while a launch runs, is added to that launch's count for the buffer; the rest (the fibers' stacks, i.e. a
-// thread's registers, shared memory, the host code) is not global memory and is ignored. Per launch and buffer: the
-// bytes read (every thread's loads: a value all threads of a block read counts once per thread, where a GPU serves
-// it by one broadcast), the distinct bytes read (what an ideal cache would fetch) and the bytes written. Byte counts
-// are exact; access widths are not (GCC may split a 16-byte copy into four 4-byte moves), so they are not reported.
+// __asan_{load,store}{1,2,4,8,16,N}_noabort(address[, size]), defined here. An access inside a registered buffer, made
+// while a launch runs, is added to that launch's count for the buffer; the rest (the fibers' stacks, i.e. a thread's
+// registers, shared memory: static or dynamic, the block's own or a cluster peer's, the host code) is not global memory
+// and is ignored. Per launch and buffer: the bytes read (every thread's loads: a value all threads of a block read
+// counts once per thread, where a GPU serves it by one broadcast), the distinct bytes read (what an ideal cache would
+// fetch) and the bytes written. Byte counts are exact; access widths are not (GCC may split a 16-byte copy into four
+// 4-byte moves), so they are not reported.
 #include <cstdint>
 #include <map>
 #include <string>
