@@ -150,12 +150,31 @@ def parse_sass(sass: str, kernels: dict[str, Kernel]) -> None:
                 table[bits] = table.get(bits, 0) + 1
 
 
+# Enum template arguments as c++filt prints them -> what they mean (csrc/logit_transform.h: SoftCap).
+ENUM_ARGUMENTS = {"(grpo_ext::SoftCap)0": "no cap", "(grpo_ext::SoftCap)1": "softcap",
+                  "(grpo_ext::SoftCap)2": "cap at run time"}  # fmt: skip
+
+
+def short_name(plain: str) -> str:
+    """``void grpo_ext::k<float, (grpo_ext::SoftCap)0>(args)`` -> ``k<float, no cap>``."""
+    plain = re.sub(r"^void grpo_ext::", "", plain)
+    if plain.endswith(")"):  # drop the parameter list: from its matching "(" on
+        depth = 0
+        for i in range(len(plain) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(plain[i], 0)
+            if depth == 0:
+                plain = plain[:i]
+                break
+    for enum, meaning in ENUM_ARGUMENTS.items():
+        plain = plain.replace(enum, meaning)
+    return plain.replace("__nv_bfloat16", "bf16").replace("__half", "fp16")
+
+
 def demangle(kernels: dict[str, Kernel], cxxfilt: str | None) -> None:
     names = list(kernels)
     text = run([cxxfilt, *names]) if cxxfilt else "\n".join(names)
     for mangled, plain in zip(names, text.strip().splitlines(), strict=True):
-        plain = re.sub(r"^void grpo_ext::", "", plain)
-        kernels[mangled].name = re.sub(r"\(.*\)$", "", plain).replace("__nv_bfloat16", "bf16").replace("__half", "fp16")
+        kernels[mangled].name = short_name(plain)
 
 
 def collect(library: str) -> list[Kernel]:
