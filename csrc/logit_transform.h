@@ -9,6 +9,10 @@
 
 namespace grpo_ext {
 
+// Which soft-cap code a kernel compiles, as a template argument: none, the tanh cap, or either behind the run-time
+// flag LogitTransform::capped (one kernel for both).
+enum class SoftCap : int { kOff = 0, kOn = 1, kRuntime = 2 };
+
 template <typename T>
 struct LogitTransform {
   T in_scale = T(1);       // uncapped: x -> z (logit_scale / temperature); capped: x -> the tanh argument
@@ -33,6 +37,18 @@ struct LogitTransform {
     return slope * (T(1) - t * t);
   }
   GRPO_HD T slope_at(T z) const { return capped ? slope_of<true>(z) : slope_of<false>(z); }
+
+  // z_of and slope_of for a SoftCap kernel argument (kOff, kOn: that code only, whatever `capped` says).
+  template <SoftCap kCap>
+  GRPO_HD T z_with(T x) const {
+    if constexpr (kCap == SoftCap::kRuntime) return (*this)(x);
+    return z_of < kCap == SoftCap::kOn > (x);
+  }
+  template <SoftCap kCap>
+  GRPO_HD T slope_with(T z) const {
+    if constexpr (kCap == SoftCap::kRuntime) return slope_at(z);
+    return slope_of < kCap == SoftCap::kOn > (z);
+  }
 };
 
 // logit_softcap <= 0 means no cap (the ops' schemas take 0 for None); the planning checks the values.

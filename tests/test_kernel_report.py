@@ -13,7 +13,7 @@ import grpo_ext
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(not grpo_ext.build_info()["cuda_compiled"], reason="CUDA kernels not compiled")
+needs_cuda_build = pytest.mark.skipif(not grpo_ext.build_info()["cuda_compiled"], reason="CUDA kernels not compiled")
 
 
 def load_report():
@@ -24,6 +24,7 @@ def load_report():
     return module
 
 
+@needs_cuda_build
 def test_every_kernel_is_reported_with_its_resources():
     report = load_report()
     kernels = report.collect(grpo_ext._C.__file__)
@@ -44,3 +45,12 @@ def test_load_widths_parse_sass_spelling():
     assert [report.width_of(op) for op in ("LDG.E.128", "LDG.E.64.CONSTANT", "LDG.E.U16", "LDG.E.S8", "LDG.E")] == [
         "128", "64", "16", "8", "32",
     ]  # fmt: skip
+
+
+def test_names_drop_the_parameters_and_spell_enum_arguments():
+    report = load_report()
+    plain = ("void grpo_ext::selective_log_softmax_forward_kernel<float, __nv_bfloat16, (grpo_ext::SoftCap)0>"
+             "(grpo_ext::StridedMatrix, long, grpo_ext::LogitTransform<float>, float*)")  # fmt: skip
+    assert report.short_name(plain) == "selective_log_softmax_forward_kernel<float, bf16, no cap>"
+    assert report.short_name("void grpo_ext::k<double, (grpo_ext::SoftCap)2>(double*)") == "k<double, cap at run time>"
+    assert report.short_name("void grpo_ext::k<float, (grpo_ext::SoftCap)1>(float*)") == "k<float, softcap>"

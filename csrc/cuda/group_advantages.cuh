@@ -207,6 +207,9 @@ __global__ void __launch_bounds__(1024)
     sum = warp_sum(sum);
     cnt = warp_sum(cnt);
     const T sigma = p.scale == ScaleRewards::kBatch ? batch_std : group_std[g];
+    // Not unrolled: a group of up to 32 rows is one iteration, and the unrolled copies (a division call each) kept
+    // a pointer live across the calls that spilled in float64 (4 B).
+#pragma unroll 1
     for (int64_t i = lane; i < g_size; i += 32) {
       const int64_t row = groups.row(base + i);
       const T r = adv[row];

@@ -13,13 +13,38 @@
 #include "../grpo_loss_math.h"
 #include "launch.cuh"
 #include "reduce.cuh"
+#include "token_io.cuh"
+#include "vector_io.cuh"
 
 namespace grpo_ext {
 
-// Up to 512 threads per block (loss_threads_per_row).
+// Tokens per chunk (token_io.cuh): one 16-byte access per float32 input. Float64 (the reference dtype, not a timed
+// one) reads one token at a time: two-token chunks took the rows kernel from 116 to 164 registers.
 template <typename T>
-__global__ void __launch_bounds__(512)
+constexpr int kLossChunk = sizeof(T) == 8 ? 1 : 4;
+
+// Whether row `row` can be read in whole chunks of K tokens from token `head` on (token_io.cuh): every [B, T] input
+// of a chunk dtype with unit stride (or broadcast) and on a chunk boundary there, and so the gradient row.
+template <int K, typename T>
+__device__ __forceinline__ bool loss_row_vectorizable(const LossInputs& in, int64_t row, int64_t head,
+                                                      const T* grad_row) {
+  bool ok =
+      in.logps.col_stride == 1 && (!grad_row || reinterpret_cast<uintptr_t>(grad_row + head) % sizeof(Pack<T, K>) == 0);
+  for (const StridedMatrix* m : {&in.logps, &in.old_logps, &in.ref_logps, &in.advantages, &in.is_weights, &in.mask}) {
+    const bool is_mask = m == &in.mask;
+    ok = ok && chunk_aligned<K>(*m, row, head) && (!m->present() || m->col_stride == 0 || chunk_dtype<T>(*m, is_mask));
+  }
+  return ok;
+}
+
+// Up to 256 threads per block (loss_threads_per_row). Each thread reads its tokens in chunks of K (token_io.cuh):
+// the mask first, then, if any token of the chunk is kept, every other input of the chunk before any is used. The
+// chunks in flight take registers (122 float32, 128+ float64): the 256-thread bound lets ptxas use them without
+// spilling (at 512 the float64 kernel spilled 20 B); either way one SM holds 512 threads of it.
+template <typename T>
+__global__ void __launch_bounds__(256)
     grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict__ grad, T* __restrict__ partials) {
+  constexpr int K = kLossChunk<T>;
   __shared__ T scratch[(kNumRowSlots + 1) * 32];
   const int64_t n_cols = in.seq_len;
   const bool vespo = p.loss_type == LossType::kVESPO;
@@ -30,22 +55,43 @@ __global__ void __launch_bounds__(512)
   const KLKind kl = kl_kind(p);
   for (int64_t row = blockIdx.x; row < in.batch; row += gridDim.x) {
     T* grad_row = grad ? grad + row * n_cols : nullptr;
+    const int64_t head = chunk_head<K>(in.logps, row, n_cols);
+    const bool vector = loss_row_vectorizable<K>(in, row, head, grad_row);
+    const T sample = in.sample_mask.present() ? in.sample_mask.load<T>(row, 0) : T(1);
+    // m_eff = completion_mask * sample_mask (LossInputs::mask_at) of the chunk's tokens; whether any is kept.
+    const auto load_mask = [&](const TokenChunk& c, T(&m)[K]) {
+      load_tokens<T, K>(in.mask, row, n_cols, c, m);
+      bool any = false;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (in.sample_mask.present()) m[k] *= sample;
+        any |= m[k] != T(0);
+      }
+      return any;
+    };
+
     T pass1[3] = {T(0), T(0), T(0)};  // sum m, sum m * (l - l_old), vespo's sum of log-weight terms
     if (need_count) {
-      for (int64_t t = threadIdx.x; t < n_cols; t += blockDim.x) {
-        const T m = in.mask_at<T>(row, t);
-        if (m == T(0)) continue;
-        pass1[0] += m;
-        if (p.sequence_level || vespo) {  // on-policy: l - l, 0 or NaN (a non-finite l makes the row's ratio NaN)
-          const T l = in.logps.load<T>(row, t);
-          const T d = log_ratio_of(l, p.has_old ? in.old_logps.load<T>(row, t) : l);
-          if (p.sequence_level) pass1[1] += m * d;
+      for_each_chunk<K>(n_cols, vector, head, [&](const TokenChunk& c) {
+        T m[K], l[K], l_old[K], isw[K];
+        if (!load_mask(c, m)) return;
+        const bool ratio = p.sequence_level || vespo;  // on-policy: l - l, 0 or NaN (a non-finite l: NaN ratio)
+        if (ratio) load_tokens<T, K>(in.logps, row, n_cols, c, l, &m);
+        if (ratio && p.has_old) load_tokens<T, K>(in.old_logps, row, n_cols, c, l_old, &m);
+        if (vespo && in.is_weights.present()) load_tokens<T, K>(in.is_weights, row, n_cols, c, isw, &m);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          if (m[k] == T(0)) continue;
+          pass1[0] += m[k];
+          if (!ratio) continue;
+          const T d = log_ratio_of(l[k], p.has_old ? l_old[k] : l[k]);
+          if (p.sequence_level) pass1[1] += m[k] * d;
           if (vespo) {
-            const T isw = in.is_weights.present() ? in.is_weights.load<T>(row, t) : T(1);
-            pass1[2] += m * vespo_token_log_weight(d, isw, in.is_weights.present());
+            const T w = in.is_weights.present() ? isw[k] : T(1);
+            pass1[2] += m[k] * vespo_token_log_weight(d, w, in.is_weights.present());
           }
         }
-      }
+      });
       block_sum<T, 3>(pass1, scratch);
     }
     const T count_clamped = pass1[0] > T(1) ? pass1[0] : T(1);
@@ -56,39 +102,51 @@ __global__ void __launch_bounds__(512)
     T acc[kNumRowSlots + 1];  // the row slots, then sum_t w * dP/drho (sequence level)
 #pragma unroll
     for (int s = 0; s <= kNumRowSlots; ++s) acc[s] = T(0);
-    for (int64_t t = threadIdx.x; t < n_cols; t += blockDim.x) {
-      const T m = in.mask_at<T>(row, t);
-      if (m == T(0)) {
-        if (grad_row) grad_row[t] = T(0);
-        continue;
-      }
-      const T l = in.logps.load<T>(row, t);
-      const T l_old = p.has_old && !p.sequence_level ? in.old_logps.load<T>(row, t) : l;
-      const T rho = p.sequence_level ? seq_ratio : math_exp(log_ratio_of(l, l_old));
-      const T adv = in.advantages.load<T>(row, t);
-      const T l_ref = want_kl ? in.ref_logps.load<T>(row, t) : T(0);
-      // vespo: the token's phi in place of its is_weight (docs/math.md section 3)
-      const T isw = vespo ? vespo_phi(consts, vespo_log_w, adv)
-                          : (in.is_weights.present() ? in.is_weights.load<T>(row, t) : T(1));
-      const TokenTerms<T> tt = token_terms<T>(consts, family, kl, p.bias_correction, l, l_ref, adv, isw, rho);
-      const T w = m * row_factor;
-      acc[kSlotLoss] += w * tt.loss;
-      acc[kSlotMask] += m;
-      acc[kSlotKL] += m * tt.kl;
-      acc[kSlotLow] += tt.low * m;
-      acc[kSlotHigh] += tt.high * m;
-      acc[kSlotRegion] += (tt.low + tt.high) * m;  // low and high never hold together
-      acc[kSlotCispo] += tt.cispo_clipped * m;
-      if (vespo) acc[kSlotPhi] += isw * m;
-      if (grad_row) {
-        if (p.sequence_level) {
-          acc[kNumRowSlots] += w * tt.dloss_drho;
-          grad_row[t] = w * tt.dloss_dl;
-        } else {
-          grad_row[t] = w * (tt.dloss_dl + tt.dloss_drho * rho);
+    for_each_chunk<K>(n_cols, vector, head, [&](const TokenChunk& c) {
+      T m[K], g[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) g[k] = T(0);  // masked tokens' gradient
+      const bool kept = load_mask(c, m);
+      if (kept) {
+        T l[K], l_old[K], adv[K], l_ref[K], isw[K];
+        load_tokens<T, K>(in.logps, row, n_cols, c, l, &m);
+        const bool per_token_old = p.has_old && !p.sequence_level;
+        if (per_token_old) load_tokens<T, K>(in.old_logps, row, n_cols, c, l_old, &m);
+        load_tokens<T, K>(in.advantages, row, n_cols, c, adv, &m);
+        if (want_kl) load_tokens<T, K>(in.ref_logps, row, n_cols, c, l_ref, &m);
+        const bool given_isw = !vespo && in.is_weights.present();
+        if (given_isw) load_tokens<T, K>(in.is_weights, row, n_cols, c, isw, &m);
+        // One token at a time through the run-time dispatch (one copy of its code: unrolled K times it was not
+        // inlined and took a 700-byte stack frame), picking the token's values out of the chunk's registers.
+#pragma unroll 1
+        for (int k = 0; k < K; ++k) {
+          const T mk = pick(m, k);
+          if (mk == T(0)) continue;
+          const T lk = pick(l, k), adv_k = pick(adv, k);
+          const T rho = p.sequence_level ? seq_ratio : math_exp(log_ratio_of(lk, per_token_old ? pick(l_old, k) : lk));
+          // vespo: the token's phi in place of its is_weight (docs/math.md section 3)
+          const T w_is = vespo ? vespo_phi(consts, vespo_log_w, adv_k) : (given_isw ? pick(isw, k) : T(1));
+          const TokenTerms<T> tt = token_terms<T>(consts, family, kl, p.bias_correction, lk,
+                                                  want_kl ? pick(l_ref, k) : T(0), adv_k, w_is, rho);
+          const T w = mk * row_factor;
+          acc[kSlotLoss] += w * tt.loss;
+          acc[kSlotMask] += mk;
+          acc[kSlotKL] += mk * tt.kl;
+          acc[kSlotLow] += tt.low * mk;
+          acc[kSlotHigh] += tt.high * mk;
+          acc[kSlotRegion] += (tt.low + tt.high) * mk;  // low and high never hold together
+          acc[kSlotCispo] += tt.cispo_clipped * mk;
+          if (vespo) acc[kSlotPhi] += w_is * mk;
+          if (p.sequence_level) {
+            acc[kNumRowSlots] += w * tt.dloss_drho;
+            put(g, k, w * tt.dloss_dl);
+          } else {
+            put(g, k, w * (tt.dloss_dl + tt.dloss_drho * rho));
+          }
         }
       }
-    }
+      if (grad_row) store_row_tokens<T, K>(grad_row, n_cols, c, g);
+    });
     block_sum<T, kNumRowSlots + 1>(acc, scratch);
     if (threadIdx.x == 0) {
       if (p.row_share_metrics) {  // one condition per row, every row counted
@@ -104,10 +162,14 @@ __global__ void __launch_bounds__(512)
     if (grad_row && p.sequence_level) {
       // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1); each thread revisits only the tokens it wrote above.
       const T through_ratio = acc[kNumRowSlots] * seq_ratio / count_clamped;
-      for (int64_t t = threadIdx.x; t < n_cols; t += blockDim.x) {
-        const T m = in.mask_at<T>(row, t);
-        if (m != T(0)) grad_row[t] += through_ratio * m;
-      }
+      for_each_chunk<K>(n_cols, vector, head, [&](const TokenChunk& c) {
+        T m[K], g[K];
+        if (!load_mask(c, m)) return;
+        load_row_tokens<T, K>(grad_row, n_cols, c, g);
+#pragma unroll
+        for (int k = 0; k < K; ++k) g[k] = m[k] != T(0) ? g[k] + through_ratio * m[k] : g[k];
+        store_row_tokens<T, K>(grad_row, n_cols, c, g);
+      });
     }
   }
 }
@@ -134,46 +196,36 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-template <typename Out>
-__device__ __forceinline__ Out convert_out(float v);
-template <>
-__device__ __forceinline__ float convert_out<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 convert_out<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half convert_out<__half>(float v) {
-  return __float2half_rn(v);
-}
-
-// grad_logps = grad_raw * (grad_loss * grad_scale), written in the logps dtype.
+// grad_logps = grad_raw * (grad_loss * grad_scale), written in the logps dtype (rounded once, vector_io.cuh's to_out):
+// 16-byte loads of grad_raw (4 float32 or 2 float64) and one store of as many elements, when both start on such a
+// chunk (the allocator's tensors do); element by element otherwise.
 template <typename T, typename Out>
 __global__ void __launch_bounds__(256)
     grpo_loss_backward_kernel(const T* __restrict__ grad_raw, const T* __restrict__ grad_loss,
                               const T* __restrict__ grad_scale, Out* __restrict__ out, int64_t n) {
+  constexpr int K = kVectorBytes / static_cast<int>(sizeof(T));
   const T factor = grad_loss[0] * grad_scale[0];
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    out[i] = convert_out<Out>(grad_raw[i] * factor);
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t done = 0;
+  if (reinterpret_cast<uintptr_t>(grad_raw) % sizeof(Pack<T, K>) == 0 &&
+      reinterpret_cast<uintptr_t>(out) % sizeof(Pack<Out, K>) == 0) {
+    done = n / K * K;
+#pragma unroll 1  // one chunk per thread at the launcher's grid; unrolled, float32 took 34 registers (75% occupancy)
+    for (int64_t i = first; i < n / K; i += stride) {
+      const Pack<T, K> g = reinterpret_cast<const Pack<T, K>*>(grad_raw)[i];
+      Pack<Out, K> result;
+#pragma unroll
+      for (int k = 0; k < K; ++k) result.v[k] = to_out<Out, T>(g.v[k] * factor);
+      reinterpret_cast<Pack<Out, K>*>(out)[i] = result;
+    }
   }
-}
-template <>
-__global__ void __launch_bounds__(256) grpo_loss_backward_kernel<double, double>(const double* __restrict__ grad_raw,
-                                                                                 const double* __restrict__ grad_loss,
-                                                                                 const double* __restrict__ grad_scale,
-                                                                                 double* __restrict__ out, int64_t n) {
-  const double factor = grad_loss[0] * grad_scale[0];
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    out[i] = grad_raw[i] * factor;
-  }
+  for (int64_t i = done + first; i < n; i += stride) out[i] = to_out<Out, T>(grad_raw[i] * factor);
 }
 
-// Threads per row: enough for ~8 tokens each, a warp at least, 512 at most.
+// Threads per row: enough for ~8 tokens each, a warp at least, 256 at most (__launch_bounds__).
 inline int loss_threads_per_row(int64_t seq_len) {
   const int64_t want = (seq_len + 7) / 8;
-  return round_up_to_warp(want < 32 ? 32 : (want > 512 ? 512 : want));
+  return round_up_to_warp(want < 32 ? 32 : (want > 256 ? 256 : want));
 }
 
 template <typename T>
@@ -193,7 +245,8 @@ void launch_grpo_loss_backward(const T* grad_raw, const T* grad_loss, const T* g
                                int num_sms, cudaStream_t stream) {
   if (n == 0) return;
   const int threads = 256;
-  int64_t blocks = (n + threads - 1) / threads;
+  const int64_t per_thread = kVectorBytes / sizeof(T), chunks = (n + per_thread - 1) / per_thread;  // one each
+  int64_t blocks = (chunks + threads - 1) / threads;
   const int64_t cap = int64_t(num_sms) * 8;
   if (blocks > cap) blocks = cap;
   GRPO_LAUNCH(static_cast<unsigned>(blocks), threads, 0, stream, grpo_loss_backward_kernel<T, Out>)(grad_raw, grad_loss,

@@ -10,12 +10,13 @@
 namespace grpo_ext {
 
 // One block per group: the group's step statistics, then every token's suffix sum of normalized step rewards.
+// num_groups = batch / group_size comes from the launcher: computed here, it stayed live in a register across the
+// float64 division calls and spilled (16 B in the float64 instantiation).
 template <typename T>
 __global__ void __launch_bounds__(256)
-    process_advantages_kernel(StridedMatrix rewards, StridedMatrix step_end, int64_t batch, int64_t num_steps,
+    process_advantages_kernel(StridedMatrix rewards, StridedMatrix step_end, int64_t num_groups, int64_t num_steps,
                               int64_t group_size, int64_t seq_len, T eps, int64_t std_ddof, T* __restrict__ out) {
   __shared__ T scratch[2 * 32];
-  const int64_t num_groups = batch / group_size;
   const int64_t cells = group_size * num_steps;
   auto valid = [&](int64_t row, int64_t j, T* reward) {
     const T r = rewards.load<T>(row, j);
@@ -58,8 +59,8 @@ void launch_process_advantages(const StridedMatrix& rewards, const StridedMatrix
   if (num_groups == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
   GRPO_LAUNCH(static_cast<unsigned>(num_groups < max_blocks ? num_groups : max_blocks), 256, 0, stream,
-              process_advantages_kernel<T>)(rewards, step_end, batch, num_steps, group_size, seq_len, eps, std_ddof,
-                                            out);
+              process_advantages_kernel<T>)(rewards, step_end, num_groups, num_steps, group_size, seq_len, eps,
+                                            std_ddof, out);
 }
 
 }  // namespace grpo_ext

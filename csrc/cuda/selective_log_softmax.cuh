@@ -76,8 +76,9 @@ __device__ __forceinline__ SoftmaxState<T> block_merge(SoftmaxState<T> s, Softma
 }
 
 // Up to 1024 threads per block (row_threads); the bound keeps every instantiation launchable at that size. `In` is
-// the logits' element type: a row with unit stride is read with 16-byte loads (vector_io.cuh).
-template <typename T, typename In>
+// the logits' element type: a row with unit stride is read with 16-byte loads (vector_io.cuh). kCap: the soft-cap
+// code compiled in (launch_with_cap).
+template <typename T, typename In, SoftCap kCap>
 __global__ void __launch_bounds__(1024)
     selective_log_softmax_forward_kernel(StridedMatrix logits, StridedMatrix ids, int64_t rows, int64_t vocab,
                                          LogitTransform<T> f, T* __restrict__ logps, T* __restrict__ entropy,
@@ -87,9 +88,11 @@ __global__ void __launch_bounds__(1024)
     SoftmaxState<T> s{T(0), T(0), T(0)};
     if (logits.col_stride == 1) {
       const In* x = static_cast<const In*>(logits.data) + row * logits.row_stride;
-      for_each_in_row<T>(x, vocab, [&](int64_t, T z) { s = add_logit(s, f(z)); });
+      for_each_in_row<T>(x, vocab, [&](int64_t, T z) { s = add_logit(s, f.template z_with<kCap>(z)); });
     } else {
-      for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) s = add_logit(s, f(logits.load<T>(row, v)));
+      for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+        s = add_logit(s, f.template z_with<kCap>(logits.load<T>(row, v)));
+      }
     }
     s = block_merge(s, warp_states);
     if (threadIdx.x == 0) {
@@ -98,7 +101,7 @@ __global__ void __launch_bounds__(1024)
       // (z_id - max) - log(sum), not z_id - lse: rounding lse (~30) costs ~2e-6 absolute, all of a confident
       // token's log-prob (~-1e-6).
       const T log_sum = log(s.sum), mean_shift = s.weighted / s.sum;
-      logps[row] = (f(logits.load<T>(row, id)) - s.max) - log_sum;
+      logps[row] = (f.template z_with<kCap>(logits.load<T>(row, id)) - s.max) - log_sum;
       if (entropy) entropy[row] = log_sum - mean_shift;
       row_stats[2 * row] = s.max + log_sum;         // lse
       row_stats[2 * row + 1] = s.max + mean_shift;  // E_p[z]
@@ -107,7 +110,8 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-template <typename T, typename Out>
+// kCap as in the forward.
+template <typename T, typename Out, SoftCap kCap>
 __global__ void __launch_bounds__(1024)
     selective_log_softmax_backward_kernel(StridedMatrix logits, StridedMatrix ids, StridedMatrix grad_logps,
                                           StridedMatrix grad_entropy, const T* __restrict__ row_stats, int64_t rows,
@@ -119,18 +123,37 @@ __global__ void __launch_bounds__(1024)
     const int64_t id = ids.load<int64_t>(row, 0);
     Out* out = grad_logits + row * vocab;
     const auto grad = [&](int64_t v, T logit) {
-      const T z = f(logit);
+      const T z = f.template z_with<kCap>(logit);
       const T p = exp(z - lse);
       const T onehot = v == id ? gl : T(0);
       const T spread = p > T(0) ? p * (z - mean_z) : T(0);  // a -inf logit: p = 0, and not 0 * -inf
-      return (onehot - gl * p - gh * spread) * f.slope_at(z);
+      return (onehot - gl * p - gh * spread) * f.template slope_with<kCap>(z);
     };
     if (logits.col_stride == 1) {  // the logits' dtype is Out's (the binding's dispatch)
-      transform_row<T>(static_cast<const Out*>(logits.data) + row * logits.row_stride, out, vocab, grad);
+      // bf16/fp16: one vector in flight (32 registers, 100% occupancy at 1024 threads; two took 52 and 50%): the
+      // same 32 KiB of loads in flight per SM, twice the warps to hide latency.
+      constexpr int kVectorsInFlight = sizeof(Out) == 2 ? 1 : kRowUnroll<Out>;
+      transform_row<T, kVectorsInFlight>(static_cast<const Out*>(logits.data) + row * logits.row_stride, out, vocab,
+                                         grad);
     } else {
       for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x)
         out[v] = to_out<Out, T>(grad(v, logits.load<T>(row, v)));
     }
+  }
+}
+
+// launch(std::integral_constant<SoftCap, kCap>) for the soft-cap code of f: the cap as a compile-time choice for
+// float32 accumulation (the tanh path in the uncapped loop cost the float32 backward 20 registers: 32 -> 52, half
+// the occupancy at 1024 threads); the run-time flag for float64, the reference dtype, where ptxas puts either
+// compile-time kernel at 32 registers and spills (the uncapped forward 240 B) but the run-time one at 52 without.
+template <typename T, typename Launch>
+void launch_with_cap(const LogitTransform<T>& f, Launch&& launch) {
+  if constexpr (std::is_same_v<T, double>) {
+    launch(std::integral_constant<SoftCap, SoftCap::kRuntime>());
+  } else if (f.capped) {
+    launch(std::integral_constant<SoftCap, SoftCap::kOn>());
+  } else {
+    launch(std::integral_constant<SoftCap, SoftCap::kOff>());
   }
 }
 
@@ -141,10 +164,13 @@ void launch_selective_log_softmax_forward(const StridedMatrix& logits, const Str
   if (rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
   const unsigned blocks = static_cast<unsigned>(rows < max_blocks ? rows : max_blocks);
-  const auto launch = [&](auto element) {  // the kernel for the logits' element type
+  const auto launch = [&](auto element) {  // the kernel for the logits' element type and the cap
     using In = decltype(element);
-    GRPO_LAUNCH(blocks, row_threads(vocab, sizeof(In)), 0, stream, selective_log_softmax_forward_kernel<T, In>)(
-        logits, ids, rows, vocab, f, logps, entropy, row_stats);
+    launch_with_cap(f, [&](auto cap) {
+      GRPO_LAUNCH(blocks, row_threads(vocab, sizeof(In)), 0, stream,
+                  selective_log_softmax_forward_kernel<T, In, decltype(cap)::value>)(logits, ids, rows, vocab, f, logps,
+                                                                                     entropy, row_stats);
+    });
   };
   if constexpr (std::is_same_v<T, double>) {  // float64 logits (the only ones accumulated in float64)
     launch(double());
@@ -164,9 +190,12 @@ void launch_selective_log_softmax_backward(const StridedMatrix& logits, const St
                                            Out* grad_logits, cudaStream_t stream) {
   if (rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
-  GRPO_LAUNCH(static_cast<unsigned>(rows < max_blocks ? rows : max_blocks), row_threads(vocab, sizeof(Out)), 0, stream,
-              selective_log_softmax_backward_kernel<T, Out>)(logits, ids, grad_logps, grad_entropy, row_stats, rows,
-                                                             vocab, f, grad_logits);
+  const unsigned blocks = static_cast<unsigned>(rows < max_blocks ? rows : max_blocks);
+  launch_with_cap(f, [&](auto cap) {
+    GRPO_LAUNCH(blocks, row_threads(vocab, sizeof(Out)), 0, stream,
+                selective_log_softmax_backward_kernel<T, Out, decltype(cap)::value>)(
+        logits, ids, grad_logps, grad_entropy, row_stats, rows, vocab, f, grad_logits);
+  });
 }
 
 }  // namespace grpo_ext

@@ -63,12 +63,11 @@ __device__ __forceinline__ int64_t vector_head(const In* x, int64_t n) {
   return head < n ? head : n;
 }
 
-// g(i, vector i) for every vector of body[0, vectors), kRowUnroll vectors per thread loaded before any is used.
-template <typename In, typename G>
+// g(i, vector i) for every vector of body[0, vectors), U vectors per thread loaded before any is used.
+template <typename In, int U = kRowUnroll<In>, typename G>
 __device__ __forceinline__ void for_each_vector(const Vector<In>* body, int64_t vectors, G&& g) {
   const int64_t step = blockDim.x;
   int64_t i = threadIdx.x;
-  constexpr int U = kRowUnroll<In>;
   for (; i + (U - 1) * step < vectors; i += U * step) {
     Vector<In> in[U];
 #pragma unroll
@@ -98,8 +97,8 @@ __device__ __forceinline__ void for_each_in_row(const In* x, int64_t n, F&& f) {
 // out[v] = f(v, x[v] as T) for every element of [0, n): vector loads as for_each_in_row, and vector stores where
 // `out` has the same offset from a 16-byte boundary as `x` (the in-place gradient, and any row of a contiguous
 // tensor that starts aligned); scalar stores otherwise. `out` may be `x` (each element is read before it is
-// overwritten, by the thread that writes it).
-template <typename T, typename In, typename Out, typename F>
+// overwritten, by the thread that writes it). U: vectors in flight per thread (0: kRowUnroll<In>).
+template <typename T, int U = 0, typename In, typename Out, typename F>
 __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, F&& f) {
   static_assert(sizeof(In) == sizeof(Out), "the gradient has the logits' element size");
   constexpr int W = Vector<In>::kWidth;
@@ -107,7 +106,9 @@ __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, 
   const bool vector_stores =
       reinterpret_cast<uintptr_t>(x) % kVectorBytes == reinterpret_cast<uintptr_t>(out) % kVectorBytes;
   for (int64_t v = threadIdx.x; v < head; v += blockDim.x) out[v] = to_out<Out, T>(f(v, load_as<T>(x + v)));
-  for_each_vector(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
+  constexpr int kUnroll = U > 0 ? U : kRowUnroll<In>;
+  const Vector<In>* body = reinterpret_cast<const Vector<In>*>(x + head);
+  for_each_vector<In, kUnroll>(body, vectors, [&](int64_t i, const Vector<In>& in) {
     Vector<Out> result;
 #pragma unroll
     for (int k = 0; k < W; ++k) result.v[k] = to_out<Out, T>(f(head + i * W + k, load_as<T>(&in.v[k])));

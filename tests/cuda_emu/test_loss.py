@@ -99,6 +99,26 @@ def test_masks_of_every_dtype_and_strided_inputs(emu):
         run_forward_backward(emu, args)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_chunked_rows_masks_of_every_dtype_and_offsets(emu, level):
+    """The rows kernel's chunks (token_io.cuh): contiguous inputs with a mask of every dtype (the dtypes read in
+    4-token chunks and the others, read token by token), T = 30 (odd rows start 2 tokens off a chunk boundary: a
+    partial chunk at each end), and views starting one token into a wider tensor (the gradient row is then on
+    another boundary than the inputs: the row is read token by token)."""
+    base = make_loss_batch(seed=9, batch=6, seq_len=30, per_token_advantages=True).to("cpu", torch.float32)
+    kwargs = case_kwargs("sapo", level, "k3", "is_weights_sample_mask")
+    for mask_dtype in (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32, torch.float16):
+        batch = make_loss_batch(seed=9, batch=6, seq_len=30, per_token_advantages=True).to("cpu", torch.float32)
+        batch.mask = base.mask.to(mask_dtype)
+        run_forward_backward(emu, forward_args(batch, kwargs))
+    for name in ("logps", "old_logps", "ref_logps", "advantages", "is_weights", "mask"):
+        t = getattr(base, name)
+        wide = torch.zeros(t.shape[0], t.shape[1] + 1, dtype=t.dtype)
+        wide[:, 1:] = t
+        setattr(base, name, wide[:, 1:])
+    run_forward_backward(emu, forward_args(base, kwargs))
+
+
 @pytest.mark.parametrize(("batch_size", "seq_len"), [(1, 1), (3, 31), (5, 257), (3, 4100), (300, 3)])
 def test_row_lengths(emu, batch_size, seq_len):
     """1 to 4100 tokens per row: 32 to 512 threads per block, and rows longer than the block (the loops wrap); 300
