@@ -1,12 +1,14 @@
 // CUDA kernels of the fused GRPO loss from logits, on raw pointers and a stream (no torch types).
 //
 // Token-level losses: a small one-block kernel turns the masks into per-row gradient weights (no host sync), then
-// one block per logits row reads the row once (16-byte loads, vector_io.cuh) for its online softmax statistics,
-// computes the token's log-prob, entropy and d loss / d logp (grpo_loss_math.h), and reads the row a second time to
-// write the gradient g * (onehot - softmax) * dz/dx (docs/math.md section 2: temperature, logit_scale, logit_softcap).
-// The second read follows the first within the same block, so it is served from L2 rather than HBM for rows up to a
-// few MB; the logits never round-trip through an [N, V] float temporary. Sequence-level losses use the same kernel
-// twice: once for the log-probs, once with the per-token gradients.
+// the pass computes each row's online softmax statistics (16-byte loads, vector_io.cuh), the token's log-prob,
+// entropy and d loss / d logp (grpo_loss_math.h), and writes the gradient g * (onehot - softmax) * dz/dx (docs/math.md
+// section 2: temperature, logit_scale, logit_softcap). Two kernels share that per-row code (finish_row,
+// write_row_grad): the single-read one, for rows that fit on chip, stages each row in shared memory, split over a
+// thread-block cluster when one block cannot hold it (cluster.cuh), and reads HBM once; the two-read one, for any
+// row, reads it again to write the gradient (from L2 while the row is still there). The logits never round-trip
+// through an [N, V] float temporary. Sequence-level losses run the pass twice: for the log-probs, then with the
+// per-token gradients. (One file past 300 lines: both kernels and their one launcher belong to this op.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -73,7 +75,7 @@ struct PassShared {
   int64_t row_id;
 };
 
-// What one row's blocks need from the loss: the per-token math and where the row's outputs go.
+// A logits row's place in the loss: its output index r, its token (b, t) and that token's mask value m.
 template <typename T>
 struct PassRow {
   int64_t r, b, t;
