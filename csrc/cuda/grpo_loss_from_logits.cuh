@@ -183,8 +183,9 @@ __global__ void __launch_bounds__(1024)
       finish_row(a, row_weight, chosen_token(a, f, x, r), s, row, grad_row != nullptr, true, logps, entropy, sh);
     }
     __syncthreads();
-    if (grad_row) write_row_grad(f, sh, x, grad_row, 0, vocab);  // the second read, from L2 if the row is still there
-    __syncthreads();                                             // the shared row values are reused by the next row
+    // The second read of the row, from L2 if it is still there.
+    if (grad_row) write_row_grad(f, sh, x, grad_row, 0, vocab);
+    __syncthreads();  // the shared row values are reused by the next row
   }
 }
 

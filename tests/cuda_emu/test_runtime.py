@@ -213,3 +213,12 @@ def test_an_allowance_must_leave_room_for_static_shared_memory(emu):
             run_cluster(emu, 2, 1, 32, 1000, allow=H100_SHARED)
     finally:  # the allowance lasts for the driver process (as cudaFuncSetAttribute's): set a valid one back
         run_cluster(emu, 1, 1, 32, 8, allow=48 * 1024)
+
+
+def test_every_mutation_still_applies():
+    """mutate.py's planted bugs name text of the repository's csrc/ that must occur exactly once (kernels change; the
+    check must not silently stop applying). The repository's, not GRPO_EMU_CSRC's: under mutate.py that is a mutant."""
+    from .mutate import MUTATIONS, REPO
+
+    stale = [m.what for m in MUTATIONS if (REPO / "csrc" / m.file).read_text().count(m.old) != 1]
+    assert not stale, f"mutations whose text is not in csrc/ exactly once: {stale}"
