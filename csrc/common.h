@@ -17,6 +17,19 @@ namespace grpo_ext {
 // Element types a kernel can read; the bindings map torch dtypes onto these tags.
 enum class DType : int32_t { kFloat32 = 0, kFloat64, kBFloat16, kFloat16, kBool, kUInt8, kInt8, kInt32, kInt64 };
 
+// Bytes per element of a DType.
+GRPO_HD int64_t dtype_bytes(DType d) {
+  switch (d) {
+    case DType::kFloat64:
+    case DType::kInt64: return 8;
+    case DType::kFloat32:
+    case DType::kInt32: return 4;
+    case DType::kBFloat16:
+    case DType::kFloat16: return 2;
+    default: return 1;
+  }
+}
+
 GRPO_HD float bf16_bits_to_float(uint16_t bits) {
   uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;

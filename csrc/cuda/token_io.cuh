@@ -21,18 +21,6 @@ struct alignas(sizeof(E) * K) Pack {
   E v[K];
 };
 
-GRPO_HD int64_t dtype_bytes(DType d) {
-  switch (d) {
-    case DType::kFloat64:
-    case DType::kInt64: return 8;
-    case DType::kFloat32:
-    case DType::kInt32: return 4;
-    case DType::kBFloat16:
-    case DType::kFloat16: return 2;
-    default: return 1;
-  }
-}
-
 // The byte address of element (row, col) of m.
 GRPO_HD uintptr_t element_address(const StridedMatrix& m, int64_t row, int64_t col) {
   return reinterpret_cast<uintptr_t>(m.data) +

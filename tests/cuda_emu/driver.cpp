@@ -20,18 +20,6 @@
 
 namespace cuda_emu {
 
-size_t element_size(DType t) {
-  switch (t) {
-    case DType::kFloat64:
-    case DType::kInt64: return 8;
-    case DType::kFloat32:
-    case DType::kInt32: return 4;
-    case DType::kBFloat16:
-    case DType::kFloat16: return 2;
-    default: return 1;
-  }
-}
-
 namespace {
 constexpr std::pair<const char*, DType> kDTypeNames[] = {
     {"float32", DType::kFloat32}, {"float64", DType::kFloat64}, {"bfloat16", DType::kBFloat16},
@@ -88,7 +76,7 @@ Tensor empty(const std::vector<int64_t>& sizes, DType dtype) {
   t.sizes = sizes;
   t.strides.assign(sizes.size(), 1);
   for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) t.strides[d] = t.strides[d + 1] * sizes[d + 1];
-  t.nbytes = static_cast<size_t>(t.numel()) * element_size(dtype);
+  t.nbytes = static_cast<size_t>(t.numel() * grpo_ext::dtype_bytes(dtype));
   t.storage = allocate(t.nbytes, "new" + std::to_string(allocations++));
   memset(t.storage.get(), 0xff, t.nbytes);
   return t;

@@ -19,7 +19,6 @@ namespace cuda_emu {
 
 using grpo_ext::DType;
 
-size_t element_size(DType t);
 DType dtype_from_name(const std::string& name);
 const char* dtype_name(DType t);
 
