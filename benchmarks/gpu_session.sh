@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One GPU session in one call (device time is scarce): build against the machine's torch, run every test, run
-# compute-sanitizer over the CUDA tests, run the benchmarks. Logs and JSON go to $OUT (or ./gpu-out).
-#   usage: bash benchmarks/gpu_session.sh [all|test|sanitize|bench]
+# One GPU session in one call (device time is scarce): build against the machine's torch (or install the release
+# wheel GRPO_EXT_WHEEL names, e.g. dist/grpo_ext-*.whl from `make wheel`: the same file on any torch >= 2.11), run
+# every test, run compute-sanitizer over the CUDA tests, run the benchmarks. Logs and JSON go to $OUT (./gpu-out).
+#   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] bash benchmarks/gpu_session.sh [all|test|sanitize|bench]
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 what="${1:-all}"
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" GRPO_EXT_CUDA=ON
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0+PTX}" GRPO_EXT_CUDA=ON
 
 {
   date -u
@@ -15,8 +16,14 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" GR
   nvcc --version | tail -2
 } 2>&1 | tee "$OUT/build.txt"
 
-make build PYTHON_ENV=system 2>&1 | tail -20 | tee -a "$OUT/build.txt"
-cd /tmp && python3 -c "import grpo_ext; assert grpo_ext.build_info()['cuda_kernels_registered']" || exit 1
+if [[ -n "${GRPO_EXT_WHEEL:-}" ]]; then
+  python3 -m pip install -q --no-deps --force-reinstall "$GRPO_EXT_WHEEL" 2>&1 | tail -5 | tee -a "$OUT/build.txt"
+else
+  make build PYTHON_ENV=system 2>&1 | tail -20 | tee -a "$OUT/build.txt"
+fi
+cd /tmp && python3 -c "import grpo_ext, json; info = grpo_ext.build_info(); print(json.dumps(info))
+assert info['cuda_kernels_registered']" 2>&1 | tee -a "$OUT/build.txt"
+[[ "${PIPESTATUS[0]}" == 0 ]] || exit 1
 cd - >/dev/null
 
 if [[ "$what" == all || "$what" == test ]]; then

@@ -1,19 +1,21 @@
-"""Static report of every CUDA kernel of the built extension: registers, spills, shared memory, launch bounds,
-theoretical H100 occupancy, and the width of every global load and store inside loops, read from the compiler's output.
+"""Static report of every CUDA kernel of the built extension, for every GPU architecture it was compiled for:
+registers, spills, shared memory, launch bounds, theoretical occupancy, and the width of every global load and store
+inside loops, read from the compiler's output.
 
-No GPU is needed: the sm_90 code of the installed ``grpo_ext._C`` is taken apart with ``cuobjdump`` (PTX and SASS),
-and ``ptxas -v`` is run again on the PTX for the resource usage the build printed. A scalar load (``LDG.E``, 32 bits
-or less) inside a loop of a bandwidth-bound kernel is what to look at first: 16-byte vector loads (``LDG.E.128``) move
-four times the bytes per instruction.
+No GPU is needed: the CUDA library (``_C_cuda.so``) is taken apart with ``cuobjdump`` (PTX and SASS of each
+architecture), and ``ptxas -v -arch=sm_XX`` is run again on each architecture's PTX for the resource usage the build
+printed. ``make kernel-report`` builds a library for this (every architecture of the wheel, each with its PTX, which
+the wheel itself carries for the newest only). A scalar load (``LDG.E``, 32 bits or less) inside a loop of a
+bandwidth-bound kernel is what to look at first: 16-byte vector loads (``LDG.E.128``) move four times the bytes per
+instruction.
 
-Occupancy is the theoretical one on an H100 SXM (132 SMs; per SM 65536 registers allocated per warp in units of 256,
-228 KiB of shared memory with 1 KiB reserved per block, 2048 threads, 32 blocks), for a block of the kernel's
-``__launch_bounds__`` size (its launcher's largest block).
+Occupancy is the theoretical one per architecture (ARCHS: per SM 65536 registers allocated per warp in units of 256,
+the architecture's shared memory with 1 KiB reserved per block, its threads and blocks per SM), for a block of the
+kernel's ``__launch_bounds__`` size (its launcher's largest block).
 
 Usage::
 
-    python benchmarks/kernel_report.py                      # print the table
-    python benchmarks/kernel_report.py --out benchmarks/KERNELS.md
+    python benchmarks/kernel_report.py --library build/kernel-report/_C_cuda.so --out benchmarks/KERNELS.md
 """
 
 from __future__ import annotations
@@ -28,7 +30,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-H100 = {"sms": 132, "regs": 65536, "smem": 228 * 1024, "smem_reserved": 1024, "threads": 2048, "blocks": 32}
+# Per-SM limits of each architecture (CUDA C++ Programming Guide, "Compute capabilities"), and a GPU that has it.
+ARCHS = {
+    "sm_80": {"gpu": "A100", "regs": 65536, "smem": 164 * 1024, "threads": 2048, "blocks": 32},
+    "sm_86": {"gpu": "RTX 3090, A10, A40", "regs": 65536, "smem": 100 * 1024, "threads": 1536, "blocks": 16},
+    "sm_89": {"gpu": "L40S, L4, RTX 4090", "regs": 65536, "smem": 100 * 1024, "threads": 1536, "blocks": 24},
+    "sm_90": {"gpu": "H100, H200", "regs": 65536, "smem": 228 * 1024, "threads": 2048, "blocks": 32},
+    "sm_100": {"gpu": "B200, GB200", "regs": 65536, "smem": 228 * 1024, "threads": 2048, "blocks": 32},
+    "sm_120": {"gpu": "RTX 5090, RTX PRO 6000", "regs": 65536, "smem": 100 * 1024, "threads": 1536, "blocks": 32},
+}
+SMEM_RESERVED_PER_BLOCK = 1024
+# The architecture of the detailed table (the GPU the project benchmarks on).
+DETAIL_ARCH = "sm_90"
 TOOLS = ("cuobjdump", "ptxas", "cu++filt")
 
 # Kernels whose loops stream a [rows, V] logits tensor (or a [B, T] one): their loads are the bandwidth.
@@ -54,6 +67,7 @@ class Kernel:
     """One kernel instantiation and what the compiler says of it."""
 
     mangled: str
+    arch: str = DETAIL_ARCH
     name: str = ""
     registers: int = 0
     spill_stores: int = 0
@@ -66,16 +80,17 @@ class Kernel:
 
     @property
     def occupancy(self) -> float:
-        """Active warps per SM over 64 for a block of ``max_threads`` threads."""
+        """Active warps per SM over the architecture's most, for a block of ``max_threads`` threads."""
         if not self.max_threads or not self.registers:
             return 0.0
+        limits = ARCHS[self.arch]
         warps = -(-self.max_threads // 32)
         regs_per_warp = -(-self.registers * 32 // 256) * 256
-        by_regs = H100["regs"] // (warps * regs_per_warp)
-        by_threads = H100["threads"] // (warps * 32)
-        by_smem = H100["smem"] // (self.smem + H100["smem_reserved"])
-        blocks = min(by_regs, by_threads, by_smem, H100["blocks"])
-        return blocks * warps / 64
+        by_regs = limits["regs"] // (warps * regs_per_warp)
+        by_threads = limits["threads"] // (warps * 32)
+        by_smem = limits["smem"] // (self.smem + SMEM_RESERVED_PER_BLOCK)
+        blocks = min(by_regs, by_threads, by_smem, limits["blocks"])
+        return blocks * warps / (limits["threads"] // 32)
 
     @property
     def bandwidth_bound(self) -> bool:
@@ -118,12 +133,12 @@ def width_of(instruction: str) -> str:
     return match.group(1) if match else "32"
 
 
-def parse_ptxas(text: str, kernels: dict[str, Kernel]) -> None:
-    """Registers, spills, stack and static shared memory from ``ptxas -v`` output."""
+def parse_ptxas(text: str, kernels: dict[tuple[str, str], Kernel], arch: str) -> None:
+    """Registers, spills, stack and static shared memory from ``ptxas -v -arch=<arch>`` output."""
     current = None
     for line in text.splitlines():
         if m := re.search(r"Function properties for (\S+)", line):
-            current = kernels.setdefault(m.group(1), Kernel(m.group(1)))
+            current = kernels.setdefault((arch, m.group(1)), Kernel(m.group(1), arch))
         elif current and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
                                          line)):  # fmt: skip
             current.stack, current.spill_stores, current.spill_loads = map(int, m.groups())
@@ -133,19 +148,28 @@ def parse_ptxas(text: str, kernels: dict[str, Kernel]) -> None:
             current.smem = int(smem.group(1)) if smem else 0
 
 
-def parse_max_threads(ptx: str, kernels: dict[str, Kernel]) -> None:
+def parse_max_threads(ptx: str, kernels: dict[tuple[str, str], Kernel], arch: str) -> None:
     """``__launch_bounds__`` (``.maxntid``) of every entry of a PTX file."""
     for m in re.finditer(r"\.entry\s+(\S+)\s*\((?:.|\n)*?\.maxntid\s+(\d+)", ptx):
-        name = m.group(1)
-        if name in kernels:
-            kernels[name].max_threads = int(m.group(2))
+        key = (arch, m.group(1))
+        if key in kernels:
+            kernels[key].max_threads = int(m.group(2))
 
 
-def parse_sass(sass: str, kernels: dict[str, Kernel]) -> None:
-    """Global loads/stores inside loops: between a backward branch's target and the branch."""
+def parse_sass(sass: str, kernels: dict[tuple[str, str], Kernel]) -> None:
+    """Global loads/stores inside loops: between a backward branch's target and the branch (each architecture's
+    code is a section of ``cuobjdump -sass`` that starts ``code for sm_XX``)."""
+    arch = DETAIL_ARCH
+    for section in re.split(r"\n\s*(?=code for sm_\d+)", sass):
+        if m := re.match(r"code for (sm_\d+)", section):
+            arch = m.group(1)
+        parse_sass_functions(section, kernels, arch)
+
+
+def parse_sass_functions(sass: str, kernels: dict[tuple[str, str], Kernel], arch: str) -> None:
     for block in re.split(r"\n\s*Function : ", sass)[1:]:
         name = block.split("\n", 1)[0].strip()
-        if name not in kernels:
+        if (arch, name) not in kernels:
             continue
         lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", block)
         address = [int(a, 16) for a, _ in lines]
@@ -158,7 +182,8 @@ def parse_sass(sass: str, kernels: dict[str, Kernel]) -> None:
         for addr, text in zip(address, (t for _, t in lines), strict=True):
             op = re.search(r"\b(LDG|STG)(\.[A-Z0-9.]+)?", text)
             if op and any(lo <= addr <= hi for lo, hi in loops):
-                table = kernels[name].loop_loads if op.group(1) == "LDG" else kernels[name].loop_stores
+                kernel = kernels[(arch, name)]
+                table = kernel.loop_loads if op.group(1) == "LDG" else kernel.loop_stores
                 bits = width_of(op.group(0))
                 table[bits] = table.get(bits, 0) + 1
 
@@ -183,34 +208,41 @@ def short_name(plain: str) -> str:
     return plain.replace("__nv_bfloat16", "bf16").replace("__half", "fp16")
 
 
-def demangle(kernels: dict[str, Kernel], cxxfilt: str | None) -> None:
-    names = list(kernels)
+def demangle(kernels: dict[tuple[str, str], Kernel], cxxfilt: str | None) -> None:
+    names = sorted({mangled for _, mangled in kernels})
     text = run([cxxfilt, *names]) if cxxfilt else "\n".join(names)
-    for mangled, plain in zip(names, text.strip().splitlines(), strict=True):
-        kernels[mangled].name = short_name(plain)
+    plain = dict(zip(names, text.strip().splitlines(), strict=True))
+    for (_, mangled), kernel in kernels.items():
+        kernel.name = short_name(plain[mangled])
+
+
+def arch_order(arch: str) -> int:
+    return int(arch.removeprefix("sm_"))
 
 
 def collect(library: str) -> list[Kernel]:
-    """Every kernel of the CUDA code in ``library`` (a built ``_C`` module)."""
+    """Every kernel of the CUDA code in ``library`` (a built ``_C_cuda.so``), once per architecture with PTX."""
     cuobjdump, ptxas = find_tool("cuobjdump"), find_tool("ptxas")
     try:
         cxxfilt = find_tool("cu++filt")
     except SystemExit:
         cxxfilt = shutil.which("c++filt")
-    kernels: dict[str, Kernel] = {}
+    kernels: dict[tuple[str, str], Kernel] = {}
     with tempfile.TemporaryDirectory() as tmp:
         run([cuobjdump, "-xptx", "all", library], cwd=tmp)
         ptx_files = sorted(Path(tmp).glob("*.ptx"))
         if not ptx_files:
             raise SystemExit(f"kernel_report: {library} holds no CUDA code (a CPU-only build?)")
         for ptx in ptx_files:
-            arch = re.search(r"\.(sm_\d+)\.ptx$", ptx.name)
-            parse_ptxas(run([ptxas, "-v", f"-arch={arch.group(1) if arch else 'sm_90'}", "-o", os.devnull, str(ptx)]),
-                        kernels)  # fmt: skip
-            parse_max_threads(ptx.read_text(), kernels)
+            match = re.search(r"\.(sm_\d+)\.ptx$", ptx.name)
+            arch = match.group(1) if match else DETAIL_ARCH
+            if arch not in ARCHS:
+                raise SystemExit(f"kernel_report: no occupancy limits for {arch} (add it to ARCHS)")
+            parse_ptxas(run([ptxas, "-v", f"-arch={arch}", "-o", os.devnull, str(ptx)]), kernels, arch)
+            parse_max_threads(ptx.read_text(), kernels, arch)
     parse_sass(run([cuobjdump, "-sass", library]), kernels)
     demangle(kernels, cxxfilt)
-    return sorted(kernels.values(), key=lambda k: k.name)
+    return sorted(kernels.values(), key=lambda k: (k.name, arch_order(k.arch)))
 
 
 def widths(table: dict[str, int]) -> str:
@@ -218,12 +250,17 @@ def widths(table: dict[str, int]) -> str:
 
 
 def markdown(kernels: list[Kernel], library: str) -> str:
+    """The report: a table per kernel for DETAIL_ARCH (every column), then one line per kernel across the
+    architectures (registers, spills, occupancy)."""
+    archs = sorted({k.arch for k in kernels}, key=arch_order)
+    detail_arch = DETAIL_ARCH if DETAIL_ARCH in archs else archs[-1]
+    detail = [k for k in kernels if k.arch == detail_arch]
     rows = [
         "| kernel | regs | spill st/ld (B) | stack (B) | smem (B) | launch bound | occupancy | loop loads | "
         "loop stores | note |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for k in kernels:
+    for k in detail:
         notes = []
         if k.spill_stores or k.spill_loads:
             notes.append("**spills**")
@@ -233,22 +270,43 @@ def markdown(kernels: list[Kernel], library: str) -> str:
         rows.append(f"| `{k.name}` | {k.registers} | {k.spill_stores}/{k.spill_loads} | {k.stack} | {k.smem} | "
                     f"{k.max_threads} | {k.occupancy:.0%} | {widths(k.loop_loads)} | {widths(k.loop_stores)} | "
                     f"{'; '.join(notes)} |")  # fmt: skip
-    spilled = sum(1 for k in kernels if k.spill_stores or k.spill_loads)
-    scalar = sum(1 for k in kernels if k.scalar_loop_loads and k.name not in SCALAR_BY_DESIGN)
+    by_name: dict[str, dict[str, Kernel]] = {}
+    for k in kernels:
+        by_name.setdefault(k.name, {})[k.arch] = k
+    across = [
+        "| kernel | " + " | ".join(f"{arch} ({ARCHS[arch]['gpu']})" for arch in archs) + " |",
+        "| --- |" + " --- |" * len(archs),
+    ]
+    for name, per_arch in by_name.items():
+        cells = []
+        for arch in archs:
+            k = per_arch.get(arch)
+            if k is None:
+                cells.append("-")
+                continue
+            spill = f", **spills {k.spill_stores}/{k.spill_loads} B**" if k.spill_stores or k.spill_loads else ""
+            cells.append(f"{k.registers} regs, {k.occupancy:.0%}{spill}")
+        across.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    spilled = {arch: sum(1 for k in kernels if k.arch == arch and (k.spill_stores or k.spill_loads)) for arch in archs}
+    scalar = sum(1 for k in detail if k.scalar_loop_loads and k.name not in SCALAR_BY_DESIGN)
     head = (
-        "# CUDA kernels: the compiler's view (sm_90)\n\n"
-        f"Generated by `make kernel-report` (`python benchmarks/kernel_report.py`) from `{Path(library).name}`; no GPU "
-        "was used. Occupancy: theoretical, H100 SXM, a block of the launch-bound size. Loop loads/stores: global "
-        "`LDG`/`STG` instructions inside a loop of the SASS, by width (`128b` = 16-byte vectors).\n\n"
-        f"{len(kernels)} kernel instantiations; {spilled} with spills; {scalar} bandwidth-bound ones with only "
-        "scalar loads in their loops (besides the ones whose note says why).\n\n"
+        "# CUDA kernels: the compiler's view, per GPU architecture\n\n"
+        f"Generated by `make kernel-report` (`python benchmarks/kernel_report.py`) from `{Path(library).name}` built "
+        f"for {', '.join(archs)}; no GPU was used. Occupancy: theoretical, active warps over the architecture's "
+        "most per SM, a block of the launch-bound size. Loop loads/stores: global `LDG`/`STG` instructions inside a "
+        "loop of the SASS, by width (`128b` = 16-byte vectors).\n\n"
+        f"{len(detail)} kernel instantiations per architecture; with spills: "
+        f"{', '.join(f'{n} on {arch}' for arch, n in spilled.items())}; {scalar} bandwidth-bound ones with only "
+        f"scalar loads in their loops on {detail_arch} (besides the ones whose note says why).\n\n"
+        f"## Every kernel on {detail_arch} ({ARCHS[detail_arch]['gpu']})\n\n"
     )
-    return head + "\n".join(rows) + "\n"
+    return (head + "\n".join(rows) + "\n\n## Registers and occupancy on every architecture\n\n"
+            + "\n".join(across) + "\n")  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--library", help="the built _C module (default: the installed grpo_ext's)")
+    parser.add_argument("--library", help="the built _C_cuda.so (default: the installed grpo_ext's)")
     parser.add_argument("--out", type=Path, help="also write the Markdown report here")
     parser.add_argument("--no-traffic", action="store_true",
                         help="leave out the counted memory traffic (traffic_report.py: about 3 minutes of CPU)")
@@ -259,7 +317,7 @@ def main() -> int:
 
         if not grpo_ext.build_info()["cuda_compiled"]:
             raise SystemExit("kernel_report: this grpo_ext was built without CUDA kernels (GRPO_EXT_CUDA=ON to build)")
-        library = grpo_ext._C.__file__
+        library = str(grpo_ext._native.CUDA_LIBRARY)
     report = markdown(collect(library), library)
     if not args.no_traffic:
         sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,10 +1,6 @@
-// Every op schema of grpo_ext in one TORCH_LIBRARY block (implementations register per device in cpu/ and cuda/),
-// plus the small pybind11 module `_C` that reports how the extension was built.
-#include <pybind11/pybind11.h>
-#include <torch/library.h>
-
-#include <string>
-
+// Every op schema of grpo_ext in one STABLE_TORCH_LIBRARY block (implementations register per device in cpu/ and
+// cuda/), plus the loss options' schema fragment as a C function. How the library was built is not asked of it:
+// CMake writes it into python/grpo_ext/_build_config.py, readable before the library is loaded.
 #include "plan/loss_options.h"
 
 // The pass ops' arguments after `logits`: the ids they score, where they start in the [B, T] problem, the loss
@@ -15,20 +11,7 @@
   "token_grad, " GRPO_LOSS_OPTIONS_SCHEMA                                           \
   "float temperature, float logit_scale, float logit_softcap, bool compute_grad"
 
-#ifndef GRPO_EXT_VERSION
-#define GRPO_EXT_VERSION "0.0.0"
-#endif
-#ifndef GRPO_EXT_TORCH_VERSION
-#define GRPO_EXT_TORCH_VERSION "unknown"
-#endif
-#ifndef GRPO_EXT_CUDA_ARCHS
-#define GRPO_EXT_CUDA_ARCHS ""
-#endif
-#ifndef GRPO_EXT_CUDA_VERSION
-#define GRPO_EXT_CUDA_VERSION ""
-#endif
-
-TORCH_LIBRARY(grpo_ext, m) {
+STABLE_TORCH_LIBRARY(grpo_ext, m) {
   m.def(
       "group_advantages(Tensor rewards, Tensor? reward_weights, int group_size, str scale_rewards, str baseline, "
       "str multi_objective_aggregation, float eps, int std_ddof, str singleton_groups=\"zero\", Tensor? "
@@ -59,26 +42,8 @@ TORCH_LIBRARY(grpo_ext, m) {
   m.def("scale_grad_(Tensor(a!) grad, Tensor factor) -> ()");
 }
 
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "grpo_ext native module: the ops live in torch.ops.grpo_ext; this reports the build.";
-  m.def("build_info", []() {
-    pybind11::dict info;
-    info["version"] = GRPO_EXT_VERSION;
-    info["torch_version"] = GRPO_EXT_TORCH_VERSION;
-#ifdef GRPO_EXT_WITH_CUDA
-    info["cuda_compiled"] = true;
-#else
-    info["cuda_compiled"] = false;
-#endif
-    info["cuda_version"] = GRPO_EXT_CUDA_VERSION;
-    info["cuda_archs"] = GRPO_EXT_CUDA_ARCHS;
-#if defined(__clang__)
-    info["cxx_compiler"] = std::string("clang ") + __clang_version__;
-#elif defined(__GNUC__)
-    info["cxx_compiler"] = std::string("gcc ") + __VERSION__;
-#endif
-    return info;
-  });
-  // The loss options' schema fragment, for the schemas of the composite ops defined in Python.
-  m.attr("LOSS_OPTIONS_SCHEMA") = GRPO_LOSS_OPTIONS_SCHEMA;
+// The loss options' schema fragment, for the schemas of the composite ops defined in Python (read with ctypes:
+// the library carries no Python C-API, so one binary serves every Python version).
+extern "C" __attribute__((visibility("default"))) const char* grpo_ext_loss_options_schema() {
+  return GRPO_LOSS_OPTIONS_SCHEMA;
 }

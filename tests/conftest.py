@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,10 @@ import torch
 import grpo_ext
 
 HAS_CUDA = torch.cuda.is_available()
+
+# tests/wheel/test_in_venv.sh runs the op tests against an installed wheel: make sure that is what they import.
+if os.environ.get("GRPO_EXT_WHEEL_TEST") == "1":
+    assert grpo_ext.__file__.startswith(sys.prefix), f"grpo_ext imported from {grpo_ext.__file__}, not {sys.prefix}"
 
 # CUDA tests run wherever a GPU is visible and are skipped (only they) on machines without one.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device"))]

@@ -27,17 +27,36 @@ def load_report():
 @needs_cuda_build
 def test_every_kernel_is_reported_with_its_resources():
     report = load_report()
-    kernels = report.collect(grpo_ext._C.__file__)
+    kernels = report.collect(str(grpo_ext._native.CUDA_LIBRARY))
     declared = set()
     for header in (ROOT / "csrc" / "cuda").glob("*.cuh"):
         declared |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?(\w+)", header.read_text()))
-    reported = {k.name.split("<")[0] for k in kernels}
-    assert declared and declared == reported
+    archs = {k.arch for k in kernels}
+    built = {f"sm_{a.removesuffix('+PTX')}" for a in grpo_ext.build_info()["cuda_archs"].split()}
+    assert archs and archs <= built, (archs, built)  # each architecture built with its PTX is reported
+    for arch in archs:
+        reported = {k.name.split("<")[0] for k in kernels if k.arch == arch}
+        assert declared and declared == reported, arch
     for k in kernels:
         assert k.registers > 0 and k.max_threads in (32, 64, 128, 256, 512, 1024), k
         assert 0 < k.occupancy <= 1, k
-    table = report.markdown(kernels, grpo_ext._C.__file__)
-    assert table.count("\n| `") == len(kernels)
+    table = report.markdown(kernels, str(grpo_ext._native.CUDA_LIBRARY))
+    detail = [k for k in kernels if k.arch == (report.DETAIL_ARCH if report.DETAIL_ARCH in archs else max(archs))]
+    names = {k.name for k in kernels}
+    assert table.count("\n| `") == len(detail) + len(names)
+
+
+def test_occupancy_follows_each_architecture_limits():
+    report = load_report()
+    # 256 threads, 32 registers: threads cap it (8 blocks on 2048-thread SMs, 6 on 1536-thread ones): full either way
+    assert report.Kernel("k", "sm_90", registers=32, max_threads=256).occupancy == 1.0
+    assert report.Kernel("k", "sm_86", registers=32, max_threads=256).occupancy == 1.0
+    # 1024 threads, 64 registers: one block by registers, 32 of 64 warps on sm_90 and 32 of 48 on sm_86
+    assert report.Kernel("k", "sm_90", registers=64, max_threads=1024).occupancy == 0.5
+    assert report.Kernel("k", "sm_86", registers=64, max_threads=1024).occupancy == 32 / 48
+    # 64 KiB of static shared memory per 128-thread block: 3 blocks on sm_90 (228 KiB), 1 on sm_120 (100 KiB)
+    assert report.Kernel("k", "sm_90", registers=32, max_threads=128, smem=64 * 1024).occupancy == 3 * 4 / 64
+    assert report.Kernel("k", "sm_120", registers=32, max_threads=128, smem=64 * 1024).occupancy == 1 * 4 / 48
 
 
 def test_load_widths_parse_sass_spelling():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -104,11 +108,29 @@ def test_torch_compile_fullgraph(device):
 def test_build_info():
     info = grpo_ext.build_info()
     assert info["version"] == grpo_ext.__version__
+    assert info["torch_runtime_version"] == torch.__version__
+    # the binary's stable-ABI target is never newer than the torch running it (else the import refuses)
+    major_minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert tuple(int(p) for p in info["torch_min_version"].split(".")) <= major_minor
+    assert all(Path(path).is_file() for path in info["libraries"])
+    assert len(info["libraries"]) == (2 if info["cuda_kernels_registered"] else 1)
     for name in OP_NAMES:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"grpo_ext::{name}", "CPU"), name
     assert info["cuda_kernels_registered"] == info["cuda_compiled"]
     if HAS_CUDA:
         assert info["cuda_compiled"], "a GPU is visible but the CUDA kernels were not compiled"
+
+
+def test_import_under_an_older_torch_names_both_versions(tmp_path):
+    """A torch older than the binary's stable-ABI target gets one ImportError naming both versions, before any
+    library is loaded (a missing stable-shim symbol would otherwise end the process)."""
+    code = "import torch; torch.__version__ = '2.10.1+cu128'; import grpo_ext"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    minimum = grpo_ext.build_info()["torch_min_version"]
+    assert last_line.startswith("ImportError: grpo_ext"), result.stderr
+    assert f"torch >= {minimum}" in last_line and "2.10.1+cu128" in last_line, last_line
 
 
 def test_loss_options_defined_once():
@@ -118,7 +140,7 @@ def test_loss_options_defined_once():
 
     from grpo_ext.ops.options import NATIVE_OPTION_NAMES, LossOptions
 
-    schema_names = tuple(arg.split()[-1] for arg in grpo_ext._C.LOSS_OPTIONS_SCHEMA.strip(", ").split(", "))
+    schema_names = tuple(arg.split()[-1] for arg in grpo_ext._native.LOSS_OPTIONS_SCHEMA.strip(", ").split(", "))
     assert schema_names == NATIVE_OPTION_NAMES
     for impl in (grpo_ext, grpo_ext.reference):
         for function in (impl.grpo_loss, impl.grpo_loss_from_logits, impl.grpo_loss_from_hidden):

@@ -1,6 +1,4 @@
 // CPU kernel of group_advantages: groups in parallel, each group in a fixed order (its rows in increasing order).
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,7 +39,7 @@ void group_members(const GroupAdvantagesPlan& plan, std::vector<int64_t>& offset
     for (int64_t i = 0; i < plan.batch; ++i) members[i] = i;
     return;
   }
-  const int64_t* ids = plan.group_ids.data_ptr<int64_t>();
+  const int64_t* ids = plan.group_ids.mutable_data_ptr<int64_t>();
   const int64_t id_stride = plan.group_ids.stride(0);
   for (int64_t i = 0; i < plan.batch; ++i) ++offsets[ids[i * id_stride] + 1];
   for (int64_t g = 0; g < plan.num_groups; ++g) offsets[g + 1] += offsets[g];
@@ -57,15 +55,15 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
   std::vector<int64_t> offsets, members;
   group_members(plan, offsets, members);
   std::vector<T> combined(static_cast<size_t>(plan.batch));  // R in group order: group g at combined[offsets[g]]
-  T* adv = plan.advantages.data_ptr<T>();
-  T* g_mean = plan.group_mean.data_ptr<T>();
-  T* g_std = plan.group_std.data_ptr<T>();
-  bool* g_zero = plan.zero_std.data_ptr<bool>();
+  T* adv = plan.advantages.mutable_data_ptr<T>();
+  T* g_mean = plan.group_mean.mutable_data_ptr<T>();
+  T* g_std = plan.group_std.mutable_data_ptr<T>();
+  bool* g_zero = plan.zero_std.mutable_data_ptr<bool>();
 
   // Phase 1: the combined reward R of every row and each group's own statistics of R.
   const int64_t rows_per_group = std::max<int64_t>(1, plan.batch / std::max<int64_t>(plan.num_groups, 1));
   const int64_t grain = std::max<int64_t>(1, 4096 / rows_per_group);  // small batches stay on one thread
-  at::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> column;
     for (int64_t g = begin; g < end; ++g) {
       const int64_t g_size = offsets[g + 1] - offsets[g];
@@ -112,7 +110,7 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
   }
 
   // Phase 3: advantages.
-  at::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, plan.num_groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t g_size = offsets[g + 1] - offsets[g];
       const int64_t* rows = members.data() + offsets[g];
@@ -143,7 +141,7 @@ void group_advantages_cpu_impl(GroupAdvantagesPlan& plan) {
 
 GroupAdvantagesResult group_advantages_cpu(GRPO_GROUP_ADVANTAGES_PARAMS) {
   GroupAdvantagesPlan plan = plan_group_advantages(GRPO_GROUP_ADVANTAGES_ARGS);
-  if (plan.advantages.scalar_type() == at::kDouble) {
+  if (plan.advantages.scalar_type() == ScalarType::Double) {
     group_advantages_cpu_impl<double>(plan);
   } else {
     group_advantages_cpu_impl<float>(plan);
@@ -153,8 +151,8 @@ GroupAdvantagesResult group_advantages_cpu(GRPO_GROUP_ADVANTAGES_PARAMS) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
-  m.impl("group_advantages", &group_advantages_cpu);
+STABLE_TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("group_advantages", TORCH_BOX(&group_advantages_cpu));
 }
 
 }  // namespace grpo_ext

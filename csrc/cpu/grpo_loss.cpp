@@ -1,7 +1,5 @@
-// CPU kernels of the fused GRPO loss: rows in parallel (at::parallel_for), each row in a fixed sequential order,
-// row partials summed in row order, so results are bitwise reproducible whatever the thread count.
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+// CPU kernels of the fused GRPO loss: rows in parallel (torch::stable::parallel_for), each row in a fixed sequential
+// order, row partials summed in row order, so results are bitwise reproducible whatever the thread count.
 
 #include <algorithm>
 #include <tuple>
@@ -199,10 +197,10 @@ void loss_forward_cpu_impl(LossForwardPlan& plan) {
   const LossInputs& in = plan.inputs;
   const LossParams& p = plan.params;
   std::vector<double> partials(static_cast<size_t>(in.batch) * kNumRowSlots);
-  T* grad = p.compute_grad ? plan.grad_raw.data_ptr<T>() : nullptr;
+  T* grad = p.compute_grad ? plan.grad_raw.mutable_data_ptr<T>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(in.seq_len, 1));
   const TokenConsts<T> consts(p);
-  at::parallel_for(0, in.batch, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, in.batch, grain, [&](int64_t begin, int64_t end) {
     RowScratch<T> scratch(in.seq_len);
     for (int64_t row = begin; row < end; ++row) {
       loss_row<T>(p, consts, in, row, scratch, partials.data() + row * kNumRowSlots,
@@ -216,15 +214,15 @@ void loss_forward_cpu_impl(LossForwardPlan& plan) {
   double loss, metrics[kNumMetrics], grad_scale;
   finalize_loss<double>(p, totals, in.batch, plan.max_completion_length, plan.has_num_items, plan.num_items,
                         plan.loss_scale, &loss, metrics, &grad_scale);
-  plan.loss.fill_(loss);
-  plan.grad_scale.fill_(grad_scale);
-  T* metrics_out = plan.metrics.data_ptr<T>();
+  *plan.loss.mutable_data_ptr<T>() = T(loss);
+  *plan.grad_scale.mutable_data_ptr<T>() = T(grad_scale);
+  T* metrics_out = plan.metrics.mutable_data_ptr<T>();
   for (int s = 0; s < kNumMetrics; ++s) metrics_out[s] = T(metrics[s]);
 }
 
 LossForwardResult grpo_loss_forward_cpu(GRPO_LOSS_FORWARD_PARAMS) {
   LossForwardPlan plan = plan_grpo_loss(GRPO_LOSS_FORWARD_ARGS);
-  if (plan.loss.scalar_type() == at::kDouble) {
+  if (plan.loss.scalar_type() == ScalarType::Double) {
     loss_forward_cpu_impl<double>(plan);
   } else {
     loss_forward_cpu_impl<float>(plan);
@@ -232,19 +230,44 @@ LossForwardResult grpo_loss_forward_cpu(GRPO_LOSS_FORWARD_PARAMS) {
   return plan.result();
 }
 
-at::Tensor grpo_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& grad_raw, const at::Tensor& grad_scale,
-                                  at::ScalarType out_dtype) {
+Tensor grpo_loss_backward_cpu(const Tensor& grad_loss, const Tensor& grad_raw, const Tensor& grad_scale,
+                              ScalarType out_dtype) {
   check_loss_backward(grad_loss, grad_raw, grad_scale, out_dtype);
   // The whole backward is one scale: the forward already holds d loss / d logps up to a scalar.
-  const at::Tensor factor = grad_loss.reshape({}).to(grad_raw.scalar_type()) * grad_scale;
-  return (grad_raw * factor).to(out_dtype);
+  Tensor out = new_empty(grad_raw, grad_raw.sizes(), out_dtype);
+  const StridedMatrix grad_loss_view{grad_loss.data_ptr(), dtype_tag(grad_loss.scalar_type(), "grad_loss")};
+  const auto scale = [&](auto raw_tag, auto out_tag) {
+    using T = decltype(raw_tag);
+    using Out = decltype(out_tag);
+    // factor in the gradient's dtype, then each product rounded once to it, then cast (as grad_raw * factor).to())
+    const T factor = grad_loss_view.load<T>(0, 0) * *grad_scale.const_data_ptr<T>();
+    const T* raw = grad_raw.const_data_ptr<T>();
+    Out* dst = static_cast<Out*>(out.mutable_data_ptr());
+    torch::stable::parallel_for(0, grad_raw.numel(), 32768, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) dst[i] = Out(raw[i] * factor);
+    });
+  };
+  const auto with_out = [&](auto raw_tag) {
+    switch (out_dtype) {
+      case ScalarType::Double: scale(raw_tag, double{}); break;
+      case ScalarType::Float: scale(raw_tag, float{}); break;
+      case ScalarType::BFloat16: scale(raw_tag, BFloat16{}); break;
+      default: scale(raw_tag, Half{}); break;
+    }
+  };
+  if (grad_raw.scalar_type() == ScalarType::Double) {
+    with_out(double{});
+  } else {
+    with_out(float{});
+  }
+  return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
-  m.impl("grpo_loss_forward", &grpo_loss_forward_cpu);
-  m.impl("grpo_loss_backward", &grpo_loss_backward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("grpo_loss_forward", TORCH_BOX(&grpo_loss_forward_cpu));
+  m.impl("grpo_loss_backward", TORCH_BOX(&grpo_loss_backward_cpu));
 }
 
 }  // namespace grpo_ext

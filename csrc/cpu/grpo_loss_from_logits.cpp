@@ -1,8 +1,6 @@
 // CPU kernel of the fused GRPO loss from logits (grpo_loss_from_logits_pass, grpo_loss_from_logits_pass_): rows in
 // parallel, each row converted once into a float buffer, its softmax statistics taken, and its gradient written from
 // that buffer (over the logits themselves in the in-place op). Masked rows are never read.
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <type_traits>
@@ -62,7 +60,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
     const int64_t n = plan.row_offset + r;
     if (in.mask_at<T>(n / in.seq_len, n % in.seq_len) == T(0)) continue;
     const int64_t id = plan.ids.load<int64_t>(r, 0);
-    TORCH_CHECK(id >= 0 && id < vocab, "ids[", r, "]=", id, " is outside the vocabulary [0, ", vocab, ")");
+    GRPO_CHECK(id >= 0 && id < vocab, "ids[", r, "]=", id, " is outside the vocabulary [0, ", vocab, ")");
   }
   const bool want_grad = plan.compute_grad && plan.grad_data != nullptr;
   const bool grad_in_logits = want_grad && plan.grad_data == logits.data;
@@ -73,11 +71,11 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   const KLKind kl = kl_kind(p);
   const bool want_kl = p.beta != 0.0;
   const LogitTransform<T> f = plan.logit.transform<T>();
-  T* logps = plan.logps.data_ptr<T>();
-  T* entropy = plan.entropy.data_ptr<T>();
+  T* logps = plan.logps.mutable_data_ptr<T>();
+  T* entropy = plan.entropy.mutable_data_ptr<T>();
   In* grad = static_cast<In*>(plan.grad_data);
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
-  at::parallel_for(0, logits.rows, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, logits.rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> z(vocab), exps(vocab), weighted(vocab);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = plan.row_offset + r, b = n / in.seq_len, t = n % in.seq_len;
@@ -125,9 +123,9 @@ void run_logits_pass_impl(LogitsPassPlan& plan) {
   switch (plan.logits.dtype) {
     case DType::kFloat64: logits_pass_impl<double, double, kCapped>(plan); break;
     case DType::kFloat32: logits_pass_impl<float, float, kCapped>(plan); break;
-    case DType::kBFloat16: logits_pass_impl<float, at::BFloat16, kCapped>(plan); break;
-    case DType::kFloat16: logits_pass_impl<float, at::Half, kCapped>(plan); break;
-    default: TORCH_CHECK(false, "logits must be float32, float64, bfloat16 or float16");
+    case DType::kBFloat16: logits_pass_impl<float, BFloat16, kCapped>(plan); break;
+    case DType::kFloat16: logits_pass_impl<float, Half, kCapped>(plan); break;
+    default: GRPO_CHECK(false, "logits must be float32, float64, bfloat16 or float16");
   }
 }
 
@@ -145,7 +143,7 @@ LogitsPassResult grpo_loss_from_logits_pass_cpu(GRPO_LOSS_FROM_LOGITS_PASS_PARAM
   return run_logits_pass(plan);
 }
 
-std::tuple<at::Tensor, at::Tensor> grpo_loss_from_logits_pass_inplace_cpu(GRPO_LOSS_FROM_LOGITS_PASS_PARAMS) {
+std::tuple<Tensor, Tensor> grpo_loss_from_logits_pass_inplace_cpu(GRPO_LOSS_FROM_LOGITS_PASS_PARAMS) {
   check_inplace_logits(logits);
   LogitsPassPlan plan = plan_grpo_loss_from_logits(GRPO_LOSS_FROM_LOGITS_PASS_ARGS, /*inplace=*/true);
   run_logits_pass(plan);
@@ -153,17 +151,19 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_from_logits_pass_inplace_cpu(GRPO_L
 }
 
 // grad *= factor unless factor is exactly 1 (reading a CPU scalar costs no device sync).
-void scale_grad_cpu(at::Tensor& grad, const at::Tensor& factor) {
-  TORCH_CHECK(factor.numel() == 1, "factor must have one element, got shape ", factor.sizes());
-  if (factor.item<double>() != 1.0) grad.mul_(factor.reshape({}).to(grad.scalar_type()));
+void scale_grad_cpu(Tensor& grad, const Tensor& factor) {
+  GRPO_CHECK(factor.numel() == 1, "factor must have one element, got shape ", shape(factor));
+  GRPO_CHECK(factor.is_cpu(), "factor must be a CPU tensor for the CPU kernel");
+  const double value = StridedMatrix{factor.data_ptr(), dtype_tag(factor.scalar_type(), "factor")}.load<double>(0, 0);
+  if (value != 1.0) mul_(grad, torch::stable::to(torch::stable::reshape(factor, {}), grad.scalar_type()));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
-  m.impl("grpo_loss_from_logits_pass", &grpo_loss_from_logits_pass_cpu);
-  m.impl("grpo_loss_from_logits_pass_", &grpo_loss_from_logits_pass_inplace_cpu);
-  m.impl("scale_grad_", &scale_grad_cpu);
+STABLE_TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("grpo_loss_from_logits_pass", TORCH_BOX(&grpo_loss_from_logits_pass_cpu));
+  m.impl("grpo_loss_from_logits_pass_", TORCH_BOX(&grpo_loss_from_logits_pass_inplace_cpu));
+  m.impl("scale_grad_", TORCH_BOX(&scale_grad_cpu));
 }
 
 }  // namespace grpo_ext

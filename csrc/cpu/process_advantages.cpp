@@ -1,6 +1,4 @@
 // CPU kernel of process_advantages: groups in parallel, each group in a fixed order.
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 
@@ -12,14 +10,14 @@ namespace {
 template <typename T>
 void process_advantages_cpu_impl(ProcessAdvantagesPlan& plan) {
   const int64_t g_size = plan.group_size, steps = plan.num_steps, seq_len = plan.seq_len;
-  T* out = plan.advantages.data_ptr<T>();
+  T* out = plan.advantages.mutable_data_ptr<T>();
   const int64_t num_groups = plan.batch / g_size;
   auto valid = [&](int64_t row, int64_t j, T* reward) {
     const T r = plan.rewards.load<T>(row, j);
     *reward = r;
     return is_scored(r) && plan.step_end.load<int64_t>(row, j) >= 0;
   };
-  at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       T sum = T(0), count = T(0), r;
       for (int64_t row = g * g_size; row < (g + 1) * g_size; ++row)
@@ -49,9 +47,9 @@ void process_advantages_cpu_impl(ProcessAdvantagesPlan& plan) {
   });
 }
 
-at::Tensor process_advantages_cpu(GRPO_PROCESS_ADVANTAGES_PARAMS) {
+Tensor process_advantages_cpu(GRPO_PROCESS_ADVANTAGES_PARAMS) {
   ProcessAdvantagesPlan plan = plan_process_advantages(GRPO_PROCESS_ADVANTAGES_ARGS);
-  if (plan.advantages.scalar_type() == at::kDouble) {
+  if (plan.advantages.scalar_type() == ScalarType::Double) {
     process_advantages_cpu_impl<double>(plan);
   } else {
     process_advantages_cpu_impl<float>(plan);
@@ -61,8 +59,8 @@ at::Tensor process_advantages_cpu(GRPO_PROCESS_ADVANTAGES_PARAMS) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
-  m.impl("process_advantages", &process_advantages_cpu);
+STABLE_TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("process_advantages", TORCH_BOX(&process_advantages_cpu));
 }
 
 }  // namespace grpo_ext

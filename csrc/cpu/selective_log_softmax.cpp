@@ -1,7 +1,5 @@
 // CPU kernels of selective_log_softmax (docs/math.md section 2): rows in parallel, each row read in two vectorized
 // passes (max, then the exponential sums); the backward recomputes the softmax from the saved logsumexp.
-#include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <atomic>
 #include <cmath>
@@ -22,12 +20,12 @@ template <typename T, bool kCapped>
 void forward_impl(SelectiveLogSoftmaxPlan& plan) {
   const int64_t vocab = plan.vocab;
   const LogitTransform<T> f = plan.logit.transform<T>();
-  T* logps = plan.logps.data_ptr<T>();
-  T* entropy = plan.return_entropy ? plan.entropy.data_ptr<T>() : nullptr;
-  T* stats = plan.row_stats.data_ptr<T>();
+  T* logps = plan.logps.mutable_data_ptr<T>();
+  T* entropy = plan.return_entropy ? plan.entropy.mutable_data_ptr<T>() : nullptr;
+  T* stats = plan.row_stats.mutable_data_ptr<T>();
   std::atomic<int64_t> bad_row{-1};
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
-  at::parallel_for(0, plan.rows, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, plan.rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> buffer(vocab), exps(vocab), weighted(vocab);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t id = plan.ids.load<int64_t>(row, 0);
@@ -46,17 +44,16 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
     }
   });
   const int64_t bad = bad_row.load();
-  TORCH_CHECK(bad < 0, "ids[", bad, "]=", plan.ids.load<int64_t>(bad, 0), " is outside the vocabulary [0, ", vocab,
-              ")");
+  GRPO_CHECK(bad < 0, "ids[", bad, "]=", plan.ids.load<int64_t>(bad, 0), " is outside the vocabulary [0, ", vocab, ")");
 }
 
-SelectiveLogSoftmaxResult selective_log_softmax_forward_cpu(const at::Tensor& logits, const at::Tensor& ids,
-                                                            double temperature, double logit_scale,
-                                                            double logit_softcap, bool return_entropy) {
+SelectiveLogSoftmaxResult selective_log_softmax_forward_cpu(const Tensor& logits, const Tensor& ids, double temperature,
+                                                            double logit_scale, double logit_softcap,
+                                                            bool return_entropy) {
   SelectiveLogSoftmaxPlan plan =
       plan_selective_log_softmax(logits, ids, temperature, logit_scale, logit_softcap, return_entropy);
   const bool capped = plan.logit.logit_softcap > 0;
-  if (plan.logps.scalar_type() == at::kDouble) {
+  if (plan.logps.scalar_type() == ScalarType::Double) {
     capped ? forward_impl<double, true>(plan) : forward_impl<double, false>(plan);
   } else {
     capped ? forward_impl<float, true>(plan) : forward_impl<float, false>(plan);
@@ -66,20 +63,19 @@ SelectiveLogSoftmaxResult selective_log_softmax_forward_cpu(const at::Tensor& lo
 
 // d/dz of g_l * logp + g_H * H: g_l * (onehot(id) - p) - g_H * p * (z - E_p[z]); then times dz/dx.
 template <typename T, typename Out, bool kCapped>
-void backward_impl(const at::Tensor& grad_logps, const std::optional<at::Tensor>& grad_entropy,
-                   const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& row_stats,
-                   const LogitOptions& logit, at::Tensor& grad_logits) {
+void backward_impl(const Tensor& grad_logps, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
+                   const Tensor& ids, const Tensor& row_stats, const LogitOptions& logit, Tensor& grad_logits) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const StridedMatrix x_view = matrix_view(logits, rows, vocab, "logits", false);
   const StridedMatrix id_view = matrix_view(ids, rows, 1, "ids", true);
   const StridedMatrix gl_view = matrix_view(grad_logps, rows, 1, "grad_logps", true);
   StridedMatrix gh_view;
   if (grad_entropy.has_value()) gh_view = matrix_view(*grad_entropy, rows, 1, "grad_entropy", true);
-  const T* stats = row_stats.data_ptr<T>();
-  Out* out = grad_logits.data_ptr<Out>();
+  const T* stats = row_stats.mutable_data_ptr<T>();
+  Out* out = grad_logits.mutable_data_ptr<Out>();
   const LogitTransform<T> f = logit.transform<T>();
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> buffer(vocab);
     for (int64_t row = begin; row < end; ++row) {
       const T* x = row_values(x_view, row, vocab, buffer.data());
@@ -106,13 +102,12 @@ void backward_impl(const at::Tensor& grad_logps, const std::optional<at::Tensor>
   });
 }
 
-at::Tensor selective_log_softmax_backward_cpu(const at::Tensor& grad_logps,
-                                              const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
-                                              const at::Tensor& ids, const at::Tensor& row_stats, double temperature,
-                                              double logit_scale, double logit_softcap) {
+Tensor selective_log_softmax_backward_cpu(const Tensor& grad_logps, const std::optional<Tensor>& grad_entropy,
+                                          const Tensor& logits, const Tensor& ids, const Tensor& row_stats,
+                                          double temperature, double logit_scale, double logit_softcap) {
   const LogitOptions logit = check_selective_log_softmax_backward(grad_logps, grad_entropy, logits, ids, row_stats,
                                                                   temperature, logit_scale, logit_softcap);
-  at::Tensor grad_logits = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  Tensor grad_logits = new_empty(logits, logits.sizes(), logits.scalar_type());
   const auto run = [&](auto tag) {
     using Types = decltype(tag);
     using T = typename Types::first_type;
@@ -123,23 +118,23 @@ at::Tensor selective_log_softmax_backward_cpu(const at::Tensor& grad_logps,
       backward_impl<T, Out, false>(grad_logps, grad_entropy, logits, ids, row_stats, logit, grad_logits);
     }
   };
-  if (logits.scalar_type() == at::kDouble) {
+  if (logits.scalar_type() == ScalarType::Double) {
     run(std::pair<double, double>{});
-  } else if (logits.scalar_type() == at::kFloat) {
+  } else if (logits.scalar_type() == ScalarType::Float) {
     run(std::pair<float, float>{});
-  } else if (logits.scalar_type() == at::kBFloat16) {
-    run(std::pair<float, at::BFloat16>{});
+  } else if (logits.scalar_type() == ScalarType::BFloat16) {
+    run(std::pair<float, BFloat16>{});
   } else {
-    run(std::pair<float, at::Half>{});
+    run(std::pair<float, Half>{});
   }
   return grad_logits;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
-  m.impl("selective_log_softmax_forward", &selective_log_softmax_forward_cpu);
-  m.impl("selective_log_softmax_backward", &selective_log_softmax_backward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
+  m.impl("selective_log_softmax_forward", TORCH_BOX(&selective_log_softmax_forward_cpu));
+  m.impl("selective_log_softmax_backward", TORCH_BOX(&selective_log_softmax_backward_cpu));
 }
 
 }  // namespace grpo_ext

@@ -8,9 +8,9 @@
 #include "loss_options.h"
 
 // The pass op's parameters (binding signature) and the values its plan takes (the in-place op adds `inplace`).
-#define GRPO_LOSS_FROM_LOGITS_PASS_PARAMS                                                            \
-  const at::Tensor &logits, const at::Tensor &ids, int64_t row_offset, const at::Tensor &advantages, \
-      const at::Tensor &completion_mask, const std::optional<at::Tensor>&token_grad,                 \
+#define GRPO_LOSS_FROM_LOGITS_PASS_PARAMS                                                \
+  const Tensor &logits, const Tensor &ids, int64_t row_offset, const Tensor &advantages, \
+      const Tensor &completion_mask, const std::optional<Tensor>&token_grad,             \
       GRPO_LOSS_OPTION_PARAMS double temperature, double logit_scale, double logit_softcap, bool compute_grad
 #define GRPO_LOSS_FROM_LOGITS_PASS_ARGS                                                                                \
   logits, ids, row_offset, advantages, completion_mask, token_grad, GRPO_LOSS_OPTION_VALUES, temperature, logit_scale, \
@@ -18,7 +18,7 @@
 
 namespace grpo_ext {
 
-using LogitsPassResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using LogitsPassResult = std::tuple<Tensor, Tensor, Tensor>;
 
 struct LogitsPassPlan {
   LossForwardPlan loss;  // the [B, T] loss inputs and options (its logps view is unused)
@@ -28,94 +28,91 @@ struct LogitsPassPlan {
   int64_t row_offset = 0;    // row r of the logits is token row_offset + r of the flattened [B, T] problem
   LogitOptions logit;        // temperature, logit_scale, logit_softcap
   bool compute_grad = true;
-  at::Tensor logps, entropy, grad_logits;
+  Tensor logps, entropy, grad_logits;
   void* grad_data = nullptr;  // grad_logits' storage, or the logits' own for the in-place op
   DType grad_dtype = DType::kFloat32;
   LogitsPassResult result() const { return {logps, entropy, grad_logits}; }
 };
 
 // Rows of [R, V] or [B', T', V] logits whose last dimension is contiguous (rows may be strided).
-inline LogitsRows logits_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 || logits.dim() == 3, "logits must have shape [N, V] or [B, T, V], got ",
-              logits.sizes());
-  TORCH_CHECK(logits.size(-1) >= 1, "logits must have a vocabulary of at least one entry (V >= 1)");
-  TORCH_CHECK(logits.stride(-1) == 1 || logits.size(-1) == 1,
-              "logits must be contiguous in the vocabulary dimension (stride(-1) == 1), got strides ", logits.strides(),
-              "; pass logits.contiguous()");
+inline LogitsRows logits_rows(const Tensor& logits) {
+  GRPO_CHECK(logits.dim() == 2 || logits.dim() == 3, "logits must have shape [N, V] or [B, T, V], got ", shape(logits));
+  GRPO_CHECK(logits.size(-1) >= 1, "logits must have a vocabulary of at least one entry (V >= 1)");
+  GRPO_CHECK(logits.stride(-1) == 1 || logits.size(-1) == 1,
+             "logits must be contiguous in the vocabulary dimension (stride(-1) == 1), got strides ", strides(logits),
+             "; pass logits.contiguous()");
   return logits_rows_of(logits.data_ptr(), dtype_tag(logits.scalar_type(), "logits"), logits.dim(),
                         logits.sizes().data(), logits.strides().data());
 }
 
-inline LogitsPassPlan plan_grpo_loss_from_logits(const at::Tensor& logits, const at::Tensor& ids, int64_t row_offset,
-                                                 const at::Tensor& advantages, const at::Tensor& completion_mask,
-                                                 const std::optional<at::Tensor>& token_grad,
-                                                 const LossOptionArgs& options, double temperature, double logit_scale,
-                                                 double logit_softcap, bool compute_grad, bool inplace) {
+inline LogitsPassPlan plan_grpo_loss_from_logits(const Tensor& logits, const Tensor& ids, int64_t row_offset,
+                                                 const Tensor& advantages, const Tensor& completion_mask,
+                                                 const std::optional<Tensor>& token_grad, const LossOptionArgs& options,
+                                                 double temperature, double logit_scale, double logit_softcap,
+                                                 bool compute_grad, bool inplace) {
   check_float(logits, "logits");
   const LogitOptions logit = check_logit_options(temperature, logit_scale, logit_softcap);
-  TORCH_CHECK(completion_mask.dim() == 2, "completion_mask must have shape [B, T], got ", completion_mask.sizes());
+  GRPO_CHECK(completion_mask.dim() == 2, "completion_mask must have shape [B, T], got ", shape(completion_mask));
   const int64_t batch = completion_mask.size(0), seq_len = completion_mask.size(1);
-  TORCH_CHECK(batch >= 1, "completion_mask must have at least one row (B >= 1), got shape ", completion_mask.sizes());
+  GRPO_CHECK(batch >= 1, "completion_mask must have at least one row (B >= 1), got shape ", shape(completion_mask));
   LogitsPassPlan plan;
   plan.logits = logits_rows(logits);
   const int64_t rows = plan.logits.rows;
-  TORCH_CHECK(row_offset >= 0 && row_offset + rows <= batch * seq_len, "row_offset=", row_offset, " and ", rows,
-              " logits rows exceed the B*T=", batch * seq_len, " tokens of completion_mask");
-  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt,
-              "ids must be an int64 (or int32) tensor, got ", ids.scalar_type());
-  TORCH_CHECK(ids.dim() == 1 && ids.size(0) == rows, "ids must have shape [", rows, "] (one per logits row), got ",
-              ids.sizes());
+  GRPO_CHECK(row_offset >= 0 && row_offset + rows <= batch * seq_len, "row_offset=", row_offset, " and ", rows,
+             " logits rows exceed the B*T=", batch * seq_len, " tokens of completion_mask");
+  GRPO_CHECK(ids.scalar_type() == ScalarType::Long || ids.scalar_type() == ScalarType::Int,
+             "ids must be an int64 (or int32) tensor, got ", ids.scalar_type());
+  GRPO_CHECK(ids.dim() == 1 && ids.size(0) == rows, "ids must have shape [", rows, "] (one per logits row), got ",
+             shape(ids));
   check_same_device(ids, logits, "ids", "logits");
   plan.ids = matrix_view(ids, rows, 1, "ids", true);
-  const at::ScalarType acc = accumulate_type(logits.scalar_type());
+  const ScalarType acc = accumulate_type(logits.scalar_type());
   // The pass itself is per token: a sequence-level loss hands in each token's d loss / d logp as token_grad.
   LossOptionArgs token_options = options;
   token_options.importance_sampling_level = "token";
   plan.loss = plan_loss_inputs(batch, seq_len, nullptr, logits, acc, advantages, completion_mask, token_options,
                                /*compute_grad=*/false, "logits");
   // vespo's phi needs every log-prob of its row, which a pass over some logits rows does not see.
-  TORCH_CHECK(!compute_grad || token_grad.has_value() || plan.loss.params.loss_type != LossType::kVESPO,
-              "loss_type='vespo' needs token_grad (its gradient depends on whole rows) when compute_grad is true");
+  GRPO_CHECK(!compute_grad || token_grad.has_value() || plan.loss.params.loss_type != LossType::kVESPO,
+             "loss_type='vespo' needs token_grad (its gradient depends on whole rows) when compute_grad is true");
   if (token_grad.has_value()) {
-    const at::Tensor& g = *token_grad;
+    const Tensor& g = *token_grad;
     check_float(g, "token_grad");
     check_same_device(g, logits, "token_grad", "logits");
-    TORCH_CHECK(g.dim() == 1 && g.size(0) == rows, "token_grad must have shape [", rows, "], got ", g.sizes());
+    GRPO_CHECK(g.dim() == 1 && g.size(0) == rows, "token_grad must have shape [", rows, "], got ", shape(g));
     plan.token_grad = matrix_view(g, rows, 1, "token_grad", true);
   }
   plan.row_offset = row_offset;
   plan.logit = logit;
   plan.compute_grad = compute_grad;
-  const auto opts = logits.options().dtype(acc);
-  plan.logps = at::empty({rows}, opts);
-  plan.entropy = at::empty({rows}, opts);
+  plan.logps = new_empty(logits, {rows}, acc);
+  plan.entropy = new_empty(logits, {rows}, acc);
   plan.grad_dtype = plan.logits.dtype;
   if (inplace) {
     plan.grad_data = logits.data_ptr();
-    plan.grad_logits = at::empty({0}, logits.options());
+    plan.grad_logits = new_empty(logits, {0}, logits.scalar_type());
   } else if (compute_grad) {
-    plan.grad_logits =
-        at::empty({rows, plan.logits.vocab}, logits.options().memory_format(at::MemoryFormat::Contiguous));
+    plan.grad_logits = new_empty(logits, {rows, plan.logits.vocab}, logits.scalar_type());
     plan.grad_data = plan.grad_logits.data_ptr();
   } else {
-    plan.grad_logits = at::empty({0}, logits.options());
+    plan.grad_logits = new_empty(logits, {0}, logits.scalar_type());
   }
   return plan;
 }
 
 // The in-place op writes each row's gradient over that row of the logits: the rows must not overlap.
-inline void check_inplace_logits(const at::Tensor& logits) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16 ||
-                  logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kDouble,
-              "inplace logits must be float32, bfloat16, float16 or float64, got ", logits.scalar_type());
-  TORCH_CHECK(!logits.is_inference(), "inplace_grad cannot write into an inference tensor");
+inline void check_inplace_logits(const Tensor& logits) {
+  GRPO_CHECK(logits.scalar_type() == ScalarType::Float || logits.scalar_type() == ScalarType::BFloat16 ||
+                 logits.scalar_type() == ScalarType::Half || logits.scalar_type() == ScalarType::Double,
+             "inplace logits must be float32, bfloat16, float16 or float64, got ", logits.scalar_type());
+  GRPO_CHECK(!is_inference(logits), "inplace_grad cannot write into an inference tensor");
   const int64_t vocab = logits.size(-1);
   bool rows_disjoint = true;
   for (int64_t d = 0; d + 1 < logits.dim(); ++d) {
     if (logits.size(d) > 1 && logits.stride(d) < vocab) rows_disjoint = false;
   }
-  TORCH_CHECK(rows_disjoint, "inplace_grad needs logits whose rows do not overlap in memory, got strides ",
-              logits.strides());
+  GRPO_CHECK(rows_disjoint, "inplace_grad needs logits whose rows do not overlap in memory, got strides ",
+             strides(logits));
 }
 
 }  // namespace grpo_ext

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -18,30 +19,30 @@
 // X(schema type, C++ parameter type, name), in the order the ops take them after their tensors and masks. The
 // Python LossOptions (python/grpo_ext/ops/options.py) has the same names in the same order; num_items_in_batch is
 // a number there or a tensor, split here into a float and a one-element tensor.
-#define GRPO_LOSS_OPTIONS(X)                                       \
-  X("Tensor?", const std::optional<at::Tensor>&, old_logps)        \
-  X("Tensor?", const std::optional<at::Tensor>&, ref_logps)        \
-  X("Tensor?", const std::optional<at::Tensor>&, is_weights)       \
-  X("Tensor?", const std::optional<at::Tensor>&, sample_mask)      \
-  X("str", c10::string_view, loss_type)                            \
-  X("float", double, epsilon)                                      \
-  X("float", double, epsilon_high)                                 \
-  X("float?", std::optional<double>, delta)                        \
-  X("float", double, beta)                                         \
-  X("str", c10::string_view, kl_estimator)                         \
-  X("float?", std::optional<double>, kl_clamp)                     \
-  X("bool", bool, use_bias_correction_kl)                          \
-  X("str", c10::string_view, importance_sampling_level)            \
-  X("int", int64_t, max_completion_length)                         \
-  X("float?", std::optional<double>, num_items_in_batch)           \
-  X("Tensor?", const std::optional<at::Tensor>&, num_items_tensor) \
-  X("float", double, sapo_temperature_pos)                         \
-  X("float", double, sapo_temperature_neg)                         \
-  X("float", double, vespo_k_pos)                                  \
-  X("float", double, vespo_lambda_pos)                             \
-  X("float", double, vespo_k_neg)                                  \
-  X("float", double, vespo_lambda_neg)                             \
-  X("float", double, loss_scale)                                   \
+#define GRPO_LOSS_OPTIONS(X)                                   \
+  X("Tensor?", const std::optional<Tensor>&, old_logps)        \
+  X("Tensor?", const std::optional<Tensor>&, ref_logps)        \
+  X("Tensor?", const std::optional<Tensor>&, is_weights)       \
+  X("Tensor?", const std::optional<Tensor>&, sample_mask)      \
+  X("str", std::string_view, loss_type)                        \
+  X("float", double, epsilon)                                  \
+  X("float", double, epsilon_high)                             \
+  X("float?", std::optional<double>, delta)                    \
+  X("float", double, beta)                                     \
+  X("str", std::string_view, kl_estimator)                     \
+  X("float?", std::optional<double>, kl_clamp)                 \
+  X("bool", bool, use_bias_correction_kl)                      \
+  X("str", std::string_view, importance_sampling_level)        \
+  X("int", int64_t, max_completion_length)                     \
+  X("float?", std::optional<double>, num_items_in_batch)       \
+  X("Tensor?", const std::optional<Tensor>&, num_items_tensor) \
+  X("float", double, sapo_temperature_pos)                     \
+  X("float", double, sapo_temperature_neg)                     \
+  X("float", double, vespo_k_pos)                              \
+  X("float", double, vespo_lambda_pos)                         \
+  X("float", double, vespo_k_neg)                              \
+  X("float", double, vespo_lambda_neg)                         \
+  X("float", double, loss_scale)                               \
   X("bool", bool, skip_empty_rows)
 
 #define GRPO_OPTION_SCHEMA(schema_type, cpp_type, name) schema_type " " #name ", "
@@ -65,38 +66,37 @@ struct LossOptionArgs {
   GRPO_LOSS_OPTIONS(GRPO_OPTION_FIELD)
 };
 
-inline LossType parse_loss_type(c10::string_view s) {
+inline LossType parse_loss_type(std::string_view s) {
   return parse_choice("loss_type", s, kLossTypeChoices);
 }
 
-inline KLEstimator parse_kl_estimator(c10::string_view s) {
+inline KLEstimator parse_kl_estimator(std::string_view s) {
   return parse_choice("kl_estimator", s, kKLEstimatorChoices);
 }
 
-inline bool parse_sequence_level(c10::string_view s) {
+inline bool parse_sequence_level(std::string_view s) {
   return parse_choice("importance_sampling_level", s, kSequenceLevelChoices);
 }
 
-using LossForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using LossForwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
 struct LossForwardPlan {
   LossParams params;
   LossInputs inputs;
   int64_t max_completion_length = 1;
   bool has_num_items = false;
-  double num_items = 0.0;       // used when has_num_items and num_items_device is empty
-  at::Tensor num_items_device;  // 1-element accumulate-type tensor on the op's device, or undefined
+  double num_items = 0.0;   // used when has_num_items and num_items_device is empty
+  Tensor num_items_device;  // 1-element accumulate-type tensor on the op's device, or undefined
   double loss_scale = 1.0;
-  at::Tensor loss, metrics, grad_raw, grad_scale;
+  Tensor loss, metrics, grad_raw, grad_scale;
   LossForwardResult result() const { return {loss, metrics, grad_raw, grad_scale}; }
 };
 
 // The loss inputs of a [batch, seq_len] problem, checked and viewed; `logps` may be null (the logits op computes
 // them), `like` gives the device (named `like_name` in errors) and `acc` the statistics dtype.
-inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at::Tensor* logps, const at::Tensor& like,
-                                        at::ScalarType acc, const at::Tensor& advantages,
-                                        const at::Tensor& completion_mask, const LossOptionArgs& o, bool compute_grad,
-                                        const char* like_name = "logps") {
+inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const Tensor* logps, const Tensor& like,
+                                        ScalarType acc, const Tensor& advantages, const Tensor& completion_mask,
+                                        const LossOptionArgs& o, bool compute_grad, const char* like_name = "logps") {
   LossForwardPlan plan;
   LossInputs& in = plan.inputs;
   in.batch = batch;
@@ -108,9 +108,9 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at
   in.advantages = matrix_view(advantages, batch, seq_len, "advantages", true);
   const bool per_row_advantages = in.advantages.col_stride == 0;
 
-  TORCH_CHECK(completion_mask.scalar_type() == at::kBool || is_float_type(completion_mask.scalar_type()) ||
-                  at::isIntegralType(completion_mask.scalar_type(), false),
-              "completion_mask must be bool, integer or floating-point, got ", completion_mask.scalar_type());
+  GRPO_CHECK(completion_mask.scalar_type() == ScalarType::Bool || is_float_type(completion_mask.scalar_type()) ||
+                 is_integral(completion_mask.scalar_type()),
+             "completion_mask must be bool, integer or floating-point, got ", completion_mask.scalar_type());
   check_same_device(completion_mask, like, "completion_mask", like_name);
   in.mask = matrix_view(completion_mask, batch, seq_len, "completion_mask", false);
 
@@ -130,9 +130,9 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at
     in.is_weights = matrix_view(*o.is_weights, batch, seq_len, "is_weights", true);
   }
   if (o.sample_mask.has_value()) {
-    const at::Tensor& s = *o.sample_mask;
+    const Tensor& s = *o.sample_mask;
     check_same_device(s, like, "sample_mask", like_name);
-    TORCH_CHECK(s.dim() == 1 && s.size(0) == batch, "sample_mask must have shape [", batch, "], got ", s.sizes());
+    GRPO_CHECK(s.dim() == 1 && s.size(0) == batch, "sample_mask must have shape [", batch, "], got ", shape(s));
     in.sample_mask = matrix_view(s, batch, 1, "sample_mask", true);
   }
 
@@ -142,33 +142,33 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at
   p.sequence_level = parse_sequence_level(o.importance_sampling_level);
   p.row_share_metrics = p.sequence_level && per_row_advantages;
   // A zero lower clip range is a legitimate setting (Liger's and open-instruct's CISPO tests use it).
-  TORCH_CHECK(o.epsilon >= 0, "epsilon must be >= 0, got ", o.epsilon);
-  TORCH_CHECK(o.epsilon_high >= 0, "epsilon_high must be >= 0, got ", o.epsilon_high);
+  GRPO_CHECK(o.epsilon >= 0, "epsilon must be >= 0, got ", o.epsilon);
+  GRPO_CHECK(o.epsilon_high >= 0, "epsilon_high must be >= 0, got ", o.epsilon_high);
   p.epsilon_low = o.epsilon;
   p.epsilon_high = o.epsilon_high;
   if (o.delta.has_value()) {
-    TORCH_CHECK(*o.delta > 1.0, "delta must be > 1 (it caps the ratio above 1 + epsilon_high), got ", *o.delta);
+    GRPO_CHECK(*o.delta > 1.0, "delta must be > 1 (it caps the ratio above 1 + epsilon_high), got ", *o.delta);
     p.has_delta = true;
     p.delta = *o.delta;
   }
-  TORCH_CHECK(o.beta >= 0 && std::isfinite(o.beta), "beta must be a finite number >= 0, got ", o.beta);
+  GRPO_CHECK(o.beta >= 0 && std::isfinite(o.beta), "beta must be a finite number >= 0, got ", o.beta);
   p.beta = o.beta;
-  TORCH_CHECK(o.beta == 0.0 || o.ref_logps.has_value(), "ref_logps is required when beta != 0 (beta=", o.beta, ")");
+  GRPO_CHECK(o.beta == 0.0 || o.ref_logps.has_value(), "ref_logps is required when beta != 0 (beta=", o.beta, ")");
   if (o.kl_clamp.has_value()) {
-    TORCH_CHECK(*o.kl_clamp > 0, "kl_clamp must be > 0, got ", *o.kl_clamp);
+    GRPO_CHECK(*o.kl_clamp > 0, "kl_clamp must be > 0, got ", *o.kl_clamp);
     p.has_kl_clamp = true;
     p.kl_clamp = *o.kl_clamp;
   }
   p.bias_correction = o.use_bias_correction_kl;
   p.has_old = o.old_logps.has_value();
-  TORCH_CHECK(o.sapo_temperature_pos > 0, "sapo_temperature_pos must be > 0, got ", o.sapo_temperature_pos);
-  TORCH_CHECK(o.sapo_temperature_neg > 0, "sapo_temperature_neg must be > 0, got ", o.sapo_temperature_neg);
+  GRPO_CHECK(o.sapo_temperature_pos > 0, "sapo_temperature_pos must be > 0, got ", o.sapo_temperature_pos);
+  GRPO_CHECK(o.sapo_temperature_neg > 0, "sapo_temperature_neg must be > 0, got ", o.sapo_temperature_neg);
   p.sapo_tau_pos = o.sapo_temperature_pos;
   p.sapo_tau_neg = o.sapo_temperature_neg;
   for (const auto& [value, name] :
        {std::pair{o.vespo_k_pos, "vespo_k_pos"}, std::pair{o.vespo_lambda_pos, "vespo_lambda_pos"},
         std::pair{o.vespo_k_neg, "vespo_k_neg"}, std::pair{o.vespo_lambda_neg, "vespo_lambda_neg"}}) {
-    TORCH_CHECK(std::isfinite(value), name, " must be a finite number, got ", value);
+    GRPO_CHECK(std::isfinite(value), name, " must be a finite number, got ", value);
   }
   p.vespo_k_pos = o.vespo_k_pos;
   p.vespo_lambda_pos = o.vespo_lambda_pos;
@@ -178,35 +178,34 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const at
   p.skip_empty_rows = o.skip_empty_rows;
   p.compute_grad = compute_grad;
 
-  TORCH_CHECK(o.max_completion_length >= 1, "max_completion_length must be >= 1, got ", o.max_completion_length);
+  GRPO_CHECK(o.max_completion_length >= 1, "max_completion_length must be >= 1, got ", o.max_completion_length);
   plan.max_completion_length = o.max_completion_length;
-  TORCH_CHECK(std::isfinite(o.loss_scale), "loss_scale must be a finite number, got ", o.loss_scale);
+  GRPO_CHECK(std::isfinite(o.loss_scale), "loss_scale must be a finite number, got ", o.loss_scale);
   plan.loss_scale = o.loss_scale;
 
-  const auto opts = like.options().dtype(acc);
-  TORCH_CHECK(!(o.num_items_in_batch.has_value() && o.num_items_tensor.has_value()),
-              "pass num_items_in_batch as a number or as a tensor, not both");
+  GRPO_CHECK(!(o.num_items_in_batch.has_value() && o.num_items_tensor.has_value()),
+             "pass num_items_in_batch as a number or as a tensor, not both");
   if (o.num_items_in_batch.has_value()) {
-    TORCH_CHECK(*o.num_items_in_batch > 0, "num_items_in_batch must be > 0, got ", *o.num_items_in_batch);
+    GRPO_CHECK(*o.num_items_in_batch > 0, "num_items_in_batch must be > 0, got ", *o.num_items_in_batch);
     plan.has_num_items = true;
     plan.num_items = *o.num_items_in_batch;
   } else if (o.num_items_tensor.has_value()) {
-    const at::Tensor& n = *o.num_items_tensor;
-    TORCH_CHECK(n.numel() == 1, "num_items_in_batch must be a number or a one-element tensor, got shape ", n.sizes());
+    const Tensor& n = *o.num_items_tensor;
+    GRPO_CHECK(n.numel() == 1, "num_items_in_batch must be a number or a one-element tensor, got shape ", shape(n));
     plan.has_num_items = true;
-    if (n.device().is_cpu()) {
-      plan.num_items = n.item<double>();  // a host tensor: reading it needs no device sync
-      TORCH_CHECK(plan.num_items > 0, "num_items_in_batch must be > 0, got ", plan.num_items);
+    if (n.is_cpu()) {  // a host tensor: reading it needs no device sync
+      plan.num_items = StridedMatrix{n.data_ptr(), dtype_tag(n.scalar_type(), "num_items_in_batch")}.load<double>(0, 0);
+      GRPO_CHECK(plan.num_items > 0, "num_items_in_batch must be > 0, got ", plan.num_items);
     } else {
       check_same_device(n, like, "num_items_in_batch", like_name);
-      plan.num_items_device = n.reshape({1}).to(acc);
+      plan.num_items_device = torch::stable::to(torch::stable::reshape(n, {1}), acc);
     }
   }
 
-  plan.loss = at::empty({}, opts);
-  plan.metrics = at::empty({kNumMetrics}, opts);
-  plan.grad_raw = compute_grad ? at::empty({batch, seq_len}, opts) : at::empty({0}, opts);
-  plan.grad_scale = at::empty({}, opts);
+  plan.loss = new_empty(like, {}, acc);
+  plan.metrics = new_empty(like, {kNumMetrics}, acc);
+  plan.grad_raw = compute_grad ? new_empty(like, {batch, seq_len}, acc) : new_empty(like, {0}, acc);
+  plan.grad_scale = new_empty(like, {}, acc);
   return plan;
 }
 

@@ -6,34 +6,33 @@
 
 namespace grpo_ext {
 
-#define GRPO_PROCESS_ADVANTAGES_PARAMS                                                                         \
-  const at::Tensor &step_rewards, const at::Tensor &step_end, int64_t group_size, int64_t seq_len, double eps, \
-      int64_t std_ddof
+#define GRPO_PROCESS_ADVANTAGES_PARAMS \
+  const Tensor &step_rewards, const Tensor &step_end, int64_t group_size, int64_t seq_len, double eps, int64_t std_ddof
 #define GRPO_PROCESS_ADVANTAGES_ARGS step_rewards, step_end, group_size, seq_len, eps, std_ddof
 
 struct ProcessAdvantagesPlan {
   StridedMatrix rewards, step_end;
   int64_t batch = 0, num_steps = 0, group_size = 1, seq_len = 0, std_ddof = 1;
   double eps = 1e-4;
-  at::Tensor advantages;
+  Tensor advantages;
 };
 
 inline ProcessAdvantagesPlan plan_process_advantages(GRPO_PROCESS_ADVANTAGES_PARAMS) {
   check_float(step_rewards, "step_rewards");
-  TORCH_CHECK(step_rewards.dim() == 2, "step_rewards must have shape [B, S], got ", step_rewards.sizes());
-  TORCH_CHECK(step_end.scalar_type() == at::kLong || step_end.scalar_type() == at::kInt,
-              "step_end must be an int64 (or int32) tensor, got ", step_end.scalar_type());
-  TORCH_CHECK(step_end.sizes() == step_rewards.sizes(), "step_end must have the shape of step_rewards ",
-              step_rewards.sizes(), ", got ", step_end.sizes());
+  GRPO_CHECK(step_rewards.dim() == 2, "step_rewards must have shape [B, S], got ", shape(step_rewards));
+  GRPO_CHECK(step_end.scalar_type() == ScalarType::Long || step_end.scalar_type() == ScalarType::Int,
+             "step_end must be an int64 (or int32) tensor, got ", step_end.scalar_type());
+  GRPO_CHECK(same_shape(step_end, step_rewards), "step_end must have the shape of step_rewards ", shape(step_rewards),
+             ", got ", shape(step_end));
   check_same_device(step_end, step_rewards, "step_end", "step_rewards");
-  TORCH_CHECK(group_size >= 1, "group_size must be >= 1, got ", group_size);
-  TORCH_CHECK(seq_len >= 0, "seq_len must be >= 0, got ", seq_len);
-  TORCH_CHECK(std_ddof >= 0, "std_ddof must be >= 0, got ", std_ddof);
-  TORCH_CHECK(eps >= 0, "eps must be >= 0, got ", eps);
+  GRPO_CHECK(group_size >= 1, "group_size must be >= 1, got ", group_size);
+  GRPO_CHECK(seq_len >= 0, "seq_len must be >= 0, got ", seq_len);
+  GRPO_CHECK(std_ddof >= 0, "std_ddof must be >= 0, got ", std_ddof);
+  GRPO_CHECK(eps >= 0, "eps must be >= 0, got ", eps);
   ProcessAdvantagesPlan plan;
   plan.batch = step_rewards.size(0);
-  TORCH_CHECK(plan.batch % group_size == 0, "step_rewards.shape[0]=", plan.batch,
-              " is not divisible by group_size=", group_size);
+  GRPO_CHECK(plan.batch % group_size == 0, "step_rewards.shape[0]=", plan.batch,
+             " is not divisible by group_size=", group_size);
   plan.num_steps = step_rewards.size(1);
   plan.group_size = group_size;
   plan.seq_len = seq_len;
@@ -41,8 +40,7 @@ inline ProcessAdvantagesPlan plan_process_advantages(GRPO_PROCESS_ADVANTAGES_PAR
   plan.eps = eps;
   plan.rewards = matrix_view(step_rewards, plan.batch, plan.num_steps, "step_rewards", false);
   plan.step_end = matrix_view(step_end, plan.batch, plan.num_steps, "step_end", false);
-  plan.advantages =
-      at::empty({plan.batch, seq_len}, step_rewards.options().dtype(accumulate_type(step_rewards.scalar_type())));
+  plan.advantages = new_empty(step_rewards, {plan.batch, seq_len}, accumulate_type(step_rewards.scalar_type()));
   return plan;
 }
 

@@ -7,7 +7,7 @@ maps each op to its files.
 
 import torch
 
-from . import _C, nn, ops, reference  # ops before reference: the reference imports ops.options
+from . import _native, nn, ops, reference  # ops before reference: the reference imports ops.options
 from .ops import (
     group_advantages,
     grpo_loss,
@@ -18,24 +18,37 @@ from .ops import (
 )
 from .results import GroupAdvantages, GRPOLossOutput, SelectiveLogSoftmax
 
-# The version is pyproject.toml's, compiled into the native module by CMake (SKBUILD_PROJECT_VERSION).
-__version__: str = _C.build_info()["version"]
+# The version is pyproject.toml's, written next to the native libraries by CMake (SKBUILD_PROJECT_VERSION).
+__version__: str = _native.config.VERSION
 
 
 def build_info() -> dict:
-    """How the native module was built.
+    """How the native libraries were built, and what this process loaded.
 
     Returns:
-        A dict with ``version``, ``torch_version`` (the torch it was compiled against), ``torch_runtime_version``,
-        ``cuda_compiled`` (whether the CUDA kernels were compiled in), ``cuda_version``, ``cuda_archs`` (e.g. "90"),
-        ``cuda_kernels_registered`` (whether the dispatcher holds a CUDA kernel for every op) and ``cxx_compiler``.
+        A dict with ``version``; ``torch_version`` (the torch whose headers it was compiled against),
+        ``torch_min_version`` (the oldest torch the binary runs on: its LibTorch stable ABI target) and
+        ``torch_runtime_version`` (the torch running now); ``cuda_compiled`` (whether the CUDA kernels were compiled),
+        ``cuda_version`` (the toolkit), ``cuda_archs`` (SASS per architecture, e.g. "80 86 89 90 100 120+PTX": "+PTX"
+        also carries that architecture's PTX for newer GPUs), ``cuda_kernels_registered`` (whether the dispatcher holds
+        a CUDA kernel for every op); ``cxx_compiler``; ``libraries`` (the loaded files).
     """
-    info = dict(_C.build_info())
-    info["torch_runtime_version"] = torch.__version__
-    info["cuda_kernels_registered"] = all(
-        torch._C._dispatch_has_kernel_for_dispatch_key(f"grpo_ext::{name}", "CUDA") for name in ops.OP_NAMES
-    )
-    return info
+    config = _native.config
+    loaded = [_native.CPU_LIBRARY] + ([_native.CUDA_LIBRARY] if _native.CUDA_LOADED else [])
+    return {
+        "version": config.VERSION,
+        "torch_version": config.TORCH_BUILD_VERSION,
+        "torch_min_version": config.TORCH_MIN_VERSION,
+        "torch_runtime_version": torch.__version__,
+        "cuda_compiled": config.CUDA_COMPILED,
+        "cuda_version": config.CUDA_VERSION,
+        "cuda_archs": config.CUDA_ARCHS,
+        "cuda_kernels_registered": all(
+            torch._C._dispatch_has_kernel_for_dispatch_key(f"grpo_ext::{name}", "CUDA") for name in ops.OP_NAMES
+        ),
+        "cxx_compiler": config.CXX_COMPILER,
+        "libraries": [str(path) for path in loaded],
+    }
 
 
 from .trainer import GRPOConfig  # noqa: E402  (light: no transformers until GRPOTrainer is used)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _C
+from .. import _native
 from ..results import GRPOLossOutput
 from ..validation import check_int, validate_logit_options
 from ._common import accumulate_dtype, refuse_double_backward
@@ -179,7 +179,7 @@ class _HiddenLossFunction(torch.autograd.Function):
 torch.library.define(
     "grpo_ext::grpo_loss_from_hidden",
     f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor advantages, Tensor completion_mask, "
-    f"{_C.LOSS_OPTIONS_SCHEMA}float temperature, float logit_scale, float logit_softcap, int chunk_size) -> "
+    f"{_native.LOSS_OPTIONS_SCHEMA}float temperature, float logit_scale, float logit_softcap, int chunk_size) -> "
     "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 

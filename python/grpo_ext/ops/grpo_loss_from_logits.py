@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _C
+from .. import _native
 from ..results import GRPOLossOutput
 from ..validation import validate_grpo_loss_args, validate_logit_options
 from ._common import accumulate_dtype, refuse_double_backward
@@ -187,7 +187,7 @@ class _LogitsLossFunction(torch.autograd.Function):
 # The fused loss as one opaque op for torch.compile: (loss, metrics vector, mean entropy, d loss / d logits).
 torch.library.define(
     "grpo_ext::grpo_loss_from_logits",
-    f"(Tensor logits, Tensor ids, Tensor advantages, Tensor completion_mask, {_C.LOSS_OPTIONS_SCHEMA}"
+    f"(Tensor logits, Tensor ids, Tensor advantages, Tensor completion_mask, {_native.LOSS_OPTIONS_SCHEMA}"
     "float temperature, float logit_scale, float logit_softcap) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 

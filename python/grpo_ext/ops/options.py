@@ -153,7 +153,7 @@ _ANNOTATIONS: dict[str, str] = {
     name: getattr(annotation, "__forward_arg__", annotation) for name, annotation in LossOptions.__annotations__.items()
 }
 
-#: The native ops' option names, in schema order (must equal ``_C.LOSS_OPTIONS_SCHEMA``'s; a test checks it).
+#: The native ops' option names, in schema order (must equal ``_native.LOSS_OPTIONS_SCHEMA``'s; a test checks it).
 NATIVE_OPTION_NAMES: tuple[str, ...] = tuple(
     name for field in LossOptions._fields for name in ((field, "num_items_tensor") if field == "num_items_in_batch"
                                                        else (field,))

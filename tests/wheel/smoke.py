@@ -1,4 +1,4 @@
-"""Smoke test of an installed grpo_ext wheel (run outside the source tree): import, one op, build_info()."""
+"""Smoke test of an installed grpo_ext wheel (run outside the source tree): import, build_info(), ops on the CPU."""
 
 import json
 import sys
@@ -9,8 +9,10 @@ import grpo_ext
 
 info = grpo_ext.build_info()
 print(json.dumps(info))
-# The wheel in this environment, not the build venv's editable install seen through the .pth line.
+# The wheel in this environment, not the build venv's editable install.
 assert grpo_ext.__file__.startswith(sys.prefix), (grpo_ext.__file__, sys.prefix)
+assert info["torch_runtime_version"] == torch.__version__, info
+assert all(path.startswith(sys.prefix) for path in info["libraries"]), info["libraries"]
 rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
 adv = grpo_ext.group_advantages(rewards, 4).advantages
 expected = grpo_ext.reference.group_advantages(rewards.double(), 4).advantages

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One wheel file installed into a fresh venv holding torch==VERSION, then tested there outside the source tree:
+# tests/wheel/smoke.py and the op tests on the CPU (opcheck and torch.compile included), against the installed wheel.
+# torch is installed without its CUDA libraries: the build venv's nvidia/ folder is linked in instead (the same
+# sonames; a second 3.4 GB copy per torch filled CI's disk). The venv is removed afterwards.
+#
+# usage: tests/wheel/test_in_venv.sh BUILD_PYTHON WHEEL TORCH_VERSION
+set -euo pipefail
+build_python=$1
+wheel=$(realpath "$2")
+version=$3
+root=$(cd "$(dirname "$0")/../.." && pwd)
+platlib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])'; }
+
+venv="$root/.venv-smoke-$version"
+rm -rf "$venv" && python3 -m venv "$venv"
+site=$(platlib "$venv/bin/python")
+echo "== torch $version: $(basename "$wheel")"
+"$venv/bin/pip" install -q --no-deps "torch==$version"
+"$venv/bin/pip" install -q sympy networkx jinja2 fsspec filelock typing_extensions numpy "pytest>=8" "hypothesis>=6"
+ln -s "$(platlib "$build_python")/nvidia" "$site/nvidia"
+"$venv/bin/pip" install -q --no-deps "$wheel"
+
+cd /tmp
+"$venv/bin/python" "$root/tests/wheel/smoke.py"
+# The op tests (conftest checks that grpo_ext comes from this venv, not the source tree).
+GRPO_EXT_WHEEL_TEST=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$root" -c "$root/pyproject.toml" \
+  "$root/tests/test_op_registration.py" "$root/tests/test_errors.py" "$root/tests/test_group_advantages.py" \
+  "$root/tests/test_process_advantages.py" "$root/tests/test_grpo_loss.py" "$root/tests/test_selective_log_softmax.py" \
+  "$root/tests/test_grpo_loss_from_logits.py" "$root/tests/test_grpo_loss_from_hidden.py"
+rm -rf "$venv"
