@@ -96,3 +96,22 @@ def test_a_reward_returning_the_wrong_thing_is_named(inputs, tmp_path, capsys, m
 def test_a_reward_that_cannot_be_imported_is_named(inputs, tmp_path, capsys):
     line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "reward_funcs: no_such_module:f\n")
     assert "reward_funcs: cannot import 'no_such_module'" in line
+
+
+REWARD = "a reward (a built-in name or package.module:function)"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("5", f"reward_funcs must be {REWARD} or a list of them, got 5 (int)"),
+        ("[graded_answer, 5]", f"reward_funcs[1] must be {REWARD}, got 5 (int)"),
+        ("{graded_answer: 1}", f"reward_funcs must be {REWARD} or a list of them, got {{'graded_answer': 1}} (dict)"),
+        ("[]", "reward_funcs is empty: give at least one reward"),
+        ("null", f"reward_funcs must be {REWARD} or a list of them, got None (NoneType)"),
+    ],
+    ids=["int", "int in a list", "mapping", "empty list", "null"],
+)  # fmt: skip
+def test_reward_funcs_of_the_wrong_type_is_named(inputs, tmp_path, capsys, value, message):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"reward_funcs: {value}\n")
+    assert message in line

@@ -43,6 +43,21 @@ LOSS_CASES = [
     (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),
 ]
 
+#: A flag given as a string (a YAML or command-line value) would be read as True: only a bool is taken.
+FLAG_CASES = [
+    (dict(skip_empty_rows="false"), "skip_empty_rows must be a bool"),
+    (dict(skip_empty_rows=1), "skip_empty_rows must be a bool"),
+    (dict(use_bias_correction_kl="no"), "use_bias_correction_kl must be a bool"),
+    (dict(use_bias_correction_kl=None), "use_bias_correction_kl must be a bool"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["kernel", "reference"])
+@pytest.mark.parametrize(("kwargs", "match"), FLAG_CASES)
+def test_loss_flags_must_be_bools(impl, batch, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        impl.grpo_loss(batch.logps, batch.advantages, batch.mask, **kwargs)
+
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["kernel", "reference"])
 @pytest.mark.parametrize(("kwargs", "match"), LOSS_CASES)

@@ -229,8 +229,8 @@ def bad_reward(kind: str):
         ("inf", r"reward function inf_reward returned -inf for row 5 .* a reward must be finite"),
         ("string", r"reward function string_reward returned '0\.5 points' \(str\) for row 3"),
         ("short", r"reward function short_reward returned 15 values for 16 completions"),
-        ("generator", r"reward function generator_reward returned generator; it must return a list of 16 floats"),
-        ("none", r"reward function none_reward returned None; it must return a list"),
+        ("generator", r"reward function generator_reward returned generator; it must return 16 numbers \(a list"),
+        ("none", r"reward function none_reward returned None; it must return 16 numbers"),
     ],
 )
 def test_a_reward_that_is_not_a_finite_number_names_the_function_and_row(tmp_path, kind, message):

@@ -57,22 +57,21 @@ def test_zero_std_and_singletons(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("scale", "baseline", "aggregation"), MODES)
-def test_verl_singleton_groups(device, scale, baseline, aggregation):
-    """singleton_groups="verl": verl's mean 0 and std 1 for a group of one row (compute_grpo_outcome_advantage)."""
+@pytest.mark.parametrize(("scale", "baseline"), list(itertools.product(SCALE_REWARDS, BASELINES)))
+def test_verl_singleton_groups(device, scale, baseline):
+    """singleton_groups="verl": verl's mean 0 and std 1 for a group of one row (compute_grpo_outcome_advantage);
+    sum_then_normalize only (normalize_then_sum refuses it: test_verl_singleton_groups_with_normalize_then_sum_...)."""
     rewards = torch.tensor([0.3, -0.7, float("nan"), 2.0, 0.0], dtype=torch.float64)
-    kwargs = dict(scale_rewards=scale, baseline=baseline, multi_objective_aggregation=aggregation, eps=1e-6)
+    kwargs = dict(scale_rewards=scale, baseline=baseline, eps=1e-6)
     expected = reference.group_advantages(rewards, 1, singleton_groups="verl", **kwargs)
     got = grpo_ext.group_advantages(rewards.to(device), 1, singleton_groups="verl", **kwargs)
     assert_close(got.advantages, expected.advantages, rtol=1e-12, atol=1e-12)
     zero = reference.group_advantages(rewards, 1, **kwargs).advantages
-    if aggregation == "normalize_then_sum":  # GDPO z-scores over the batch: no group convention applies
-        assert_close(expected.advantages, zero, rtol=0, atol=0)
-    else:  # verl: A = r / (1 + eps) (std 1), r unscaled, an unscored row 0; grpo_ext's default: 0
-        sigma = {"group": 1.0, "none": 0.0, "batch": torch.std(rewards[~rewards.isnan()]).item()}[scale]
-        want = torch.nan_to_num(rewards) / (sigma + 1e-6 if scale != "none" else 1.0)
-        assert_close(expected.advantages, want, rtol=1e-12, atol=1e-12)
-        assert zero.abs().max() == 0
+    # verl: A = r / (1 + eps) (std 1), r unscaled, an unscored row 0; grpo_ext's default: 0
+    sigma = {"group": 1.0, "none": 0.0, "batch": torch.std(rewards[~rewards.isnan()]).item()}[scale]
+    want = torch.nan_to_num(rewards) / (sigma + 1e-6 if scale != "none" else 1.0)
+    assert_close(expected.advantages, want, rtol=1e-12, atol=1e-12)
+    assert zero.abs().max() == 0
     for size in (2, 4):  # larger groups: the option changes nothing
         wide = torch.randn(8, dtype=torch.float64)
         assert torch.equal(grpo_ext.group_advantages(wide, size, singleton_groups="verl", **kwargs).advantages,
@@ -285,3 +284,27 @@ def test_group_ids_raw_op_checks_them():
 def test_group_ids_on_another_device_raise():
     with pytest.raises(ValueError, match=r"group_ids is on device cpu but rewards is on device cuda"):
         grpo_ext.group_advantages(torch.rand(4, device="cuda"), group_ids=torch.tensor([0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("impl", [grpo_ext, reference], ids=["kernel", "reference"])
+def test_meta_group_ids_need_num_groups(impl):
+    """Deriving num_groups reads the ids, which a meta tensor (a shape-only trace) does not hold."""
+    rewards = torch.empty(6, device="meta")
+    ids = torch.empty(6, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match=r"num_groups .*meta"):
+        impl.group_advantages(rewards, group_ids=ids)
+
+
+def test_meta_group_ids_with_num_groups_give_the_shapes():
+    rewards = torch.empty(6, device="meta")
+    out = grpo_ext.group_advantages(rewards, group_ids=torch.empty(6, dtype=torch.int64, device="meta"), num_groups=4)
+    assert out.advantages.shape == (6,) and out.group_mean.shape == (4,) and out.zero_std.dtype == torch.bool
+
+
+@pytest.mark.parametrize("impl", [grpo_ext, reference], ids=["kernel", "reference"])
+@pytest.mark.parametrize("grouping", [dict(group_size=1), dict(group_ids=torch.tensor([0, 1, 1, 2]))])
+def test_verl_singleton_groups_with_normalize_then_sum_is_refused(impl, grouping):
+    """GDPO z-scores over the batch: verl's singleton convention has no meaning there (docs/math.md section 1)."""
+    with pytest.raises(ValueError, match=r"singleton_groups='verl'.*multi_objective_aggregation='normalize_then_sum'"):
+        impl.group_advantages(torch.rand(4, 2, dtype=torch.float64), singleton_groups="verl",
+                              multi_objective_aggregation="normalize_then_sum", **grouping)  # fmt: skip

@@ -11,6 +11,7 @@ from grpo_ext import reference
 from grpo_ext.ops.grpo_loss_from_hidden import hidden_loss
 from grpo_ext.ops.lm_head import chunk_rows, hidden_chunk_budget
 from grpo_ext.ops.options import LOSS_TYPES, LossOptions
+from grpo_ext.validation import validate_grpo_loss_args
 
 
 def make_problem(batch: int = 4, length: int = 5, size: int = 16, vocab: int = 37, *, seed: int = 0):
@@ -237,3 +238,37 @@ def test_default_chunk_on_cpu_holds_as_many_logits_as_the_weight_gradient():
     assert cpu_rows == 512 and cpu_rows * vocab * 4 <= vocab * size * 4
     assert chunk_rows(10**6, vocab, 4, hidden_chunk_budget(vocab, size, torch.device("cuda"))) == 256
     assert chunk_rows(10**6, 32000, 4, hidden_chunk_budget(32000, 64, torch.device("cpu"))) == 2048  # 256 MiB floor
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("level", ["token", "sequence"])  # sequence: the gradient comes from the second pass
+@pytest.mark.parametrize("chunk_size", [3, None])
+def test_masked_rows_get_zero_grad_hidden_with_a_non_finite_weight(device, bad, level, chunk_size):
+    """A NaN/inf LM-head weight makes the loss NaN, but the masked rows (mask or sample_mask) are never used: their
+    hidden-state gradient is exactly 0, as the reference's (``0 @ NaN`` in ``g @ W`` must not leak there)."""
+    hidden, weight, bias, ids, adv, mask, old, _ = make_problem(seed=23)
+    weight = weight.clone()
+    weight[5, 3] = bad
+    kwargs = dict(old_logps=old, importance_sampling_level=level, sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    _, expected_grads = run(reference, hidden, weight, bias, ids, adv, mask, **kwargs)
+    dropped = (~mask) | (kwargs["sample_mask"] == 0).unsqueeze(1)
+    assert dropped.any() and (~dropped).any()
+    assert (expected_grads[0][dropped] == 0).all() and expected_grads[0][~dropped].isnan().any()  # the bad weight bites
+    for dtype in (torch.float64, torch.float32):
+        got, grads = run(grpo_ext, hidden.to(device, dtype), weight.to(device, dtype), bias.to(device, dtype),
+                         ids.to(device), adv.to(device, dtype), mask.to(device), chunk_size=chunk_size,
+                         **cast_kwargs(device, dtype, kwargs))  # fmt: skip
+        assert got.loss.isnan()
+        for name, a, b in zip(("hidden", "weight", "bias"), grads, expected_grads, strict=True):
+            torch.testing.assert_close(a.double().cpu(), b, rtol=1e-5, atol=1e-6, equal_nan=True,
+                                       msg=f"grad {name} {dtype}")  # fmt: skip
+    # torch.compile's composite op shares the chunked forward: its gradients too
+    options = validate_grpo_loss_args(old, adv, mask, LossOptions(**kwargs))
+    *_, grad_hidden, grad_weight, grad_bias = torch.ops.grpo_ext.grpo_loss_from_hidden(
+        hidden.flatten(0, 1), weight, bias, ids.flatten(), adv, mask, *options.op_args(), 1.0, 1.0, 0.0,
+        chunk_size or hidden.shape[0] * hidden.shape[1],
+    )  # fmt: skip
+    for name, a, b in zip(("hidden", "weight", "bias"), (grad_hidden.view_as(hidden), grad_weight, grad_bias),
+                          expected_grads, strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, equal_nan=True, msg=f"composite op's grad {name}")

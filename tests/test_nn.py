@@ -105,3 +105,45 @@ def test_bad_arguments_are_named():
         FusedLinearGRPOLoss(epsilon=0.3)
     with pytest.raises(ValueError, match="chunk_size"):
         FusedLinearGRPOLoss(chunk_size=0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, None])
+def test_masked_rows_get_zero_input_grad_with_a_non_finite_weight(chunk_size):
+    """The module goes through grpo_loss_from_hidden's chunked path: a NaN LM-head weight makes the loss NaN, yet
+    the masked positions' ``_input`` gradient is exactly 0, as the reference's."""
+    hidden, weight, bias, ids, mask, adv, old, ref_head = make_problem(seed=11)
+    weight = weight.clone()
+    weight[2, 7] = float("nan")
+    _, expected_grads = expected_loss(hidden, weight, bias, ids, mask, adv, old, ref_head, beta=0.0,
+                                      loss_type="dapo", level="token", temperature=1.0)  # fmt: skip
+    assert (expected_grads[0][~mask] == 0).all() and expected_grads[0][mask].isnan().all()
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    module = FusedLinearGRPOLoss(beta=0.0, chunk_size=chunk_size, epsilon_low=0.2, epsilon_high=0.28)
+    loss, _ = module(leaves[0], leaves[1], ids, mask, adv, leaves[2], None, old)
+    loss.backward()
+    assert loss.isnan()
+    for name, got, want in zip(("input", "weight", "bias"), (t.grad for t in leaves), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, equal_nan=True, msg=f"grad {name}")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_vespo_returns_its_phi_mean_in_the_clip_ratio_place(beta):
+    """loss_type="vespo" (no clip ratio of its own) runs, matches the float64 reference, and returns vespo's
+    ``vespo/phi_seq_mean`` where the other loss types return their clip ratio."""
+    hidden, weight, bias, ids, mask, adv, old, ref_head = make_problem(seed=5)
+    expected, expected_grads = expected_loss(hidden, weight, bias, ids, mask, adv, old, ref_head, beta=beta,
+                                             loss_type="vespo", level="token", temperature=0.9)  # fmt: skip
+    module = FusedLinearGRPOLoss(beta=beta, chunk_size=1, epsilon_low=0.2, epsilon_high=0.28, loss_type="vespo",
+                                 temperature=0.9)  # fmt: skip
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    loss, metrics = module(leaves[0], leaves[1], ids, mask, adv, leaves[2], None, old, *ref_head)
+    loss.backward()
+    assert_close(loss, expected.loss, rtol=1e-10, atol=1e-12, msg="loss")
+    for name, got, want in zip(("input", "weight", "bias"), (t.grad for t in leaves), expected_grads, strict=True):
+        assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f"grad {name}")
+    assert len(metrics) == (2 if beta else 1)
+    if beta:
+        assert_close(metrics[0], expected.metrics["kl"], rtol=1e-10, atol=1e-12, msg="kl")
+    phi = expected.metrics["vespo/phi_seq_mean"]
+    assert phi > 0 and not torch.isclose(phi, torch.ones_like(phi))  # a real weight, not a constant stand-in
+    assert_close(metrics[-1], phi, rtol=1e-10, atol=1e-12, msg="vespo/phi_seq_mean")

@@ -1,8 +1,10 @@
-"""The built-in reward functions against hand-computed scores."""
+"""The built-in reward functions against hand-computed scores; what a reward function may return."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from grpo_ext.trainer.rewards import (
     accuracy_reward,
@@ -10,6 +12,7 @@ from grpo_ext.trainer.rewards import (
     format_reward,
     graded_answer_reward,
     make_format_reward,
+    score_completions,
 )
 
 
@@ -57,3 +60,66 @@ def test_graded_answer_reward_partial_credit_and_stop_bonus():
         1.0,  # right text but truncated (no EOS): no bonus
     ]
     assert rewards == pytest.approx(expected)
+
+
+def returning(values):
+    """A reward function named ``fixed`` that returns ``values`` whatever it is given."""
+
+    def fixed(prompts, completions, **columns):
+        return values
+
+    return fixed
+
+
+def score(values, n: int = 3) -> torch.Tensor:
+    return score_completions([returning(values)], ["fixed"], ["p"] * n, ["c"] * n, {})
+
+
+# TRL takes any sequence of numbers (torch.tensor(output, dtype=float32), None as NaN): so do we.
+NUMBER_SEQUENCES = {
+    "list": lambda: [0.5, None, -2.0],
+    "tuple": lambda: (0.5, None, -2.0),
+    "numpy float64": lambda: np.array([0.5, np.nan, -2.0]),
+    "numpy float32": lambda: np.array([0.5, np.nan, -2.0], dtype=np.float32),
+    "numpy object with None": lambda: np.array([0.5, None, -2.0], dtype=object),
+    "tensor": lambda: torch.tensor([0.5, float("nan"), -2.0], dtype=torch.float64),
+    "bfloat16 tensor": lambda: torch.tensor([0.5, float("nan"), -2.0], dtype=torch.bfloat16),
+    "scalars of numpy and torch": lambda: [np.float64(0.5), None, torch.tensor(-2.0)],
+}
+
+
+@pytest.mark.parametrize("kind", NUMBER_SEQUENCES)
+def test_score_completions_takes_any_sequence_of_numbers(kind):
+    rewards = score(NUMBER_SEQUENCES[kind]())
+    assert rewards.dtype == torch.float32 and rewards.shape == (3, 1)
+    expected = torch.tensor([[0.5], [float("nan")], [-2.0]], dtype=torch.float64)
+    torch.testing.assert_close(rewards.double(), expected, equal_nan=True, rtol=0, atol=0)
+
+
+def test_score_completions_takes_integers_and_booleans_as_numbers():
+    torch.testing.assert_close(score(np.array([1, 0, 3])), torch.tensor([[1.0], [0.0], [3.0]]))
+    torch.testing.assert_close(score([True, False, np.bool_(True)]), torch.tensor([[1.0], [0.0], [1.0]]))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ("abc", r"reward function fixed returned str 'abc'"),
+        (b"abc", r"reward function fixed returned bytes"),
+        (["1.0", 2.0, 3.0], r"reward function fixed returned '1\.0' \(str\) for row 0"),
+        ([1.0, [2.0], 3.0], r"reward function fixed returned \[2\.0\] \(list\) for row 1"),
+        ([[1.0], [2.0], [3.0]], r"reward function fixed returned \[1\.0\] \(list\) for row 0"),
+        ([1.0, torch.tensor([2.0]), 3.0], r"reward function fixed returned tensor\(\[2\.\]\) \(Tensor\) for row 1"),
+        (np.array(["1", "2", "3"]), r"reward function fixed returned '1' \(str\) for row 0"),
+        (torch.ones(3, 1), r"reward function fixed returned a Tensor of shape \(3, 1\)"),
+        (np.ones((3, 1)), r"reward function fixed returned a ndarray of shape \(3, 1\)"),
+        (torch.tensor(1.0), r"reward function fixed returned a Tensor of shape \(\)"),
+        ({0: 1.0, 1: 2.0, 2: 3.0}, r"reward function fixed returned dict"),
+        ([1.0, 2.0 + 1j, 3.0], r"reward function fixed returned \(2\+1j\) \(complex\) for row 1"),
+    ],
+    ids=["str", "bytes", "str entry", "nested entry", "nested list", "1-D tensor entry", "numpy strings",
+         "[N, 1] tensor", "[N, 1] array", "0-dim tensor", "dict", "complex entry"],
+)  # fmt: skip
+def test_score_completions_refuses_strings_and_nested_values_naming_the_function(values, message):
+    with pytest.raises(ValueError, match=message):
+        score(values)

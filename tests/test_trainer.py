@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import grpo_ext
+from grpo_ext.ops.options import LossOptions
 from grpo_ext.trainer import GRPOConfig
 from grpo_ext.trainer.cli import load_yaml, parse_overrides
 from grpo_ext.trainer.cli import main as cli_main
@@ -51,6 +53,35 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"GRPOConfig\.{field} "):
         GRPOConfig(**{field: value})
+
+
+#: An out-of-range value of every loss option GRPOConfig carries (docs/math.md sections 3-5).
+LOSS_OPTION_CASES = [
+    ("loss_type", "ppo"), ("kl_estimator", "k4"), ("importance_sampling_level", "sentence"),
+    ("epsilon", -0.1), ("epsilon", float("nan")), ("epsilon_high", -0.1), ("epsilon_high", float("nan")),
+    ("delta", 1.0), ("delta", 0.5), ("delta", float("nan")), ("beta", -0.1), ("beta", float("inf")),
+    ("beta", float("nan")), ("max_completion_length", 0),
+    *[(name, value) for name in ("sapo_temperature_pos", "sapo_temperature_neg")
+      for value in (-1.0, 0.0, float("nan"), float("inf"))],
+    *[(name, value) for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+      for value in (float("nan"), float("inf"), float("-inf"))],
+]  # fmt: skip
+
+
+def test_loss_option_cases_cover_every_loss_option_of_the_config():
+    carried = {f.name for f in dataclasses.fields(GRPOConfig)} & set(LossOptions._fields)
+    assert {name for name, _ in LOSS_OPTION_CASES} == carried
+
+
+@pytest.mark.parametrize(("field", "value"), LOSS_OPTION_CASES)
+def test_config_refuses_out_of_range_loss_options_as_the_loss_does(field, value):
+    """At construction, before a model loads; with the loss's own check (one definition of the ranges)."""
+    with pytest.raises(ValueError, match=rf"^GRPOConfig\.{field} ") as config_error:
+        GRPOConfig(**{field: value})
+    logps = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"^{field} ") as loss_error:
+        grpo_ext.grpo_loss(logps, torch.ones(2), torch.ones(2, 3), ref_logps=logps, **{field: value})
+    assert str(config_error.value) == f"GRPOConfig.{loss_error.value}"
 
 
 def test_config_generation_batch_must_hold_whole_groups():

@@ -116,3 +116,52 @@ def test_vespo_phi_overflow_is_zero_as_in_trl(device):
         out.loss.backward()
         assert out.loss.item() == 0.0 and (leaf.grad == 0).all(), impl.__name__
         assert out.metrics["vespo/phi_seq_mean"].item() == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["logps", "old_logps", "is_weights"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_vespo_masked_positions_keep_a_zero_gradient_when_a_kept_input_is_not_finite(device, where, value):
+    """One non-finite kept input makes the row's phi NaN; the row's masked positions are still inert (docs/math.md:
+    their gradient is 0), as in the reference. The CPU token loop once multiplied the NaN phi into them."""
+    inputs = make_inputs(seed=3, token_advantages=False, is_ratio=True)
+    row = 3  # 5 kept tokens, 2 masked ones
+    assert inputs["mask"][row].any() and not inputs["mask"][row].all()
+    inputs[where][row, 1] = value
+    kwargs = dict(old_logps=inputs["old_logps"], is_weights=inputs["is_weights"], loss_type="vespo")
+    ref_logps = inputs["logps"].clone().requires_grad_(True)
+    expected = reference.grpo_loss(ref_logps, inputs["advantages"], inputs["mask"], **kwargs)
+    expected.loss.backward()
+    logps = inputs["logps"].to(device).requires_grad_(True)
+    out = grpo_ext.grpo_loss(logps, inputs["advantages"].to(device), inputs["mask"].to(device),
+                             **{k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()})  # fmt: skip
+    out.loss.backward()
+    masked = ~inputs["mask"]
+    assert torch.isnan(out.loss) and torch.isnan(expected.loss)
+    assert (ref_logps.grad[masked] == 0).all(), "the reference"
+    assert (logps.grad.cpu()[masked] == 0).all(), "the kernel"
+    assert torch.equal(torch.isnan(logps.grad.cpu()), torch.isnan(ref_logps.grad))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_vespo_masked_rows_keep_a_zero_gradient_through_logits_and_hidden(device, entry):
+    """The same rule through grpo_loss_from_logits and grpo_loss_from_hidden: a +inf kept old log-prob makes the
+    loss NaN and leaves the masked rows' gradients (logits, hidden states) zero."""
+    inputs = make_inputs(seed=4, token_advantages=False, is_ratio=False)
+    inputs["old_logps"][3, 1] = float("inf")
+    g = torch.Generator().manual_seed(4)
+    vocab, size = 11, 5
+    ids = torch.randint(0, vocab, (B, T), generator=g).to(device)
+    args = (inputs["advantages"].to(device), inputs["mask"].to(device))
+    kwargs = dict(old_logps=inputs["old_logps"].to(device), loss_type="vespo")
+    if entry == "logits":
+        x = torch.randn(B, T, vocab, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+        out = grpo_ext.grpo_loss_from_logits(x, ids, *args, **kwargs)
+    else:
+        x = torch.randn(B, T, size, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+        weight = torch.randn(vocab, size, generator=g, dtype=torch.float64).to(device)
+        out = grpo_ext.grpo_loss_from_hidden(x, weight, ids, *args, **kwargs)
+    out.loss.backward()
+    assert torch.isnan(out.loss)
+    assert (x.grad.cpu()[~inputs["mask"]] == 0).all()

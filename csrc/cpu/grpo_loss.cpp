@@ -123,8 +123,10 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
       terms[t] = mask[t] * vespo_token_log_weight(log_ratio_of(logps[t], old_logps[t]), is_weights[t], has_is_weights);
     }
     const T log_w = vespo_row_log_weight(T(lane_sum(terms, n_cols)));
+    // Masked tokens get phi 0, not the row's: a non-finite kept input makes log_w NaN, and the token loop's
+    // 0 * NaN would put it in their gradient, which must stay 0 (docs/math.md, non-finite inputs).
     T* phi = scratch.is_weights.data();
-    for (int64_t t = 0; t < n_cols; ++t) phi[t] = vespo_phi(consts, log_w, advantages[t]);
+    for (int64_t t = 0; t < n_cols; ++t) phi[t] = mask[t] != T(0) ? vespo_phi(consts, log_w, advantages[t]) : T(0);
     is_weights = phi;
     if (p.per_row_advantages) {
       phi_partial = double(vespo_phi(consts, log_w, in.advantages.load<T>(row, 0)));

@@ -161,8 +161,10 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const Te
   }
   p.bias_correction = o.use_bias_correction_kl;
   p.has_old = o.old_logps.has_value();
-  GRPO_CHECK(o.sapo_temperature_pos > 0, "sapo_temperature_pos must be > 0, got ", o.sapo_temperature_pos);
-  GRPO_CHECK(o.sapo_temperature_neg > 0, "sapo_temperature_neg must be > 0, got ", o.sapo_temperature_neg);
+  GRPO_CHECK(std::isfinite(o.sapo_temperature_pos) && o.sapo_temperature_pos > 0,
+             "sapo_temperature_pos must be a finite number > 0, got ", o.sapo_temperature_pos);
+  GRPO_CHECK(std::isfinite(o.sapo_temperature_neg) && o.sapo_temperature_neg > 0,
+             "sapo_temperature_neg must be a finite number > 0, got ", o.sapo_temperature_neg);
   p.sapo_tau_pos = o.sapo_temperature_pos;
   p.sapo_tau_neg = o.sapo_temperature_neg;
   for (const auto& [value, name] :

@@ -13,13 +13,24 @@ log-probs from ``ref_input``/``ref_weight`` are computed chunk by chunk in the s
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
 from .ops.grpo_loss_from_hidden import hidden_loss
-from .ops.options import LossOptions
+from .ops.options import LossOptions, with_loss_options_doc
 
 __all__ = ["FusedLinearGRPOLoss"]
+
+#: Loss options the module sets itself: from forward's arguments, or from a constructor argument Liger names
+#: otherwise (``epsilon_low``); ``**options`` may not pass them.
+_SET_BY_MODULE = frozenset({"old_logps", "ref_logps", "sample_mask", "beta", "epsilon", "epsilon_high", "loss_type"})
+
+#: The metric Liger's tuple holds in ``clip_ratio``'s place, by loss type (otherwise ``clip_ratio/region_mean``):
+#: cispo's clip share, and vespo's mean weight ``phi`` (it clips nothing; TRL logs ``vespo/phi_seq_mean`` where it
+#: logs the other loss types' clip ratios).
+_CLIP_METRIC = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}
 
 
 class FusedLinearGRPOLoss(torch.nn.Module):
@@ -28,7 +39,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     Differences from Liger, all documented choices: ``chunk_size`` counts sequences as in Liger (a chunk is
     ``chunk_size * T`` token rows, or grpo_ext's automatic size when None); ``compiled`` is accepted and ignored
     (the kernels are native); ``max_completion_length`` defaults to ``T`` for ``dr_grpo`` instead of raising; with
-    ``importance_sampling_level="sequence"`` the clip ratio is a share of rows, as TRL logs it (docs/math.md section 7).
+    ``importance_sampling_level="sequence"`` the clip ratio is a share of rows, as TRL logs it (docs/math.md section 7);
+    every grpo_ext loss type is taken, ``vespo`` (not in Liger) included, which returns its ``vespo/phi_seq_mean`` in
+    the clip ratio's place (``forward``).
 
     Args:
         beta: KL coefficient (Liger's default 0.04).
@@ -38,14 +51,15 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         chunk_size: sequences per chunk of the LM head (None: grpo_ext's automatic chunk of at most 256 MiB logits).
         epsilon_low: lower clip ``1 - epsilon_low`` (grpo_ext's ``epsilon``).
         epsilon_high: upper clip ``1 + epsilon_high``; for ``cispo`` the absolute ratio cap.
-        loss_type: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` (Liger's default), ``luspo``, ``cispo`` or ``sapo``.
+        loss_type: one of ``LOSS_TYPES`` (:mod:`grpo_ext.ops.options`), as :func:`grpo_ext.grpo_loss` takes it
+            (default ``dapo``, Liger's).
         max_completion_length: ``dr_grpo``'s denominator.
         importance_sampling_level: ``token`` or ``sequence`` (GSPO).
         sapo_temperature_pos: SAPO temperature for positive advantages.
         sapo_temperature_neg: SAPO temperature for non-positive advantages.
         temperature: logits are divided by it (policy and reference alike).
-        **options: any other loss option of :func:`grpo_ext.grpo_loss` (``delta``, ``kl_estimator``, ``kl_clamp``,
-            ``use_bias_correction_kl``, ``loss_scale``, ...).
+        **options: the other loss options of :func:`grpo_ext.grpo_loss`, keywords only
+            (:class:`~grpo_ext.ops.options.LossOptions`, each listed below from its definition there).
     """
 
     def __init__(
@@ -65,8 +79,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         **options,
     ) -> None:
         super().__init__()
-        reserved = {"old_logps", "ref_logps", "sample_mask", "beta", "epsilon", "epsilon_high", "loss_type"}
-        unknown = sorted(set(options) - (set(LossOptions._fields) - reserved))
+        unknown = sorted(set(options) - set(_FORWARDED_OPTIONS))
         if unknown:
             raise TypeError(f"FusedLinearGRPOLoss() got unexpected keyword argument(s) {unknown}")
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
@@ -118,7 +131,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         Returns:
             ``(loss, metrics)``: the 0-dim loss (gradients to ``_input``, ``lin_weight`` and ``bias``) and, as in
             Liger, ``(kl, clip_ratio)`` when ``beta != 0``, else ``(clip_ratio,)``: ``clip_ratio`` is
-            ``clip_ratio/region_mean`` (``cispo_clip_ratio`` for cispo).
+            ``clip_ratio/region_mean``, ``cispo_clip_ratio`` for cispo, and for vespo, which clips nothing, its
+            ``vespo/phi_seq_mean``: the mean of VESPO's weight ``phi`` (docs/math.md sections 3 and 7), not a share.
         """
         if _input.dim() != 3:
             raise ValueError(f"_input must be [B, T, H] (Liger's layout), got {tuple(_input.shape)}")
@@ -145,8 +159,17 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             **self.options,
         )  # fmt: skip
         metrics = out.metrics
-        clip = metrics["cispo_clip_ratio"] if self.loss_type == "cispo" else metrics["clip_ratio/region_mean"]
+        clip = metrics[_CLIP_METRIC.get(self.loss_type, "clip_ratio/region_mean")]
         if self.beta == 0:
             return out.loss, (clip,)
         kl = metrics["kl"] if has_kl else torch.zeros_like(clip)  # Liger: no reference, KL[pi || sg(pi)] = 0
         return out.loss, (kl, clip)
+
+
+#: The loss options ``**options`` takes: every option neither set by the module nor a constructor argument of its own.
+_FORWARDED_OPTIONS: tuple[str, ...] = tuple(
+    name for name in LossOptions._fields
+    if name not in _SET_BY_MODULE and name not in inspect.signature(FusedLinearGRPOLoss.__init__).parameters
+)  # fmt: skip
+FusedLinearGRPOLoss.__doc__ = with_loss_options_doc(FusedLinearGRPOLoss.__doc__, "FusedLinearGRPOLoss",
+                                                    _FORWARDED_OPTIONS)  # fmt: skip

@@ -207,8 +207,10 @@ def validate_group_advantages_args(
         and, with ``group_ids``, the given number or ``max(group_ids) + 1`` (a host sync on CUDA).
 
     Raises:
-        ValueError: naming the bad argument and what was expected. The values of CUDA ``group_ids`` are checked
-            only when ``num_groups`` is derived from them (the kernel asserts on the device otherwise).
+        ValueError: naming the bad argument and what was expected; ``group_ids`` on the meta device without
+            ``num_groups``, ``singleton_groups="verl"`` with ``normalize_then_sum``. The values of CUDA
+            ``group_ids`` are checked only when ``num_groups`` is derived from them (the kernel asserts on the device
+            otherwise).
     """
     check_tensor("rewards", rewards)
     check_floating("rewards", rewards)
@@ -232,6 +234,13 @@ def validate_group_advantages_args(
     eps = check_positive("eps", eps)
     std_ddof = check_int("std_ddof", std_ddof, 0)
     check_choice("singleton_groups", singleton_groups, SINGLETON_GROUPS)
+    if singleton_groups == "verl" and multi_objective_aggregation == "normalize_then_sum":
+        # GDPO z-scores the combined reward over the batch, not per group: no group convention applies
+        raise ValueError(
+            "singleton_groups='verl' applies to multi_objective_aggregation='sum_then_normalize' only, got "
+            "multi_objective_aggregation='normalize_then_sum' (which z-scores over the batch); use "
+            "singleton_groups='zero' with it"
+        )
     return group_size, group_ids, num_groups, eps, std_ddof
 
 
@@ -248,6 +257,9 @@ def _check_group_ids(rewards: Tensor, group_size: object, group_ids: Tensor, num
     if group_ids.device != rewards.device:
         raise ValueError(f"group_ids is on device {group_ids.device} but rewards is on device {rewards.device}")
     derive = num_groups is None
+    if derive and batch and group_ids.device.type == "meta":  # a shape-only trace: there are no ids to count
+        raise ValueError("num_groups is required with group_ids on the meta device (its default, max(group_ids) + 1, "
+                         "reads the ids): pass num_groups")  # fmt: skip
     if not derive:
         num_groups = check_int("num_groups", num_groups, 0)
     if batch and (derive or group_ids.device.type == "cpu"):  # reading the values syncs a CUDA tensor's host
@@ -293,6 +305,84 @@ def check_per_row(name: str, t: Tensor, batch: int, length: int) -> None:
     check_shape(name, t, [(batch,), (batch, 1), (batch, length)], f"[B]=({batch},), [B,1] or [B,T]={(batch, length)}")
 
 
+def check_bool(name: str, value: object) -> bool:
+    """Returns ``value``, raising ValueError unless it is a bool (``"false"`` from a YAML or command line is true)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return value
+
+
+def validate_loss_option_values(options: LossOptions) -> LossOptions:
+    """Checks the loss options that are plain values, the one definition of their ranges (docs/math.md sections 3-5).
+
+    The loss functions run it (through :func:`validate_grpo_loss_args`), and so does the trainer's ``GRPOConfig`` on
+    construction, so a bad option fails before a model loads. The tensors and what depends on the inputs' shapes
+    (``max_completion_length``'s default ``T``, a tensor's shape and device) are :func:`validate_grpo_loss_args`' part.
+
+    Args:
+        options: the loss options as the caller passed them.
+
+    Returns:
+        The options with their numbers as Python floats/ints, ``epsilon_high`` resolved (``epsilon``, or 5.0 for
+        cispo); a tensor ``loss_scale`` or ``num_items_in_batch`` is returned as given, when 0-dim.
+
+    Raises:
+        ValueError: a message that starts with the bad option's name and says what was expected.
+    """
+    epsilon_high, delta, kl_clamp = options.epsilon_high, options.delta, options.kl_clamp
+    loss_scale, num_items, max_completion_length = (
+        options.loss_scale, options.num_items_in_batch, options.max_completion_length,
+    )  # fmt: skip
+    check_choice("loss_type", options.loss_type, LOSS_TYPES)
+    check_choice("kl_estimator", options.kl_estimator, KL_ESTIMATORS)
+    check_choice("importance_sampling_level", options.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    epsilon = check_non_negative("epsilon", options.epsilon)  # 0: no lower clip range (a legitimate setting)
+    if epsilon_high is None:
+        epsilon_high = CISPO_DEFAULT_CAP if options.loss_type == "cispo" else epsilon
+    epsilon_high = check_non_negative("epsilon_high", epsilon_high)
+    if delta is not None:
+        delta = check_real_number("delta", delta)
+        if not delta > 1:
+            raise ValueError(f"delta must exceed 1 (it caps the ratio from above, and rho = 1 on-policy), got {delta}")
+    beta = check_non_negative("beta", check_finite("beta", options.beta))
+    if kl_clamp is not None:
+        kl_clamp = check_positive("kl_clamp", kl_clamp)
+    # tau = +inf would make SAPO's gate a step: no gradient in the kernels, NaN in the reference
+    sapo = {name: check_finite_positive(name, getattr(options, name))
+            for name in ("sapo_temperature_pos", "sapo_temperature_neg")}  # fmt: skip
+    vespo = {name: check_finite(name, getattr(options, name))
+             for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}  # fmt: skip
+    if isinstance(loss_scale, Tensor):
+        if loss_scale.dim() != 0:
+            shape = tuple(loss_scale.shape)
+            raise ValueError(f"loss_scale must be a Python number or a 0-dim tensor, got shape {shape}")
+    else:
+        loss_scale = check_finite("loss_scale", loss_scale)
+    if max_completion_length is not None:
+        max_completion_length = check_int("max_completion_length", max_completion_length, 1)
+    if isinstance(num_items, Tensor):
+        if num_items.dim() != 0:
+            raise ValueError(
+                f"num_items_in_batch must be a Python number or a 0-dim tensor, got a tensor of shape "
+                f"{tuple(num_items.shape)}"
+            )
+    elif num_items is not None:
+        check_positive("num_items_in_batch", num_items)
+    return options._replace(
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        delta=delta,
+        beta=beta,
+        kl_clamp=kl_clamp,
+        use_bias_correction_kl=check_bool("use_bias_correction_kl", options.use_bias_correction_kl),
+        max_completion_length=max_completion_length,
+        **sapo,
+        **vespo,
+        loss_scale=loss_scale,
+        skip_empty_rows=check_bool("skip_empty_rows", options.skip_empty_rows),
+    )
+
+
 def validate_grpo_loss_args(
     logps: Tensor, advantages: Tensor, completion_mask: Tensor, options: LossOptions
 ) -> LossOptions:
@@ -311,33 +401,7 @@ def validate_grpo_loss_args(
     Raises:
         ValueError: naming the bad argument and what was expected.
     """
-    epsilon, epsilon_high, delta, beta = options.epsilon, options.epsilon_high, options.delta, options.beta
-    kl_clamp, loss_scale, max_completion_length = options.kl_clamp, options.loss_scale, options.max_completion_length
-    sapo_temperature_pos, sapo_temperature_neg = options.sapo_temperature_pos, options.sapo_temperature_neg
-    check_choice("loss_type", options.loss_type, LOSS_TYPES)
-    check_choice("kl_estimator", options.kl_estimator, KL_ESTIMATORS)
-    check_choice("importance_sampling_level", options.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    epsilon = check_non_negative("epsilon", epsilon)  # 0: no lower clip range (a legitimate setting)
-    if epsilon_high is None:
-        epsilon_high = CISPO_DEFAULT_CAP if options.loss_type == "cispo" else epsilon
-    epsilon_high = check_non_negative("epsilon_high", epsilon_high)
-    if delta is not None:
-        delta = check_real_number("delta", delta)
-        if not delta > 1:
-            raise ValueError(f"delta must exceed 1 (it caps the ratio from above, and rho = 1 on-policy), got {delta}")
-    beta = check_non_negative("beta", check_finite("beta", beta))
-    if kl_clamp is not None:
-        kl_clamp = check_positive("kl_clamp", kl_clamp)
-    sapo_temperature_pos = check_positive("sapo_temperature_pos", sapo_temperature_pos)
-    sapo_temperature_neg = check_positive("sapo_temperature_neg", sapo_temperature_neg)
-    vespo = {name: check_finite(name, getattr(options, name))
-             for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}  # fmt: skip
-    if isinstance(loss_scale, Tensor):
-        if loss_scale.dim() != 0:
-            shape = tuple(loss_scale.shape)
-            raise ValueError(f"loss_scale must be a Python number or a 0-dim tensor, got shape {shape}")
-    else:
-        loss_scale = check_finite("loss_scale", loss_scale)
+    options = validate_loss_option_values(options)
 
     check_tensor("logps", logps)
     check_floating("logps", logps)
@@ -375,41 +439,19 @@ def validate_grpo_loss_args(
         is_weights=options.is_weights,
         sample_mask=options.sample_mask,
     )
-    if isinstance(loss_scale, Tensor):
-        check_scalar_tensor_device("loss_scale", loss_scale, "logps", logps)
+    if isinstance(options.loss_scale, Tensor):
+        check_scalar_tensor_device("loss_scale", options.loss_scale, "logps", logps)
     check_no_nan_mask("completion_mask", completion_mask)
     if options.sample_mask is not None:
         check_no_nan_mask("sample_mask", options.sample_mask)
-    if beta != 0 and options.ref_logps is None:
+    if options.beta != 0 and options.ref_logps is None:
         raise ValueError("ref_logps is required when beta != 0")
-    if max_completion_length is None:
-        max_completion_length = length
-    max_completion_length = check_int("max_completion_length", max_completion_length, 1)
-    if options.num_items_in_batch is not None:
-        if isinstance(options.num_items_in_batch, Tensor):
-            if options.num_items_in_batch.dim() != 0:
-                raise ValueError(
-                    f"num_items_in_batch must be a Python number or a 0-dim tensor, "
-                    f"got a tensor of shape {tuple(options.num_items_in_batch.shape)}"
-                )
-            check_scalar_tensor_device("num_items_in_batch", options.num_items_in_batch, "logps", logps)
-            # its value is not checked: that would sync the host with the device
-        else:
-            check_positive("num_items_in_batch", options.num_items_in_batch)
-    return options._replace(
-        epsilon=epsilon,
-        epsilon_high=epsilon_high,
-        delta=delta,
-        beta=beta,
-        kl_clamp=kl_clamp,
-        use_bias_correction_kl=bool(options.use_bias_correction_kl),
-        max_completion_length=max_completion_length,
-        sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg,
-        **vespo,
-        loss_scale=loss_scale,
-        skip_empty_rows=bool(options.skip_empty_rows),
-    )
+    if isinstance(options.num_items_in_batch, Tensor):
+        check_scalar_tensor_device("num_items_in_batch", options.num_items_in_batch, "logps", logps)
+        # its value is not checked: that would sync the host with the device
+    if options.max_completion_length is None:
+        options = options._replace(max_completion_length=length)
+    return options
 
 
 def validate_selective_log_softmax_args(

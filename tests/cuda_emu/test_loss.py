@@ -149,3 +149,18 @@ def test_backward_grid_stride(emu, out_dtype):
     f64 = grad_raw.double()
     check_op(emu, "grpo_loss_backward", torch.tensor(0.3), f64, torch.tensor(0.01, dtype=torch.float64),
              torch.float64, tol=LOSS_GRAD)  # fmt: skip
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("where", ["logps", "old_logps", "is_weights"])
+def test_vespo_non_finite_kept_input_leaves_masked_gradients_zero(emu, level, where):
+    """vespo's phi is a row's: one +inf kept input makes it NaN for the whole row, and the row's masked positions
+    still get a zero gradient (docs/math.md), as the CPU kernel gives them (tests/test_vespo.py)."""
+    batch = make_loss_batch(seed=13, batch=8, seq_len=9).to("cpu", torch.float32)
+    kept = batch.mask & batch.sample_mask[:, None]
+    row = next(r for r in range(8) if kept[r].any() and not kept[r].all())
+    getattr(batch, where)[row, int(kept[row].nonzero()[0])] = float("inf")
+    kwargs = dict(loss_type="vespo", importance_sampling_level=level, old_logps="old_logps", is_weights="is_weights",
+                  sample_mask="sample_mask")  # fmt: skip
+    _, _, grad_raw, _ = run_forward_backward(emu, forward_args(batch, kwargs))
+    assert (grad_raw[~kept] == 0).all() and torch.isnan(grad_raw[row][kept[row]]).any()

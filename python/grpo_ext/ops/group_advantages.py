@@ -39,7 +39,8 @@ def group_advantages(
         group_ids: ``[B]`` int64 on ``rewards``' device: the group of each row, in ``[0, num_groups)``; the rows of
             a group may be anywhere and groups may differ in size (verl's ``uid`` grouping). Still one launch.
         num_groups: with ``group_ids``: the number of groups; default ``max(group_ids) + 1``, which reads the ids
-            (a host sync on CUDA: pass it to avoid one). Out-of-range CUDA ids fail a device-side assert.
+            (a host sync on CUDA: pass it to avoid one; required on the meta device). Out-of-range CUDA ids fail a
+            device-side assert.
         reward_weights: ``K`` weights (default ones).
         scale_rewards: ``"group"`` (std of the group), ``"batch"`` (std of the batch) or ``"none"`` (Dr. GRPO).
         baseline: ``"mean"`` (GRPO) or ``"leave_one_out"`` (RLOO).
@@ -47,12 +48,16 @@ def group_advantages(
         eps: added to the std (never inside a sqrt).
         std_ddof: delta degrees of freedom of every std (1: Bessel, as TRL and verl).
         singleton_groups: ``"zero"`` (a group of one row is its own mean: A = 0) or ``"verl"`` (verl's mean 0 and
-            std 1: A = R / (1 + eps), or R with ``scale_rewards="none"``); sum_then_normalize only.
+            std 1: A = R / (1 + eps), or R with ``scale_rewards="none"``); sum_then_normalize only (an error with
+            normalize_then_sum).
 
     Returns:
         GroupAdvantages: ``advantages [B]``, ``group_mean [B/G]``, ``group_std [B/G]`` (float32, float64 for float64
         rewards) and ``zero_std [B/G]`` bool; ``[num_groups]`` with ``group_ids`` (a group without rows: 0, 0,
         False). No NaN ever leaves the op.
+
+    Raises:
+        ValueError: naming the bad argument and what was expected (:func:`validation.validate_group_advantages_args`).
     """
     group_size, group_ids, num_groups, eps, std_ddof = validate_group_advantages_args(
         rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof, singleton_groups,

@@ -27,11 +27,8 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         logps: ``[B, T]`` float32/bfloat16/float16 (or float64) log-probs of the sampled tokens under the policy.
         advantages: ``[B]``, ``[B, 1]`` or ``[B, T]`` (process supervision).
         completion_mask: ``[B, T]`` bool, integer or float mask.
-        **options: the loss options, keywords only, each documented in :class:`grpo_ext.ops.options.LossOptions`:
-            ``old_logps``, ``ref_logps``, ``is_weights``, ``sample_mask``, ``loss_type``, ``epsilon``,
-            ``epsilon_high``, ``delta``, ``beta``, ``kl_estimator``, ``kl_clamp``, ``use_bias_correction_kl``,
-            ``importance_sampling_level``, ``max_completion_length``, ``num_items_in_batch``,
-            ``sapo_temperature_pos``, ``sapo_temperature_neg``, ``loss_scale``.
+        **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
+            from its definition there).
 
     Returns:
         GRPOLossOutput: ``loss`` (0-dim float32; float64 for float64 logps) with autograd to ``logps``, and

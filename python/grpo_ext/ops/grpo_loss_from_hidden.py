@@ -99,7 +99,9 @@ def _hidden_loss_forward(
     def chunk_logits(start: int, end: int) -> Tensor:
         return project(hidden[start:end], weight, bias)
 
-    if need_weight:  # rows that are never read: their hidden states (NaN, maybe) must not enter g.T @ hidden
+    if need_hidden or need_weight:
+        # Rows that are never read get a zero gradient, whatever the other operand holds: their hidden states (NaN,
+        # maybe) must not enter g.T @ hidden, and a non-finite weight makes their rows of g @ weight NaN (0 * NaN).
         kept_rows = completion_mask != 0
         if options.sample_mask is not None:
             kept_rows = kept_rows & (options.sample_mask != 0).unsqueeze(1)
@@ -108,7 +110,9 @@ def _hidden_loss_forward(
     def backward_through_chunk(start: int, end: int, grad_logits: Tensor) -> None:
         nonlocal grad_weight
         if need_hidden:
+            # the masked rows are zeroed afterwards, a pass over the chunk's [n, H] rows (the GEMM reads [V, H])
             torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+            grad_hidden[start:end].masked_fill_(~kept_rows[start:end], 0.0)
         if need_weight:
             read = torch.where(kept_rows[start:end], hidden[start:end], 0.0)
             if grad_weight is None:
@@ -267,7 +271,8 @@ def grpo_loss_from_hidden(
         logit_softcap: then ``y = logit_softcap * tanh(y / logit_softcap)`` (Gemma 2's final soft-capping), or None.
         chunk_size: token rows per chunk (default: the largest power of two whose logits fit in
             ``lm_head.hidden_chunk_budget``: 256 MiB on CUDA; on a CPU at least the float32 weight gradient's size).
-        **options: the loss options of :func:`grpo_ext.grpo_loss` (:class:`~grpo_ext.ops.options.LossOptions`).
+        **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
+            from its definition there).
 
     Returns:
         GRPOLossOutput: as :func:`grpo_loss_from_logits` (``loss`` with autograd to hidden, weight and bias).

@@ -269,7 +269,8 @@ def grpo_loss_from_logits(
         inplace_grad: write the gradient over ``logits`` instead of a new buffer (no extra memory). ``logits`` must
             be the output of an op (a model's lm_head, say), not a leaf; its version counter is bumped, so autograd
             raises if anything saved it for backward, and its values are the gradient afterwards. Eager mode only.
-        **options: the loss options of :func:`grpo_ext.grpo_loss` (:class:`~grpo_ext.ops.options.LossOptions`).
+        **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
+            from its definition there).
 
     Returns:
         GRPOLossOutput: as :func:`grpo_loss` (``loss`` float32, with autograd to ``logits``), with

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+import re
+import textwrap
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, TypeVar
 
 from torch import Tensor
@@ -55,32 +57,36 @@ class LossOptions(NamedTuple):
     """The options of every GRPO loss, with their defaults, in the order the native ops take them.
 
     Attributes:
-        old_logps: ``[B, T]`` log-probs of the sampling policy; None means on-policy (``old = logps.detach()``).
-        ref_logps: ``[B, T]`` reference-model log-probs; required when ``beta != 0``.
-        is_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` rollout importance-sampling weights (multiply the policy term;
-            for ``vespo`` they enter each row's weight instead).
-        sample_mask: ``[B]`` rows to keep (zero-std masking); a dropped row counts in no token denominator.
-        loss_type: one of ``LOSS_TYPES``: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``, ``cispo``, ``sapo``,
-            ``vespo``.
-        epsilon: lower clip ``1 - epsilon``.
-        epsilon_high: upper clip ``1 + epsilon_high`` (defaults to ``epsilon``); for ``cispo`` the absolute cap on
-            the ratio (default 5.0).
+        old_logps: ``[B, T]`` log-probs of the sampling policy (detached); None means on-policy
+            (``old = logps.detach()``).
+        ref_logps: ``[B, T]`` reference-model log-probs (detached); required when ``beta != 0``.
+        is_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` rollout importance-sampling weights (detached; multiply the
+            policy term only; for ``vespo`` they enter each row's weight instead).
+        sample_mask: ``[B]`` bool/int/float rows to keep (zero-std masking), multiplied into ``completion_mask``
+            before anything else; a dropped row counts in no token denominator.
+        loss_type: one of ``LOSS_TYPES``: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo`` (the clip family),
+            ``cispo``, ``sapo``, ``vespo``.
+        epsilon: lower clip ``1 - epsilon`` (clip family); >= 0.
+        epsilon_high: upper clip ``1 + epsilon_high`` (clip family; defaults to ``epsilon``); for ``cispo`` the
+            absolute cap on the ratio (default 5.0); >= 0.
         delta: two-sided clipping cap on the unclipped ratio (INTELLECT-2), must exceed 1.
-        beta: KL coefficient.
-        kl_estimator: ``k1``, ``k2``, ``k3``, ``abs``, ``k1+``, ``k3+`` or ``low_var_kl`` (verl's).
-        kl_clamp: clamp of ``ref - logps`` before the estimator.
-        use_bias_correction_kl: multiply the KL by the importance ratio (DeepSeek-V3.2).
+        beta: KL coefficient, finite and >= 0; the KL term is computed only when ``beta != 0``.
+        kl_estimator: ``k3`` (``exp(r) - r - 1``), ``k1`` (``-r``) or ``k2`` (``r^2 / 2``) of ``r = ref - logps``;
+            verl's ``abs``, ``low_var_kl`` (k3 capped at 10) and straight-through ``k1+``/``k3+``.
+        kl_clamp: > 0 bound: ``r`` is clamped to ``[-kl_clamp, kl_clamp]`` before the estimator.
+        use_bias_correction_kl: multiply the KL by the importance ratio, with its gradient (DeepSeek-V3.2).
         importance_sampling_level: ``token`` or ``sequence`` (GSPO).
-        max_completion_length: ``dr_grpo``'s constant denominator (default ``T``).
-        num_items_in_batch: ``dapo``/``cispo`` denominator, a number or a one-element tensor (default: the kept
-            tokens). The native ops take it as two arguments, a float and a tensor.
-        sapo_temperature_pos: SAPO temperature for positive advantages.
-        sapo_temperature_neg: SAPO temperature for non-positive advantages.
-        vespo_k_pos: VESPO's power exponent ``k`` where ``A >= 0`` (TRL's name and default).
-        vespo_lambda_pos: VESPO's decay ``lambda`` where ``A >= 0`` (used as at least 1e-4, as TRL).
-        vespo_k_neg: VESPO's ``k`` where ``A < 0``.
-        vespo_lambda_neg: VESPO's ``lambda`` where ``A < 0`` (at least 1e-4).
-        loss_scale: multiplies the loss and its gradient (gradient accumulation or a loss scaler).
+        max_completion_length: ``dr_grpo``'s constant denominator, >= 1 (default ``T``).
+        num_items_in_batch: ``dapo``/``cispo``/``vespo`` denominator, a number > 0 or a 0-dim tensor (default: the
+            kept tokens, at least 1). The native ops take it as two arguments, a float and a tensor.
+        sapo_temperature_pos: SAPO temperature for positive advantages; finite, > 0.
+        sapo_temperature_neg: SAPO temperature for non-positive advantages; finite, > 0.
+        vespo_k_pos: VESPO's power exponent ``k`` where ``A >= 0`` (TRL's name and default); finite.
+        vespo_lambda_pos: VESPO's decay ``lambda`` where ``A >= 0``; finite, used as at least 1e-4 (as TRL).
+        vespo_k_neg: VESPO's ``k`` where ``A < 0``; finite.
+        vespo_lambda_neg: VESPO's ``lambda`` where ``A < 0``; finite, used as at least 1e-4.
+        loss_scale: a finite number or a 0-dim tensor multiplying the loss and its gradient (gradient accumulation
+            or a loss scaler).
         skip_empty_rows: the per-row means (``grpo``, ``sapo``, ``luspo``, ``dr_grpo``) divide by the rows that have a
             kept token instead of ``B`` (verl's ``seq-mean-*`` aggregation).
     """
@@ -162,6 +168,80 @@ NATIVE_OPTION_NAMES: tuple[str, ...] = tuple(
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def _option_entries(doc: str | None) -> dict[str, str]:
+    """Each field's entry of LossOptions' ``Attributes:`` section, its lines joined (empty under ``python -OO``)."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    if "Attributes:" not in lines:  # under -OO NamedTuple writes its own one-line docstring
+        return {}
+    entries: dict[str, str] = {}
+    name = ""
+    for line in lines[lines.index("Attributes:") + 1 :]:
+        if not line.strip():
+            break
+        if line.startswith(" " * 8):  # a continuation line of the entry above
+            entries[name] += " " + line.strip()
+        else:
+            name, _, text = line.strip().partition(": ")
+            entries[name] = text
+    return entries
+
+
+#: Each loss option's meaning, read from LossOptions' docstring: the one place it is written, from which every loss
+#: function's docstring lists the options (``with_loss_options_doc``), so no list is kept by hand.
+OPTION_DOCS: dict[str, str] = _option_entries(LossOptions.__doc__)
+if OPTION_DOCS and tuple(OPTION_DOCS) != LossOptions._fields:  # a new field without its line, or out of order
+    raise RuntimeError(f"LossOptions' docstring must document each field once, in order: {LossOptions._fields}, "
+                       f"got {tuple(OPTION_DOCS)}")  # fmt: skip
+
+
+def loss_options_doc(names: Iterable[str] = LossOptions._fields, indent: str = "") -> str:
+    """Docstring entries of the loss options ``names``: ``name (type, default value): meaning`` from LossOptions.
+
+    Args:
+        names: LossOptions fields, in the order to list them.
+        indent: prefix of each entry's first line (continuation lines get four more spaces).
+
+    Returns:
+        The entries, each wrapped at 120 columns, one after another.
+    """
+    entries = []
+    for name in names:
+        head = f"{name} ({_ANNOTATIONS[name]}, default {LossOptions._field_defaults[name]!r}): {OPTION_DOCS[name]}"
+        # no line break inside a ``literal``: its spaces are hidden from the wrapper, then put back
+        head = re.sub(r"``.*?``", lambda literal: literal.group().replace(" ", "\0"), head)
+        entry = textwrap.fill(head, width=120, initial_indent=indent, subsequent_indent=indent + "    ",
+                              break_long_words=False, break_on_hyphens=False)  # fmt: skip
+        entries.append(entry.replace("\0", " "))
+    return "\n".join(entries)
+
+
+def with_loss_options_doc(doc: str | None, owner: str, names: Iterable[str] = LossOptions._fields) -> str | None:
+    """``doc`` with the loss options ``names`` listed (:func:`loss_options_doc`) under its ``**options:`` argument.
+
+    Args:
+        doc: a Google-style docstring whose ``Args:`` hold a ``**options:`` entry (None under ``python -OO``).
+        owner: the documented function or class, for the error.
+        names: the options it takes through ``**options``.
+
+    Returns:
+        The docstring, cleaned (``inspect.cleandoc``), with the list after the ``**options:`` entry's own lines.
+
+    Raises:
+        ValueError: ``doc`` has no ``**options:`` entry.
+    """
+    if doc is None or not OPTION_DOCS:
+        return doc
+    lines = inspect.cleandoc(doc).splitlines()
+    at = next((i for i, line in enumerate(lines) if line.lstrip().startswith("**options:")), None)
+    if at is None:
+        raise ValueError(f"{owner}'s docstring has no '**options:' argument to list the loss options under")
+    indent = len(lines[at]) - len(lines[at].lstrip())
+    end = at + 1
+    while end < len(lines) and lines[end].strip() and len(lines[end]) - len(lines[end].lstrip()) > indent:
+        end += 1
+    return "\n".join(lines[:end] + loss_options_doc(names, " " * (indent + 4)).splitlines() + lines[end:])
+
+
 class LogitOptions(NamedTuple):
     """The logits options (docs/math.md section 2), validated: from raw logits ``x``, ``y = logit_scale * x``, then
     ``y = logit_softcap * tanh(y / logit_softcap)`` when a cap is given, then ``z = y / temperature``.
@@ -181,10 +261,11 @@ class LogitOptions(NamedTuple):
 
 
 def takes_loss_options(function: _F) -> _F:
-    """Declares that ``function(..., **options)`` takes the loss options: its signature lists them as keywords.
+    """Declares that ``function(..., **options)`` takes the loss options: its signature lists them as keywords, and
+    its docstring lists them with their meaning under its ``**options:`` argument (:func:`with_loss_options_doc`).
 
-    ``inspect.signature``, ``help()`` and IDEs then show every option with its type and default, while the options
-    themselves stay defined once (:class:`LossOptions`).
+    ``inspect.signature``, ``help()`` and IDEs then show every option with its type, default and meaning, while the
+    options themselves stay defined once (:class:`LossOptions`).
     """
     signature = inspect.signature(function)
     own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
@@ -194,6 +275,7 @@ def takes_loss_options(function: _F) -> _F:
         for name in LossOptions._fields
     ]  # fmt: skip
     function.__signature__ = signature.replace(parameters=own + options)  # type: ignore[attr-defined]
+    function.__doc__ = with_loss_options_doc(function.__doc__, function.__qualname__)
     return function
 
 

@@ -60,7 +60,8 @@ def group_advantages(
         rewards: ``[B]`` or ``[B, K]`` floating tensor (K reward functions), NaN = not scored.
         group_size: ``G >= 1``; ``B`` must be divisible by it. Exactly one of ``group_size`` and ``group_ids``.
         group_ids: ``[B]`` int64, the group of each row, in ``[0, num_groups)``.
-        num_groups: with ``group_ids``, the number of groups (default ``max(group_ids) + 1``, a host sync on CUDA).
+        num_groups: with ``group_ids``, the number of groups (default ``max(group_ids) + 1``, a host sync on CUDA;
+            required on the meta device).
         reward_weights: ``K`` weights ``w_k`` (sequence or 1-D tensor); default all ones.
         scale_rewards: ``"group"`` (divide by the group's std + eps), ``"batch"`` (divide by the NaN-aware std of
             R over the whole batch + eps; centering stays per group) or ``"none"`` (Dr. GRPO, no division).
@@ -73,7 +74,8 @@ def group_advantages(
         std_ddof: delta degrees of freedom of every std (1 = Bessel, as TRL); a std over fewer than
             ``std_ddof + 1`` scored members is 0.
         singleton_groups: ``"zero"`` (a group of one row has its own mean: A = 0) or ``"verl"`` (mean 0 and std 1,
-            so A = R / (1 + eps), R with ``scale_rewards="none"``); sum_then_normalize only.
+            so A = R / (1 + eps), R with ``scale_rewards="none"``); sum_then_normalize only (an error with
+            normalize_then_sum).
 
     Returns:
         :class:`GroupAdvantages` with ``advantages [B]``, ``group_mean [B/G]``, ``group_std [B/G]`` in the compute
@@ -82,7 +84,8 @@ def group_advantages(
 
     Raises:
         ValueError: bad ``group_size``, ``B % G != 0``, non-floating ``rewards``, wrong-length ``reward_weights``,
-            unknown option strings, ``eps <= 0`` or ``std_ddof < 0``.
+            unknown option strings, ``eps <= 0``, ``std_ddof < 0``, meta ``group_ids`` without ``num_groups``, or
+            ``singleton_groups="verl"`` with ``normalize_then_sum``.
     """
     group_size, group_ids, num_groups, eps, std_ddof = validate_group_advantages_args(
         rewards, group_size, scale_rewards, baseline, multi_objective_aggregation, eps, std_ddof, singleton_groups,

@@ -66,30 +66,8 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         logps: ``[B, T]`` floating current-policy log-probs of the sampled tokens; the only input with a gradient.
         advantages: ``[B]``, ``[B, 1]`` or ``[B, T]`` floating (detached).
         completion_mask: ``[B, T]`` bool/int/float, used as a float weight (bool -> 0/1).
-        old_logps: ``[B, T]`` floating old-policy log-probs (detached); None means ``l_old = l.detach()``.
-        ref_logps: ``[B, T]`` floating reference log-probs (detached); required when ``beta != 0``.
-        is_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` floating importance-sampling weights (detached); multiply L only.
-        sample_mask: ``[B]`` bool/int/float row mask, multiplied into the completion mask before anything else.
-        loss_type: one of ``LOSS_TYPES``: grpo, bnpo, dr_grpo, dapo, luspo (clip family), cispo, sapo, vespo.
-        epsilon: lower clip ``1 - epsilon`` (clip family); > 0.
-        epsilon_high: upper clip ``1 + epsilon_high`` (clip family, default ``epsilon``); for cispo the absolute
-            ratio cap (default 5.0); > 0.
-        delta: optional upper cap of the unclipped ratio (two-sided clipping, INTELLECT-2); must exceed 1.
-        beta: KL coefficient, >= 0; the KL term is computed only when ``beta != 0``.
-        kl_estimator: ``"k3"`` (``exp(r) - r - 1``), ``"k1"`` (``-r``) or ``"k2"`` (``r^2 / 2``), ``r = l_ref - l``;
-            verl's ``"abs"``, ``"low_var_kl"`` (k3 capped at 10) and straight-through ``"k1+"``/``"k3+"``.
-        kl_clamp: optional > 0 bound: ``r`` is clamped to ``[-kl_clamp, kl_clamp]``.
-        use_bias_correction_kl: multiply KL by ``rho`` (with its gradient), DeepSeek-V3.2.
-        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
-        max_completion_length: denominator length of ``dr_grpo`` (default ``T``); >= 1.
-        num_items_in_batch: denominator of ``dapo``/``cispo`` (Python number > 0 or 0-dim tensor); default
-            ``max(sum m_eff, 1)``.
-        sapo_temperature_pos: SAPO temperature where ``A > 0``; > 0.
-        sapo_temperature_neg: SAPO temperature where ``A <= 0``; > 0.
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's ``k`` and ``lambda`` where ``A >= 0``
-            and where ``A < 0`` (finite; lambda used as at least 1e-4).
-        loss_scale: Python number or 0-dim tensor multiplying the loss (and therefore the gradient).
-        skip_empty_rows: ``B`` in the per-row means (grpo, sapo, luspo, dr_grpo) counts only rows with a kept token.
+        **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
+            from its definition there); tensors among them are detached.
 
     Returns:
         :class:`GRPOLossOutput`: 0-dim ``loss`` and a dict of detached 0-dim metrics, all in the compute dtype

@@ -38,7 +38,8 @@ def grpo_loss_from_hidden(
         logit_scale: multiplies the raw logits first; finite, > 0 (docs/math.md section 2).
         logit_softcap: ``logit_softcap * tanh(y / logit_softcap)`` of the scaled logits ``y``, or None.
         chunk_size: ignored (the reference materializes every logit).
-        **options: :func:`grpo_loss`' options.
+        **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
+            from its definition there).
 
     Returns:
         GRPOLossOutput, with ``metrics["entropy"]``.

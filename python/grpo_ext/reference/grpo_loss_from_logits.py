@@ -34,7 +34,8 @@ def grpo_loss_from_logits(
         temperature: > 0.
         logit_scale: multiplies the raw logits first; finite, > 0 (docs/math.md section 2).
         logit_softcap: ``logit_softcap * tanh(y / logit_softcap)`` of the scaled logits ``y``, or None.
-        **options: :func:`grpo_loss`' options.
+        **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
+            from its definition there).
 
     Returns:
         GRPOLossOutput: :func:`grpo_loss`'s, with ``metrics["entropy"]``, the mean entropy over the kept tokens.

@@ -108,6 +108,29 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
     return overrides
 
 
+_REWARD_SPEC = "a reward (a built-in name or package.module:function)"
+
+
+def reward_spec_list(value: Any) -> list[str]:
+    """The run file's ``reward_funcs``: one reward's name or ``module:function``, or a list of them.
+
+    Raises:
+        ValueError: naming ``reward_funcs`` (and the entry) when it is something else, a number or a mapping, or an
+            empty list.
+    """
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise ValueError(f"reward_funcs must be {_REWARD_SPEC} or a list of them, got {value!r} "
+                         f"({type(value).__name__})")  # fmt: skip
+    if not value:
+        raise ValueError("reward_funcs is empty: give at least one reward")
+    for i, spec in enumerate(value):
+        if not isinstance(spec, str):
+            raise ValueError(f"reward_funcs[{i}] must be {_REWARD_SPEC}, got {spec!r} ({type(spec).__name__})")
+    return value
+
+
 def resolve_reward(spec: str):
     """A built-in reward by name, or ``module:function``."""
     from .rewards import BUILTIN_REWARDS
@@ -193,9 +216,7 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
         raise ValueError(f"the run config lacks {', '.join(missing)}")
     model_path = options.pop("model_name_or_path")
     dataset_path = options.pop("dataset")
-    reward_specs = options.pop("reward_funcs")
-    if isinstance(reward_specs, str):
-        reward_specs = [reward_specs]
+    reward_specs = reward_spec_list(options.pop("reward_funcs"))
     config = GRPOConfig.from_dict(options)
     # Everything that can be checked before a process group exists or a model loads.
     check_fresh_run(Path(config.output_dir), bool(resume), config.overwrite_output_dir)

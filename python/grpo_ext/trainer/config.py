@@ -8,13 +8,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..ops.options import (  # the value sets and defaults of the loss options, defined once
-    IMPORTANCE_SAMPLING_LEVELS,
-    KL_ESTIMATORS,
-    LOSS_TYPES,
-    SCALE_REWARDS,
-    LossOptions,
-)
+from ..ops.options import SCALE_REWARDS, LossOptions  # the loss options' defaults, defined once
+from ..validation import validate_loss_option_values  # and their ranges
 
 _LOSS_DEFAULTS = LossOptions._field_defaults
 
@@ -182,7 +177,7 @@ class GRPOConfig:
 
     def _validate(self) -> None:
         ints = {
-            "seed": 0, "max_steps": 1, "num_generations": 2, "max_completion_length": 1, "top_k": 0,
+            "seed": 0, "max_steps": 1, "num_generations": 2, "top_k": 0,
             "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "steps_per_generation": 1,
             "num_iterations": 1, "warmup_steps": 0, "logging_steps": 1, "save_steps": 0, "log_completions_steps": 1,
             "num_completions_to_print": 0, "kl_horizon": 1, "max_sampling_rounds": 1,
@@ -208,9 +203,8 @@ class GRPOConfig:
         for name in ("temperature", "learning_rate", "adam_epsilon"):
             if number(name) <= 0:
                 _fail(name, "must be > 0", getattr(self, name))
-        for name in ("beta", "weight_decay", "epsilon"):  # epsilon = 0: no lower clip range (legitimate)
-            if number(name) < 0:
-                _fail(name, "must be >= 0", getattr(self, name))
+        if number("weight_decay") < 0:
+            _fail("weight_decay", "must be >= 0", self.weight_decay)
         if not 0 < number("top_p") <= 1:
             _fail("top_p", "must be in (0, 1]", self.top_p)
         for name in ("adam_beta1", "adam_beta2"):
@@ -218,10 +212,7 @@ class GRPOConfig:
                 _fail(name, "must be in [0, 1)", getattr(self, name))
         if not 0 <= number("warmup_ratio") < 1:
             _fail("warmup_ratio", "must be in [0, 1)", self.warmup_ratio)
-        if self.epsilon_high is not None and number("epsilon_high") < 0:
-            _fail("epsilon_high", "must be None or >= 0", self.epsilon_high)
-        if self.delta is not None and number("delta") <= 1:
-            _fail("delta", "must be None or > 1 (a cap on the importance ratio)", self.delta)
+        self._validate_loss_options()
         if self.max_grad_norm is not None and number("max_grad_norm") <= 0:
             _fail("max_grad_norm", "must be None or > 0", self.max_grad_norm)
         if self.kl_target is not None:
@@ -233,9 +224,8 @@ class GRPOConfig:
             _fail("max_time_s", "must be None or > 0", self.max_time_s)
 
         choices = {
-            "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS, "kl_estimator": KL_ESTIMATORS,
-            "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "lr_scheduler_type": LR_SCHEDULERS,
-            "report_to": ("tensorboard", "none"), "logps_backend": ("fused", "plain", "torch"),
+            "scale_rewards": SCALE_REWARDS, "lr_scheduler_type": LR_SCHEDULERS, "report_to": ("tensorboard", "none"),
+            "logps_backend": ("fused", "plain", "torch"),
         }  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -250,6 +240,14 @@ class GRPOConfig:
         if not isinstance(self.output_dir, str) or not self.output_dir:
             _fail("output_dir", "must be a non-empty path", self.output_dir)
 
+    def _validate_loss_options(self) -> None:
+        """Checks the loss options this config carries with the loss's own checks, so that a bad value fails here,
+        before a model loads, and the ranges stay defined once (``validation.validate_loss_option_values``)."""
+        try:
+            validate_loss_option_values(LossOptions(**{name: getattr(self, name) for name in LOSS_OPTION_FIELDS}))
+        except ValueError as err:  # each message starts with the option's name, which is the field's
+            raise ValueError(f"GRPOConfig.{err}") from None
+
     def to_dict(self) -> dict[str, Any]:
         """The options as a plain dict (JSON/YAML-serializable)."""
         return dataclasses.asdict(self)
@@ -263,6 +261,12 @@ class GRPOConfig:
             raise unknown_keys_error(unknown, known, "GRPOConfig")
         return cls(**options)
 
+
+#: The fields that are loss options (``beta``, ``epsilon``, ``sapo_temperature_pos``, ...): the trainer passes them to
+#: the loss as they are, and the config checks them as the loss does.
+LOSS_OPTION_FIELDS: tuple[str, ...] = tuple(
+    field.name for field in dataclasses.fields(GRPOConfig) if field.name in LossOptions._fields
+)
 
 #: The fields a resumed run may change (README "Failure behaviour"): how long it runs, the optimizer's schedule and
 #: hyperparameters, precision, layout and logging; not what it samples, scores and optimizes. Every other field must

@@ -3,15 +3,17 @@
 A reward function is a callable ``f(prompts, completions, **columns) -> list[float | None]``: ``prompts`` and
 ``completions`` are lists of strings of the same length (one entry per completion, the prompt repeated for each of
 its ``G`` completions), ``columns`` holds the dataset's other columns aligned the same way, plus
-``completion_truncated`` (True where the completion hit ``max_completion_length`` without EOS). ``None`` means
-"not scored" and becomes NaN (ignored by the advantage normalization); a NaN value counts the same. Anything else
-that is not a finite number (+-inf, a string, a missing list) is an error naming the function
+``completion_truncated`` (True where the completion hit ``max_completion_length`` without EOS). It may return a
+list, a tuple, a 1-D tensor or a 1-D NumPy array of numbers, as TRL takes them. ``None`` means "not scored" and
+becomes NaN (ignored by the advantage normalization); a NaN value counts the same. Anything else that is not a
+finite number (+-inf, a string, a nested list, a missing list) is an error naming the function
 (:func:`score_completions`).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -129,37 +131,66 @@ BUILTIN_REWARDS: dict[str, Callable] = {
 }
 
 
+def _reward_values(values: Any, name: str, count: int) -> list:
+    """The ``count`` entries a reward function returned: a list or tuple, a 1-D tensor or NumPy array.
+
+    Raises:
+        ValueError: naming the function and what it returned (a string, None, a generator, a 2-D array, ...).
+    """
+    shape = getattr(values, "shape", None)
+    if shape is not None and hasattr(values, "tolist"):  # a tensor or an array (TRL takes any sequence of numbers)
+        if len(shape) != 1:
+            raise ValueError(f"reward function {name} returned a {type(values).__name__} of shape {tuple(shape)}; "
+                             f"it must return {count} numbers, one per completion (a 1-D tensor or array)")  # fmt: skip
+        values = values.tolist()  # Python numbers (or the entries of an object array)
+    elif not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        kind = "None" if values is None else type(values).__name__
+        shown = f" {values[:40]!r}" if isinstance(values, (str, bytes)) else ""
+        raise ValueError(f"reward function {name} returned {kind}{shown}; it must return {count} numbers (a list, a "
+                         "tuple, a 1-D tensor or array; None for a completion it does not score)")  # fmt: skip
+    if len(values) != count:
+        raise ValueError(f"reward function {name} returned {len(values)} values for {count} completions")
+    return list(values)
+
+
+def _reward_number(value: Any) -> float | None:
+    """``value`` as a float (NaN for None), or None when it is not a real number: a number of Python, NumPy or a
+    0-dim tensor, a bool included (as TRL). A string is not a number here, even ``"1.0"``."""
+    if value is None:
+        return math.nan
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a 0-dim tensor or array, a NumPy scalar
+        value = value.item()
+    if isinstance(value, numbers.Real):  # bool, int, float, NumPy's registered scalar types
+        return float(value)
+    return None
+
+
 def score_completions(
     reward_funcs: Sequence[Callable], names: Sequence[str], prompts: list[str], completions: list[str],
     columns: dict[str, list],
 ) -> torch.Tensor:
     """Every reward function on ``N`` completions: ``rewards [N, K]`` float32 (NaN: not scored).
 
-    A function must return ``N`` values, each a number or None (not scored; NaN counts the same).
+    A function returns ``N`` values, one per completion, as TRL takes them: a list, a tuple, a 1-D tensor or a 1-D
+    NumPy array, each entry a real number (a bool, a NumPy scalar or a 0-dim tensor too) or None (not scored; NaN
+    counts the same).
 
     Raises:
-        ValueError: naming the reward function (and the row) when it returns something else: None, a generator or
-            another non-sequence, the wrong count, a value that is not a number, or +-inf (not a reward: fix the
-            function, or return None for a completion it cannot score).
+        ValueError: naming the reward function (and the row) when it returns something else: None, a string, a
+            generator or another non-sequence, a tensor or array that is not 1-D, the wrong count, an entry that is
+            not a number (a string, a list: one number per completion), or +-inf (not a reward: fix the function, or
+            return None for a completion it cannot score).
     """
     import torch
 
     rewards = torch.empty(len(completions), len(reward_funcs), dtype=torch.float32)
     for k, (func, name) in enumerate(zip(reward_funcs, names, strict=True)):
-        values = func(prompts, completions, **columns)
-        if not isinstance(values, (Sequence, torch.Tensor)) or isinstance(values, (str, bytes)):
-            kind = "None" if values is None else type(values).__name__
-            raise ValueError(f"reward function {name} returned {kind}; it must return a list of {len(completions)} "
-                             "floats (None for a completion it does not score)")  # fmt: skip
-        if len(values) != len(completions):
-            raise ValueError(f"reward function {name} returned {len(values)} values for {len(completions)} "
-                             "completions")  # fmt: skip
-        for row, value in enumerate(values.tolist() if isinstance(values, torch.Tensor) else values):
-            try:
-                number = math.nan if value is None else float(value)
-            except (TypeError, ValueError):
+        values = _reward_values(func(prompts, completions, **columns), name, len(completions))
+        for row, value in enumerate(values):
+            number = _reward_number(value)
+            if number is None:
                 raise ValueError(f"reward function {name} returned {value!r} ({type(value).__name__}) for row {row}; "
-                                 "rewards must be numbers, or None when not scored") from None  # fmt: skip
+                                 "each entry must be a number, or None when not scored")  # fmt: skip
             if math.isinf(number):
                 raise ValueError(
                     f"reward function {name} returned {number} for row {row} (completion {completions[row][:80]!r}); "
