@@ -222,6 +222,7 @@ def arch_order(arch: str) -> int:
 
 def collect(library: str) -> list[Kernel]:
     """Every kernel of the CUDA code in ``library`` (a built ``_C_cuda.so``), once per architecture with PTX."""
+    library = str(Path(library).resolve())  # cuobjdump runs in a temporary folder
     cuobjdump, ptxas = find_tool("cuobjdump"), find_tool("ptxas")
     try:
         cxxfilt = find_tool("cu++filt")
