@@ -2,7 +2,10 @@
 
 A folder holds ``model_state.pt`` (the full model state), ``trainer_state.pt`` (optimizer, scheduler, RNG states,
 every rank's queued micro-batches and the trainer's own state), ``config.grpo.json``, and with ``save_pretrained``
-the ``transformers`` model and tokenizer files.
+the ``transformers`` model and tokenizer files. A peft ``PeftModel`` (LoRA) writes its adapter alone: peft's adapter
+files, and in ``model_state.pt`` its trainable parameters and buffers (a resumed run rebuilds the frozen base).
+
+(Over ~450 lines: writing, reading and re-cutting one folder format stay together.)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from . import distributed as dist_utils
 from .config import GRPOConfig, check_resume_config
+from .policy_logps import is_peft_model
 from .rollout import _concat_rollouts, _map_tensors
 from .run_folder import CHECKPOINT_RE, TEMP_CHECKPOINT_PREFIX, remove_temp_checkpoints
 
@@ -125,7 +129,7 @@ class CheckpointManager:
             except (OSError, RuntimeError) as err:
                 shutil.rmtree(tmp, ignore_errors=True)
                 with_pretrained = hasattr(self.model, "save_pretrained")
-                failure = _write_failure(err, final, model_state, state, with_pretrained)
+                failure = _write_failure(err, final, self._saved_model_state(model_state)[0], state, with_pretrained)
         # Instead of a barrier: every rank learns whether rank 0's write failed, so none waits for the others.
         failure = dist_utils.broadcast_object(failure)
         if failure is not None:
@@ -136,9 +140,10 @@ class CheckpointManager:
         """Rank 0's files of a checkpoint into ``tmp``, then renamed to ``final``; older ones pruned, leftovers gone."""
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        torch.save({"model": model_state}, tmp / "model_state.pt")
+        saved_state, adapter_only = self._saved_model_state(model_state)
+        torch.save({"model": saved_state, "adapter_only": adapter_only}, tmp / "model_state.pt")
         if hasattr(self.model, "save_pretrained"):
-            # A copy: save_pretrained takes entries out of the dict it is given.
+            # A copy: save_pretrained takes entries out of the dict it is given (a PeftModel picks its adapter's).
             self.model.save_pretrained(tmp, state_dict=dict(model_state))
             if self.config.fsdp:
                 _fix_saved_architecture(tmp, self.model_class_name)
@@ -151,6 +156,14 @@ class CheckpointManager:
         os.replace(tmp, final)
         self._prune()
         remove_temp_checkpoints(self.output_dir)  # any a killed save left
+
+    def _saved_model_state(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """``model_state.pt``'s entries and whether they are an adapter alone: for a ``PeftModel`` the trainable
+        parameters (``param_names``) and buffers, not the frozen base weights (a resumed run's model holds them)."""
+        if not is_peft_model(self.model):
+            return model_state, False
+        keep = {*self.param_names, *(name for name, _ in self.model.named_buffers())}
+        return {name: value for name, value in model_state.items() if name in keep}, True
 
     def _full_state_dicts(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The model's and the optimizer's full state dicts on rank 0 (None elsewhere); a collective under FSDP.
@@ -210,10 +223,17 @@ class CheckpointManager:
         check_resume_config(dist_utils.broadcast_object(saved_config), self.config)
         distributed = self.world_size > 1
         location = "cpu" if distributed else self.device
-        model_state, state = None, None
+        model_state, state, adapter_only, problem = None, None, False, None
         if self.is_main_process:
-            model_state = torch.load(path / "model_state.pt", map_location=location, weights_only=False)["model"]
+            saved = torch.load(path / "model_state.pt", map_location=location, weights_only=False)
+            model_state, adapter_only = saved["model"], saved.get("adapter_only", False)
             state = torch.load(path / "trainer_state.pt", map_location=location, weights_only=False)
+            if adapter_only:
+                problem = _adapter_state_problem(model_state, self.model, self.param_names, path)
+        # Every rank raises (none waits in a collective for rank 0), before anything is loaded.
+        adapter_only, problem = dist_utils.broadcast_object((adapter_only, problem))
+        if problem is not None:
+            raise ValueError(problem)
         if self.config.fsdp:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -221,7 +241,8 @@ class CheckpointManager:
                 set_optimizer_state_dict,
             )
 
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            # An adapter-only state leaves the frozen base weights as they are (checked complete above).
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not adapter_only)
             set_model_state_dict(self.model, model_state if self.is_main_process else {}, options=options)
             optimizer_state = state.pop("optimizer") if self.is_main_process else None
             state = dist_utils.broadcast_object(state)
@@ -229,7 +250,7 @@ class CheckpointManager:
             set_optimizer_state_dict(self.model, self.optimizer, by_name, options=options)
         else:
             if self.is_main_process:
-                self.model.load_state_dict(model_state)
+                self.model.load_state_dict(model_state, strict=not adapter_only)  # adapter: checked complete above
             if distributed:
                 dist_utils.broadcast_module(self.model)
             state = dist_utils.broadcast_object(state)
@@ -411,6 +432,18 @@ def _optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[st
         "state": {names[i]: value for i, value in state["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
     }
+
+
+def _adapter_state_problem(state: dict[str, Any], model: torch.nn.Module, names: list[str], path: Path) -> str | None:
+    """Why the adapter-only ``state`` of a ``PeftModel``'s checkpoint cannot be loaded into ``model``, or None: it
+    must hold every trainable parameter (``names``) and nothing ``model`` lacks (another LoRA config is named)."""
+    if not is_peft_model(model):
+        return f"{path} holds a peft adapter alone: resume it with its PeftModel, not a {type(model).__name__}"
+    missing, unexpected = sorted(set(names) - state.keys()), sorted(state.keys() - model.state_dict().keys())
+    if missing or unexpected:
+        return (f"{path}'s adapter does not match the model's (another LoRA config?): missing {missing[:3]} "
+                f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})")  # fmt: skip
+    return None
 
 
 def _fix_saved_architecture(folder: Path, class_name: str) -> None:

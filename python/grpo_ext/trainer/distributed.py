@@ -233,14 +233,23 @@ def shard_fsdp(module: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 (``fully_shard``): each transformer block (``module._no_split_modules``, as HF models name them) and
     then the root, so one block's parameters at a time are gathered in forward and backward.
 
+    The root of a peft ``PeftModel`` (LoRA) is the causal LM it wraps: its forward runs both inside the
+    ``PeftModel``'s and in ``generate`` (which peft hands to it directly, past a ``PeftModel`` root's hooks). A
+    ``PeftModel`` with parameters of its own (a prompt encoder) is the root itself.
+
     Returns:
         ``module`` itself, sharded in place (its parameters become DTensors).
     """
     from torch.distributed.fsdp import fully_shard
 
-    block_names = set(getattr(module, "_no_split_modules", None) or ())
-    for sub in module.modules():
-        if sub is not module and type(sub).__name__ in block_names:
+    from .policy_logps import causal_lm, owns_all_parameters
+
+    root = causal_lm(module)
+    if not owns_all_parameters(root, module):
+        root = module
+    block_names = set(getattr(root, "_no_split_modules", None) or ())
+    for sub in root.modules():
+        if sub is not root and type(sub).__name__ in block_names:
             fully_shard(sub)
-    fully_shard(module)
+    fully_shard(root)
     return module

@@ -6,10 +6,17 @@ states only and hands them with the LM head's weight and bias to :func:`grpo_ext
 or to a chunked log-prob pass (no grad: old and reference log-probs), so logits exist one chunk of rows at a time.
 The body and the head run inside the model's own forward (:func:`call_through`), so DDP's and FSDP2's hooks fire
 and FSDP2's sharded LM head is whole when the fused op reads it.
+
+A peft ``PeftModel`` (LoRA and the other adapters peft injects into the layers in place) is scored the same way: its
+wrapped causal LM (:func:`causal_lm`) gives the body, whose adapter layers run as they are, and the head; a LoRA LM
+head enters as its effective weight ``W + scaling * B @ A`` (:func:`lm_head_weights`). The forward redirected is
+the ``PeftModel``'s under DDP (the module DDP calls), else the wrapped causal LM's, FSDP2's root
+(:func:`redirect_target`).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -32,11 +39,101 @@ VERIFIED_CAUSAL_LMS = frozenset({
 })  # fmt: skip
 
 
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a peft ``PeftModel`` (also once FSDP2 swapped in its generated subclass).
+
+    peft is looked up in ``sys.modules``, not imported: a ``PeftModel`` exists only once peft was imported.
+    """
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM whose body and LM head the fused path runs: ``model`` itself, or for a ``PeftModel`` the model
+    it wraps (``get_base_model()``: the ``transformers`` causal LM, its adapter layers injected in place).
+
+    (A ``PeftModel``'s own ``base_model`` is peft's tuner wrapper, which returns the logits, not the body.)
+    """
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def _peft_refusal(model: torch.nn.Module) -> str | None:
+    """Why the fused path cannot score the ``PeftModel`` ``model`` (its adapter, not its causal LM), or None.
+
+    Adapters injected into the layers in place (LoRA, LoHa, IA3, ...) run inside the body as they are. Prompt learning
+    (prompt and prefix tuning, ...) adds virtual tokens in the ``PeftModel``'s own forward, and an activated LoRA's
+    offsets are computed there too: the body alone would not see them.
+    """
+    config = model.active_peft_config
+    kind = getattr(config.peft_type, "value", config.peft_type)
+    if config.is_prompt_learning:
+        return f"its peft adapter ({kind}) adds virtual tokens in the PeftModel's forward"
+    if getattr(config, "alora_invocation_tokens", None):
+        return "its peft adapter is an activated LoRA (alora_invocation_tokens), whose offsets the PeftModel computes"
+    return None
+
+
+def _lora_linear_class() -> type | None:
+    """peft's LoRA ``Linear`` layer class, or None when peft is not imported."""
+    lora = sys.modules.get("peft.tuners.lora")
+    return getattr(lora, "Linear", None)
+
+
+def _head_refusal(head: Any) -> str | None:
+    """Why the LM head ``head`` cannot be scored as a linear map by the fused path, or None.
+
+    Scored: a ``torch.nn.Linear``, and peft's LoRA ``Linear`` around one with plain LoRA adapters (the effective
+    weight of :func:`lm_head_weights`). Refused: a LoRA head with dropout (a random mask on the LoRA input only), a
+    LoRA variant (DoRA, ...) or a LoRA bias, or merged into its base layer (peft unmerges it when adapters are off).
+    """
+    if isinstance(head, torch.nn.Linear):
+        return None
+    lora_linear = _lora_linear_class()
+    if lora_linear is None or not isinstance(head, lora_linear):
+        return f"its output embeddings are {type(head).__name__}, not a torch.nn.Linear"
+    if not isinstance(head.get_base_layer(), torch.nn.Linear):
+        return f"its LoRA LM head wraps a {type(head.get_base_layer()).__name__}, not a torch.nn.Linear"
+    if head.merged:
+        return "its LoRA LM head is merged into its base layer"
+    for adapter in _active_lora_adapters(head):
+        if adapter in getattr(head, "lora_variant", {}):
+            return f"its LM head's LoRA adapter {adapter!r} is a variant (DoRA, ...), not plain LoRA"
+        if not isinstance(head.lora_dropout[adapter], torch.nn.Identity):
+            return f"its LM head's LoRA adapter {adapter!r} has dropout (lora_dropout > 0)"
+        if head.lora_B[adapter].bias is not None:
+            return f"its LM head's LoRA adapter {adapter!r} has a bias (lora_bias)"
+    return None
+
+
+def _active_lora_adapters(head: torch.nn.Module) -> list[str]:
+    """The adapters a LoRA layer's forward adds (none while adapters are disabled), as peft's forward picks them."""
+    if head.disable_adapters:
+        return []
+    return [adapter for adapter in head.active_adapters if adapter in head.lora_A]
+
+
+def lm_head_weights(head: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The LM head's weight ``[V, H]`` and bias ``[V]`` (or None) as a linear map, differentiably.
+
+    For peft's LoRA ``Linear`` (checked by :func:`_head_refusal`) the weight is the base weight plus each active
+    adapter's ``scaling * B @ A`` (peft's ``get_delta_weight``): the same logits as its forward ``W x + scaling *
+    B (A x)`` up to rounding, with the gradient reaching ``A`` and ``B`` through it.
+    """
+    if isinstance(head, torch.nn.Linear):
+        return head.weight, head.bias
+    base = head.get_base_layer()
+    weight = base.weight
+    for adapter in _active_lora_adapters(head):
+        weight = weight + head.get_delta_weight(adapter)
+    return weight, base.bias
+
+
 def logits_transform(model: torch.nn.Module) -> tuple[float, float | None]:
     """What ``model`` does to ``lm_head(hidden)``: ``(logit_scale, softcap)``, applied as ``softcap * tanh(scale * x
     / softcap)``. Cohere multiplies by ``logit_scale``; Gemma 2 and 3 cap with ``final_logit_softcapping``;
-    Granite divides by ``logits_scaling``.
+    Granite divides by ``logits_scaling``. A ``PeftModel``'s are those of the model it wraps.
     """
+    model = causal_lm(model)
     config = getattr(model, "config", None)
     scale = getattr(model, "logit_scale", None)  # Cohere copies config.logit_scale onto the model
     if not isinstance(scale, (int, float)):
@@ -52,34 +149,39 @@ def logits_transform(model: torch.nn.Module) -> tuple[float, float | None]:
 def fused_refusal(model: torch.nn.Module) -> str | None:
     """Why the fused path cannot score ``model`` exactly (a short reason), or None when it can.
 
-    Refused: no separate body (``base_model``), an LM head that is not a ``torch.nn.Linear``, or, for a class
-    outside :data:`VERIFIED_CAUSAL_LMS`, logits that differ from the head's output on a probe of 8 tokens, once the
-    logit scale and soft-capping of :func:`logits_transform` (which the fused kernels apply) are taken into account.
+    Refused: a ``PeftModel`` whose adapter acts in its own forward (:func:`_peft_refusal`), no separate body
+    (``base_model``), an LM head that is neither a ``torch.nn.Linear`` nor a plain LoRA one (:func:`_head_refusal`),
+    or, for a class outside :data:`VERIFIED_CAUSAL_LMS` (a ``PeftModel``: the class it wraps), logits that differ from
+    the head's output on a probe of 8 tokens, once the logit scale and soft-capping of :func:`logits_transform` (which
+    the fused kernels apply) are taken into account.
     """
-    body = getattr(model, "base_model", model)
-    if body is model:
+    if is_peft_model(model) and (reason := _peft_refusal(model)) is not None:
+        return reason
+    lm = causal_lm(model)
+    body = getattr(lm, "base_model", lm)
+    if body is lm:
         return "it has no separate model body (base_model)"
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, torch.nn.Linear):
-        return f"its output embeddings are {type(head).__name__}, not a torch.nn.Linear"
-    if type(model).__name__ in VERIFIED_CAUSAL_LMS and type(model).__module__.startswith("transformers."):
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if (reason := _head_refusal(head)) is not None:
+        return reason
+    if type(lm).__name__ in VERIFIED_CAUSAL_LMS and type(lm).__module__.startswith("transformers."):
         return None
     return _probe_logits(model, body, head)
 
 
 @torch.no_grad()
-def _probe_logits(model: torch.nn.Module, body: torch.nn.Module, head: torch.nn.Linear) -> str | None:
+def _probe_logits(model: torch.nn.Module, body: torch.nn.Module, head: torch.nn.Module) -> str | None:
     """Compares ``model``'s logits with the head applied to the body's last hidden state on 8 tokens (eval mode)."""
     was_training = model.training
     model.eval()
     try:
-        device = head.weight.device
-        ids = (torch.arange(8, device=device) % head.weight.shape[0]).unsqueeze(0)
+        weight, bias = lm_head_weights(head)
+        ids = (torch.arange(8, device=weight.device) % weight.shape[0]).unsqueeze(0)
         logits = model(input_ids=ids).logits.float()
         hidden = getattr(body(input_ids=ids), "last_hidden_state", None)
-        if not isinstance(hidden, Tensor):  # e.g. a PEFT wrapper, whose base_model is the whole causal LM
+        if not isinstance(hidden, Tensor):
             return "its base_model does not return last_hidden_state"
-        expected = project(hidden, head.weight, head.bias, *logits_transform(model)).float()
+        expected = project(hidden, weight, bias, *logits_transform(model)).float()
     finally:
         model.train(was_training)
     if logits.shape != expected.shape or not torch.allclose(logits, expected, rtol=1e-4, atol=1e-4):
@@ -106,6 +208,26 @@ def call_through(wrapper: torch.nn.Module, inner: torch.nn.Module, fn: Callable[
             del inner.forward
 
 
+def redirect_target(wrapper: torch.nn.Module, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(wrapper, inner)`` for :func:`call_through`: the module called and the one whose forward runs the fused pass.
+
+    DDP around ``model``: DDP and ``model`` (DDP calls ``model``). Otherwise, for a ``PeftModel`` that holds no
+    parameter of its own, the causal LM it wraps, which :func:`distributed.shard_fsdp` makes FSDP2's root (its forward
+    runs in ``generate`` and inside the ``PeftModel``'s); else ``model`` itself.
+    """
+    if wrapper is model:
+        lm = causal_lm(model)
+        if lm is not model and owns_all_parameters(lm, model):
+            return lm, lm
+    return wrapper, model
+
+
+def owns_all_parameters(inner: torch.nn.Module, outer: torch.nn.Module) -> bool:
+    """Whether every parameter of ``outer`` lies in its submodule ``inner`` (a LoRA ``PeftModel``'s causal LM does; a
+    prompt-tuning one's does not: the prompt encoder is the ``PeftModel``'s)."""
+    return {id(p) for p in outer.parameters()} == {id(p) for p in inner.parameters()}
+
+
 def model_inputs(batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
     """``input_ids``, ``attention_mask`` and ``position_ids`` ``[B, Lp + T]`` of a micro-batch (left-padded prompts).
 
@@ -130,12 +252,12 @@ def _completion_head(model: torch.nn.Module, input_ids: Tensor, attention_mask: 
     ``-2``. Weight and bias are cast to the hidden states' dtype (the autocast dtype when autocast is on, as the
     model's own LM head would run), differentiably.
     """
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False)  # fmt: skip
+    lm = causal_lm(model)
+    out = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False)  # fmt: skip
     hidden = out.last_hidden_state[:, prompt_len - 1 : -1]
-    head = model.get_output_embeddings()
     dtype = _autocast_dtype(hidden.device) or hidden.dtype
-    weight, bias = head.weight, head.bias
+    weight, bias = lm_head_weights(lm.get_output_embeddings())
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
@@ -167,7 +289,7 @@ def fused_token_logps(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
                 entropy.append(chunk.entropy.detach() if with_entropy else chunk.logps.new_empty(0))
         return torch.cat(logps).view_as(completion_ids), torch.cat(entropy)
 
-    logps, entropy = call_through(wrapper, model, forward, *model_inputs(batch))
+    logps, entropy = call_through(*redirect_target(wrapper, model), forward, *model_inputs(batch))
     return (logps, entropy.view_as(completion_ids)) if with_entropy else logps
 
 
@@ -197,7 +319,7 @@ def fused_policy_loss(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
                 **loss_options,
             )  # fmt: skip
 
-    return call_through(wrapper, model, forward, *model_inputs(batch))
+    return call_through(*redirect_target(wrapper, model), forward, *model_inputs(batch))
 
 
 def plain_token_logps(model: torch.nn.Module, batch: dict[str, Any], temperature: float, backend: str,

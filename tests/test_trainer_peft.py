@@ -1,0 +1,191 @@
+"""A peft LoRA model in the trainer: the fused path (the loss from hidden states, grpo_loss_from_hidden) against the
+plain path (the model's logits), the adapters it refuses with a warning, and a LoRA run's checkpoint and resume."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import grpo_ext
+from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
+from grpo_ext.trainer.policy_logps import fused_policy_loss, fused_refusal, plain_token_logps
+from grpo_ext.trainer.trainer import GRPOTrainer
+from trainer_utils import read_metrics, small_config, without_timing
+
+# `make test` installs peft in its venv and sets this: there a missing peft fails instead of skipping.
+if os.environ.get("GRPO_EXT_REQUIRE_TRL") == "1":
+    import peft
+else:
+    peft = pytest.importorskip("peft")
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    # peft reads transformers' deprecated is_gradient_checkpointing when it wraps a model
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def base_model() -> torch.nn.Module:
+    """A tiny random LLaMA: hidden 24, one layer, two heads, the demo's 16 tokens."""
+    return build_model(build_tokenizer(), hidden_size=24, num_layers=1, num_heads=2)
+
+
+def lora_model(targets=PROJECTIONS, lora_seed: int = 1, moved_b: bool = True, **lora_options) -> torch.nn.Module:
+    """:func:`base_model` with LoRA adapters on ``targets``; ``lora_seed`` draws their init. With ``moved_b`` the
+    ``B`` matrices (peft's init: zero) are drawn too, so that both factors reach the logits and get gradients."""
+    base = base_model()
+    torch.manual_seed(lora_seed)
+    options = dict(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0)
+    model = peft.get_peft_model(base, peft.LoraConfig(**{**options, **lora_options}))
+    if moved_b:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.05)
+    return model
+
+
+def prompt_tuning_model() -> torch.nn.Module:
+    return peft.get_peft_model(base_model(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+
+
+def lora_trainer(tmp_path, model: torch.nn.Module, backend: str, **overrides) -> GRPOTrainer:
+    options = dict(max_steps=3, beta=0.04, num_iterations=2, loss_type="dapo", adam_epsilon=1e-3,
+                   per_device_train_batch_size=16, logps_backend=backend)  # fmt: skip
+    options.update(overrides)
+    rows, _ = reversal_dataset(seed=0)
+    return GRPOTrainer(model, [reversal_reward], rows, small_config(tmp_path, **options), tokenizer=build_tokenizer())
+
+
+def fallback_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if "falls back to the plain path" in str(w.message)]
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("targets", [PROJECTIONS, [*PROJECTIONS, "lm_head"]], ids=["projections", "with_lm_head"])
+def test_lora_fused_training_equals_plain(tmp_path, monkeypatch, targets):
+    """A LoRA model (attention and MLP projections; with the LM head too) trains on the fused path, through
+    grpo_loss_from_hidden and with no fallback warning; 3 steps (num_iterations=2, beta > 0) give the plain path's
+    metrics and LoRA parameters, one micro-batch its loss and every LoRA gradient, to float32 rounding."""
+    hidden_calls = []
+    original = grpo_ext.grpo_loss_from_hidden
+    monkeypatch.setattr(grpo_ext, "grpo_loss_from_hidden", lambda *a, **k: hidden_calls.append(1) or original(*a, **k))
+    runs = {}
+    for backend in ("fused", "plain"):
+        model = lora_model(targets)
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer = lora_trainer(tmp_path / backend, model, backend)
+        assert fallback_warnings(record) == []
+        assert trainer.policy_fused == trainer.ref_fused == (backend == "fused")
+        hidden_calls.clear()
+        history = trainer.train()
+        assert len(hidden_calls) == (3 if backend == "fused" else 0)  # one loss per step, none on the plain path
+        runs[backend] = history, trainable(model)
+        assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)  # the base: frozen
+    lora_names = set(runs["fused"][1])
+    assert lora_names and all("lora_" in name for name in lora_names)
+    assert any("lm_head" in name for name in lora_names) == ("lm_head" in targets)
+    for fused_row, plain_row in zip(runs["fused"][0], runs["plain"][0], strict=True):
+        for key in ("loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean", "reward"):
+            assert fused_row[key] == pytest.approx(plain_row[key], rel=1e-5, abs=1e-6), key
+    initial = trainable(lora_model(targets))
+    for name, value in runs["fused"][1].items():
+        assert not torch.equal(value, initial[name]), name  # trained: the comparison is not of two initial copies
+        torch.testing.assert_close(value, runs["plain"][1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+    # One micro-batch (old and reference log-probs from the queue): the loss and each LoRA parameter's gradient.
+    trainer = lora_trainer(tmp_path / "grads", lora_model(targets), "fused")
+    trainer._generate_and_score()
+    mb = trainer._micro_batches[0]
+    options = dict(old_logps=mb["old_logps"], ref_logps=mb["ref_logps"], beta=0.04, loss_type="dapo",
+                   sample_mask=~mb["zero_std"])  # fmt: skip
+    results = {}
+    for fused in (True, False):
+        trainer.model.zero_grad(set_to_none=True)
+        if fused:
+            loss = fused_policy_loss(trainer.model, trainer.model, mb, trainer.config.temperature, **options).loss
+        else:
+            logps = plain_token_logps(trainer.model, mb, trainer.config.temperature, "plain")
+            loss = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        results[fused] = loss.detach(), grads
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-7)
+    assert results[True][1].keys() == results[False][1].keys() == lora_names
+    for name, grad in results[True][1].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grad, results[False][1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: lora_model([*PROJECTIONS, "lm_head"], lora_dropout=0.1), r"LoRA adapter 'default' has dropout"),
+        (lambda: lora_model([*PROJECTIONS, "lm_head"], use_dora=True), r"is a variant \(DoRA"),
+        (lambda: lora_model(PROJECTIONS, modules_to_save=["lm_head"]), r"are ModulesToSaveWrapper, not a torch"),
+        (prompt_tuning_model, r"adapter \(PROMPT_TUNING\) adds virtual tokens"),
+        (lambda: lora_model(PROJECTIONS, alora_invocation_tokens=[14], task_type="CAUSAL_LM"), r"an activated LoRA"),
+    ],
+    ids=["lm_head_dropout", "lm_head_dora", "lm_head_modules_to_save", "prompt_tuning", "activated_lora"],
+)
+def test_adapters_the_fused_path_cannot_score_fall_back_with_a_warning(tmp_path, make, reason):
+    """A LoRA LM head with dropout or DoRA, a fully trained (modules_to_save) head, prompt tuning and activated LoRA
+    (what peft applies in its own forward): the plain path, with a warning naming the reason; LoRA dropout inside the
+    body stays on the fused path."""
+    model = make()
+    assert fused_refusal(model) is not None
+    with pytest.warns(UserWarning, match=r"\(PeftModel.*\) falls back to the plain path: .*" + reason):
+        trainer = lora_trainer(tmp_path, model, "fused", beta=0.0)
+    assert not trainer.policy_fused
+    assert fused_refusal(lora_model(PROJECTIONS, lora_dropout=0.1)) is None
+
+
+def test_lora_checkpoint_saves_the_adapter_and_resumes_exactly(tmp_path):
+    """A LoRA run's checkpoint holds peft's adapter files and, in model_state.pt, the adapter alone (not the frozen
+    base); a fresh model with another LoRA init resumes from it to the uninterrupted run's metrics and parameters,
+    bit for bit. A model with another LoRA config is refused, naming the mismatch."""
+    # peft's init (B = 0): the reference model is the base model whatever the LoRA seed, as in a real run
+    options = dict(max_steps=4, save_steps=2, learning_rate=1e-2)
+    trainer = lora_trainer(tmp_path, lora_model(moved_b=False), "fused", **options)
+    trainer.train()
+    final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    out, checkpoint = tmp_path / "run", tmp_path / "run" / "checkpoint-2"
+    rows = read_metrics(out / "metrics.jsonl")
+    for name in ("adapter_config.json", "adapter_model.safetensors", "model_state.pt", "trainer_state.pt"):
+        assert (checkpoint / name).is_file(), name
+    saved = torch.load(checkpoint / "model_state.pt", weights_only=False)
+    assert saved["adapter_only"] and saved["model"].keys() == trainable(trainer.model).keys()
+
+    # The adapter files load with peft into a fresh base model: the LoRA weights of step 2, the ones resumed below.
+    loaded = peft.PeftModel.from_pretrained(base_model(), checkpoint)
+    loaded_lora = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert loaded_lora.keys() == saved["model"].keys()
+    for name, value in loaded_lora.items():
+        assert torch.equal(value, saved["model"][name]), name
+
+    fresh = lora_model(lora_seed=2, moved_b=False)  # another init: only the checkpoint can give step 4's weights
+    first_init = trainable(lora_model(moved_b=False))
+    assert any(not torch.equal(p, first_init[n]) for n, p in trainable(fresh).items())
+    resumed = lora_trainer(tmp_path, fresh, "fused", **options)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.global_step == 4
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, final[name]), name
+    resumed_rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed_rows] == [1, 2, 3, 4]
+    assert [without_timing(r) for r in resumed_rows] == [without_timing(r) for r in rows]
+
+    other = lora_trainer(tmp_path, lora_model(PROJECTIONS[:4], moved_b=False), "fused", **options)  # attention only
+    with pytest.raises(ValueError, match=r"adapter does not match the model's .*missing \[\] \(0\), unexpected "
+                                         r"\['base_model\.model\.model\.layers\.0\.mlp\.down_proj"):  # fmt: skip
+        other.train(resume_from_checkpoint=str(checkpoint))
