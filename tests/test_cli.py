@@ -115,3 +115,16 @@ REWARD = "a reward (a built-in name or package.module:function)"
 def test_reward_funcs_of_the_wrong_type_is_named(inputs, tmp_path, capsys, value, message):
     line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"reward_funcs: {value}\n")
     assert message in line
+
+
+def test_a_missing_gguf_file_is_named(inputs, tmp_path, capsys):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "gguf_file: missing.gguf\n")
+    assert f"gguf_file: no GGUF file {inputs / 'model' / 'missing.gguf'}" in line
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "gguf_file: 3\n")
+    assert "gguf_file must be a file name (in the model_name_or_path folder) or a path, got 3 (int)" in line
+
+
+def test_a_prompt_that_is_neither_text_nor_messages_is_named(inputs, tmp_path, capsys):
+    (tmp_path / "data.jsonl").write_text('{"prompt": [{"role": "user", "content": "12>"}]}\n{"prompt": [1, 2]}\n')
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs), "--dataset", str(tmp_path / "data.jsonl"))
+    assert "data.jsonl:2: every row needs a 'prompt' string or list of messages" in line

@@ -1,7 +1,9 @@
 """``grpo-ext train --config run.yaml [--key value ...]`` and ``grpo-ext demo [--key value ...]``.
 
-A run file holds GRPOConfig fields plus ``model_name_or_path`` (a local model folder), ``dataset`` (a JSONL file
-with a ``prompt`` column and any others for the rewards) and ``reward_funcs`` (built-in names ``accuracy``,
+A run file holds GRPOConfig fields plus ``model_name_or_path`` (a local model folder), optionally ``gguf_file`` (a
+GGUF file in that folder, or a path to one: transformers dequantizes its weights to float32 and builds the tokenizer,
+chat template included, from it), ``dataset`` (a JSONL file with a ``prompt`` column, a string or a list of
+messages, and any others for the rewards) and ``reward_funcs`` (built-in names ``accuracy``,
 ``format``, ``graded_answer``, or ``package.module:function``). ``--key value`` overrides a key; values are read
 as YAML, so ``--learning_rate 1e-5``, ``--bf16 false`` and ``--reward_weights [1,0.5]`` work.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 RUN_KEYS = ("model_name_or_path", "dataset", "reward_funcs")
+OPTIONAL_RUN_KEYS = ("gguf_file",)
 
 
 @functools.cache
@@ -152,7 +155,8 @@ def resolve_reward(spec: str):
 
 
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; each must be an object with a ``prompt`` string.
+    """Rows of a JSONL file; each must be an object with a ``prompt``: a string, or a list of messages
+    (``{"role": ..., "content": ...}`` objects, rendered with the tokenizer's chat template).
 
     Raises:
         ValueError: the file is missing or empty, or a line is not JSON or has no prompt (naming file and line).
@@ -168,12 +172,75 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not a JSON line ({err.msg} at column {err.colno})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path}:{number}: every row needs a 'prompt' string")
+            if not isinstance(row, dict) or not _is_prompt(row.get("prompt")):
+                raise ValueError(f"{path}:{number}: every row needs a 'prompt' string or list of messages "
+                                 '([{"role": "user", "content": "..."}])')  # fmt: skip
             rows.append(row)
     if not rows:
         raise ValueError(f"dataset: {path} has no rows")
     return rows
+
+
+def _is_prompt(value: Any) -> bool:
+    """A string, or a non-empty list of ``{"role": str, "content": ...}`` messages."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and len(value) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value
+    )
+
+
+def gguf_path(model_name_or_path: Any, gguf_file: Any) -> Path:
+    """The GGUF file a run names: ``gguf_file`` inside the ``model_name_or_path`` folder (or an absolute path).
+
+    Raises:
+        ValueError: naming ``gguf_file`` when it is not a string or there is no such file.
+    """
+    if not isinstance(gguf_file, str) or not gguf_file:
+        raise ValueError(f"gguf_file must be a file name (in the model_name_or_path folder) or a path, got "
+                         f"{gguf_file!r} ({type(gguf_file).__name__})")  # fmt: skip
+    folder = Path(str(model_name_or_path)).expanduser()
+    path = folder / Path(gguf_file).expanduser()  # an absolute gguf_file stays as it is
+    if not path.is_file():
+        raise ValueError(f"gguf_file: no GGUF file {path} (gguf_file {gguf_file!r} in model_name_or_path "
+                         f"{model_name_or_path})")  # fmt: skip
+    return path
+
+
+def load_model_and_tokenizer(model_name_or_path: Any, gguf_file: str | None = None, device: Any = None):
+    """The causal LM and its tokenizer, as ``grpo-ext train`` loads them.
+
+    Args:
+        model_name_or_path: a local folder written by ``save_pretrained`` (config.json and the weights), or, with
+            ``gguf_file``, the folder that holds the GGUF file (it needs no config.json).
+        gguf_file: a GGUF file in that folder (or a path to one). transformers reads it with the ``gguf``
+            package: the weights are dequantized to float32, the tokenizer (and its chat template) comes from the
+            file's metadata.
+        device: where to put the model (default: where it loads, the CPU).
+
+    Returns:
+        ``(model, tokenizer)``. A tokenizer without a pad token pads with its EOS (padding is on the left for
+        generation, and padded positions are masked).
+
+    Raises:
+        ValueError: naming ``model_name_or_path`` or ``gguf_file`` when the folder or the file is missing.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    extra: dict[str, Any] = {}
+    if gguf_file is not None:
+        path = gguf_path(model_name_or_path, gguf_file)
+        model_name_or_path, extra = str(path.parent), {"gguf_file": path.name}
+    else:
+        check_model_folder(model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **extra)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **extra)
+    if device is not None:
+        model.to(device)
+    return model, tokenizer
 
 
 def check_model_folder(path: Any) -> None:
@@ -193,21 +260,20 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     """Build model, tokenizer, dataset, rewards and config from a run's options and train.
 
     Args:
-        options: GRPOConfig fields plus ``model_name_or_path``, ``dataset`` and ``reward_funcs``.
+        options: GRPOConfig fields plus ``model_name_or_path``, ``dataset``, ``reward_funcs`` and optionally
+            ``gguf_file``.
         resume: a checkpoint folder, True for the latest in ``output_dir``, or None.
 
     Returns:
         The logged metrics (see :meth:`GRPOTrainer.train`).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from . import distributed
     from .config import GRPOConfig, unknown_keys_error
     from .run_folder import check_fresh_run
     from .trainer import GRPOTrainer
 
     options = dict(options)
-    known = [f.name for f in dataclasses.fields(GRPOConfig)] + list(RUN_KEYS)
+    known = [f.name for f in dataclasses.fields(GRPOConfig)] + list(RUN_KEYS) + list(OPTIONAL_RUN_KEYS)
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise unknown_keys_error(unknown, known, "the run config")
@@ -215,21 +281,21 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     if missing:
         raise ValueError(f"the run config lacks {', '.join(missing)}")
     model_path = options.pop("model_name_or_path")
+    gguf_file = options.pop("gguf_file", None)
     dataset_path = options.pop("dataset")
     reward_specs = reward_spec_list(options.pop("reward_funcs"))
     config = GRPOConfig.from_dict(options)
     # Everything that can be checked before a process group exists or a model loads.
     check_fresh_run(Path(config.output_dir), bool(resume), config.overwrite_output_dir)
-    check_model_folder(model_path)
+    if gguf_file is not None:
+        gguf_path(model_path, gguf_file)
+    else:
+        check_model_folder(model_path)
     rows = load_jsonl(dataset_path)
     reward_funcs = [resolve_reward(s) for s in reward_specs]
     created_group, device = distributed.init_from_env()  # a process group when launched by torchrun
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(model_path)
-        model.to(device)
+        model, tokenizer = load_model_and_tokenizer(model_path, gguf_file, device)
         trainer = GRPOTrainer(model, reward_funcs, rows, config, tokenizer=tokenizer)
         history = trainer.train(resume_from_checkpoint=resume)
         if trainer.is_main_process:

@@ -1,10 +1,12 @@
 """Built-in reward functions.
 
 A reward function is a callable ``f(prompts, completions, **columns) -> list[float | None]``: ``prompts`` and
-``completions`` are lists of strings of the same length (one entry per completion, the prompt repeated for each of
-its ``G`` completions), ``columns`` holds the dataset's other columns aligned the same way, plus
-``completion_truncated`` (True where the completion hit ``max_completion_length`` without EOS). It may return a
-list, a tuple, a 1-D tensor or a 1-D NumPy array of numbers, as TRL takes them. ``None`` means "not scored" and
+``completions`` are lists of the same length (one entry per completion, the prompt repeated for each of its ``G``
+completions); as in TRL, a completion is a string for a string prompt and ``[{"role": "assistant", "content":
+text}]`` for a prompt that is a list of messages (the built-in rewards take both). ``columns`` holds the dataset's
+other columns aligned the same way, plus ``completion_truncated`` (True where the completion hit
+``max_completion_length`` without EOS). It may return a list, a tuple, a 1-D tensor or a 1-D NumPy array of
+numbers, as TRL takes them. ``None`` means "not scored" and
 becomes NaN (ignored by the advantage normalization); a NaN value counts the same. Anything else that is not a
 finite number (+-inf, a string, a nested list, a missing list) is an error naming the function
 (:func:`score_completions`).
@@ -26,6 +28,14 @@ THINK_ANSWER_PATTERN = r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$"
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: a string as it is, a list of messages (a conversational completion) as its last
+    message's content."""
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return completion
 
 
 def extract_answer(completion: str) -> str:
@@ -66,7 +76,7 @@ def accuracy_reward(
         if reference is None:
             rewards.append(None)
         else:
-            rewards.append(float(extract_answer(completion) == " ".join(str(reference).split())))
+            rewards.append(float(extract_answer(completion_text(completion)) == " ".join(str(reference).split())))
     return rewards
 
 
@@ -75,7 +85,7 @@ def make_format_reward(pattern: str = THINK_ANSWER_PATTERN, flags: int = re.DOTA
     compiled = re.compile(pattern, flags)
 
     def format_reward(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
-        return [1.0 if compiled.match(completion) else 0.0 for completion in completions]
+        return [1.0 if compiled.match(completion_text(completion)) else 0.0 for completion in completions]
 
     return format_reward
 
@@ -115,7 +125,7 @@ def graded_answer_reward(
         completion_truncated = [False] * len(completions)
     rewards = []
     for completion, target, truncated in zip(completions, answer, completion_truncated, strict=True):
-        text, target = completion.strip(), str(target)
+        text, target = completion_text(completion).strip(), str(target)
         correct = sum(a == b for a, b in zip(text, target, strict=False))
         score = correct / max(len(target), len(text), 1)
         if not truncated and len(text) == len(target):

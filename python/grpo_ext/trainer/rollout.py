@@ -20,8 +20,80 @@ from . import distributed as dist_utils
 from .config import GRPOConfig
 from .metrics import rollout_metrics
 
+# A dataset row's prompt: a string, or a list of messages ``[{"role": "user", "content": ...}, ...]``.
+Prompt = str | list[dict[str, Any]]
+# What reward functions get for a completion: its text, or ``[{"role": "assistant", "content": text}]``.
+Completion = str | list[dict[str, Any]]
 # score(prompts, completions, columns) -> rewards [N, K] float32 (NaN: not scored), K reward functions.
-ScoreFunc = Callable[[list[str], list[str], dict[str, list]], Tensor]
+ScoreFunc = Callable[[list[Prompt], list[Completion], dict[str, list]], Tensor]
+
+# Generation options set to their no-op values in every ``generate`` call, so that a checkpoint's
+# generation_config (read by ``generate`` for every option not given) cannot add a repetition penalty, a top-k or
+# min-p cut-off, or a minimum length to the sampling: the completions are drawn from softmax(logits / temperature)
+# with the GRPOConfig's top_k/top_p only, the distribution the loss assumes. (Options with no no-op value, such as
+# bad_words_ids or suppress_tokens, still come from the model's generation_config.)
+NEUTRAL_GENERATION: dict[str, Any] = {
+    "num_beams": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "min_new_tokens": 0,
+}  # fmt: skip
+# The same for the warpers, which only act when generate samples (do_sample=True).
+NEUTRAL_SAMPLING: dict[str, Any] = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
+def is_conversational(prompt: Any) -> bool:
+    """Whether a prompt (or completion) is a list of messages (dicts with a ``role``), as TRL's
+    ``is_conversational`` decides it; a string is not."""
+    return isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def message_text(value: Any) -> str:
+    """The text of a prompt or completion: a string as it is, a list of messages as its last message's content."""
+    if is_conversational(value):
+        content = value[-1].get("content", "")
+        return content if isinstance(content, str) else str(content)
+    return value if isinstance(value, str) else str(value)
+
+
+def prompt_token_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's token ids, as TRL's GRPOTrainer makes them.
+
+    A list of messages goes through the tokenizer's chat template (``apply_chat_template``, which adds what the
+    template holds, e.g. a BOS, and no other special tokens), with the generation prompt (the assistant's header)
+    when the last message is a user's (or a tool's), continuing the last message when it is the assistant's. A
+    string is tokenized as it is, with the tokenizer's special tokens (a BOS where the tokenizer adds one) and no
+    chat template, even when the tokenizer has one.
+
+    Raises:
+        ValueError: a list of messages with a tokenizer that has no chat template, or a prompt of another type.
+    """
+    if is_conversational(prompt):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("a prompt is a list of messages but the tokenizer has no chat_template: give a "
+                             "tokenizer with one, or string prompts")  # fmt: skip
+        continuing = prompt[-1].get("role") == "assistant"
+        ids = tokenizer.apply_chat_template(
+            prompt, tokenize=True, add_generation_prompt=not continuing, continue_final_message=continuing,
+            return_dict=False,
+        )  # fmt: skip
+        return [int(i) for i in ids]
+    if not isinstance(prompt, str):
+        raise ValueError(f"a prompt must be a string or a list of messages ({{'role': ..., 'content': ...}}), got "
+                         f"{prompt!r:.80} ({type(prompt).__name__})")  # fmt: skip
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS, then the model's ``generation_config.eos_token_id``
+    (an int or a list: a chat model's end-of-turn token, e.g. Llama 3's ``<|eot_id|>``, may differ from the
+    tokenizer's EOS)."""
+    ids = [int(tokenizer.eos_token_id)]
+    config = getattr(model, "generation_config", None)
+    model_eos = getattr(config, "eos_token_id", None)
+    if model_eos is not None:
+        for token in [model_eos] if isinstance(model_eos, int) else list(model_eos):
+            if int(token) not in ids:
+                ids.append(int(token))
+    return ids
 
 
 class RowSeededSampler(LogitsProcessor):
@@ -155,16 +227,26 @@ class RolloutGenerator:
             self.prompt_pos += 1
         return rows
 
-    def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
-        """Left-padded ``input_ids [P, Lp]`` and ``attention_mask [P, Lp]`` int64 on the device."""
+    def _encode_prompts(self, prompts: list[Prompt]) -> tuple[Tensor, Tensor]:
+        """Left-padded ``input_ids [P, Lp]`` and ``attention_mask [P, Lp]`` int64 on the device.
+
+        Each prompt is encoded by :func:`prompt_token_ids` (a list of messages through the tokenizer's chat template,
+        a string as it is) and, with ``max_prompt_length``, cut to its last ``max_prompt_length`` tokens (the
+        question usually sits at the end).
+        """
         self.tokenizer.padding_side = "left"  # generation appends on the right
-        kwargs: dict[str, Any] = {"return_tensors": "pt", "padding": True, "add_special_tokens": False}
+        rows = [prompt_token_ids(self.tokenizer, prompt) for prompt in prompts]
         if self.config.max_prompt_length is not None:
-            # Keep the end of long prompts: the question usually sits there.
-            self.tokenizer.truncation_side = "left"
-            kwargs.update(truncation=True, max_length=self.config.max_prompt_length)
-        enc = self.tokenizer(prompts, **kwargs)
-        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+            rows = [ids[len(ids) - self.config.max_prompt_length :] if len(ids) > self.config.max_prompt_length
+                    else ids for ids in rows]  # fmt: skip
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            if ids:
+                input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[i, width - len(ids) :] = 1
+        return input_ids.to(self.device), attention_mask.to(self.device)
 
     @torch.no_grad()
     def generate(
@@ -177,7 +259,7 @@ class RolloutGenerator:
         """Sample completions and their masks.
 
         Args:
-            prompts: ``[P]`` prompt strings.
+            prompts: ``[P]`` prompts: strings, or lists of messages (rendered with the tokenizer's chat template).
             num_return_sequences: completions per prompt (contiguous rows in the output).
             greedy: argmax decoding instead of sampling (evaluation).
             row_seeds: ``N`` seeds, one per output row: row ``i`` is sampled from its own random stream seeded
@@ -186,7 +268,8 @@ class RolloutGenerator:
 
         Returns:
             ``prompt_ids [N, Lp]`` int64 (left-padded), ``prompt_mask [N, Lp]`` int64, ``completion_ids [N, T]``
-            int64, ``completion_mask [N, T]`` bool (tokens up to and including the first EOS) and ``truncated [N]``
+            int64, ``completion_mask [N, T]`` bool (tokens up to and including the first stop token: the
+            tokenizer's EOS or one of the model's ``generation_config.eos_token_id``) and ``truncated [N]``
             bool (no EOS within ``max_completion_length``), with ``N = P * num_return_sequences``.
         """
         cfg = self.config
@@ -205,20 +288,24 @@ class RolloutGenerator:
             # Greedy decoding over the sampler's output, which keeps only the token it drew.
             sampling = {"do_sample": False, "logits_processor": LogitsProcessorList([sampler])}
         elif not greedy:
-            sampling.update(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+            sampling.update(NEUTRAL_SAMPLING, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
         if cfg.fsdp and self.world_size > 1:
             # Sharded weights are gathered in every forward: a rank whose rows finished must keep stepping.
             sampling["synced_gpus"] = True
+        stop_ids = stop_token_ids(self.model, self.tokenizer)
+        # The model's generation_config (a real checkpoint's repetition_penalty, top_k, min_p, ...) must not change
+        # what is sampled: the loss scores the completions under the plain (temperature-scaled) softmax.
+        sampling = {**NEUTRAL_GENERATION, **sampling}
         was_training = self.model.training
         self.model.eval()
         with bf16_autocast(self.use_bf16, self.device):
             sequences = self.model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=cfg.max_completion_length,
-                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id, **sampling,
+                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=stop_ids, **sampling,
             )  # fmt: skip
         self.model.train(was_training)
         completion_ids = sequences[:, prompt_ids.shape[1] :]
-        is_eos = completion_ids == self.tokenizer.eos_token_id
+        is_eos = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device))
         has_eos = is_eos.any(dim=1)
         length = completion_ids.shape[1]
         first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, length, dtype=torch.long))
@@ -226,10 +313,21 @@ class RolloutGenerator:
         completion_mask = positions.unsqueeze(0) <= first_eos.unsqueeze(1)
         return prompt_ids, prompt_mask, completion_ids, completion_mask, ~has_eos
 
-    def decode_completions(self, completion_ids: Tensor, completion_mask: Tensor) -> list[str]:
-        """Completion texts: tokens up to the first EOS, special tokens removed."""
+    def decode_completions(
+        self, completion_ids: Tensor, completion_mask: Tensor, prompts: Sequence[Prompt] | None = None
+    ) -> list[Completion]:
+        """Completion texts: tokens up to the first stop token, special tokens removed.
+
+        With ``prompts``, the completion of a conversational prompt (a list of messages) is a list of one message,
+        ``[{"role": "assistant", "content": text}]``, as TRL gives it to reward functions; of a string prompt, the
+        text.
+        """
         rows = [ids[mask].tolist() for ids, mask in zip(completion_ids, completion_mask, strict=True)]
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        if prompts is None:
+            return texts
+        return [[{"role": "assistant", "content": text}] if is_conversational(prompt) else text
+                for prompt, text in zip(prompts, texts, strict=True)]  # fmt: skip
 
     @torch.no_grad()
     def generate_batch(
@@ -294,7 +392,9 @@ class RolloutGenerator:
             sampling_rounds=rounds if cfg.dynamic_sampling else None,
         )  # fmt: skip
         local_total = total[mine].tolist()
-        samples = list(zip(rollout["prompts"], rollout["completions"], local_total, strict=True))
+        samples = list(zip(
+            map(message_text, rollout["prompts"]), map(message_text, rollout["completions"]), local_total, strict=True
+        ))  # fmt: skip
         return micro, metrics, samples
 
     def _rollout(self, prompt_rows: list[dict[str, Any]], rows: Sequence[int]) -> dict[str, Any] | None:
@@ -322,7 +422,7 @@ class RolloutGenerator:
         prompts = [row["prompt"] for row in row_prompts]
         seeds = [dist_utils.row_seed(self.config.seed, generation, j) for j in rows]
         prompt_ids, prompt_mask, completion_ids, completion_mask, truncated = self.generate(prompts, 1, row_seeds=seeds)
-        completions = self.decode_completions(completion_ids, completion_mask)
+        completions = self.decode_completions(completion_ids, completion_mask, prompts)
 
         columns: dict[str, list] = {}
         for key in prompt_rows[0]:

@@ -49,11 +49,18 @@ class GRPOTrainer:
             ``generate``); trained in place. With ``logps_backend="fused"`` its loss and log-probs come from its
             body's last hidden states and its LM head (:mod:`.policy_logps`), never from ``[B, T, V]`` logits.
         reward_funcs: one callable or a list, each ``f(prompts, completions, **columns) -> list[float | None]``.
-        train_dataset: a sequence of dicts with a ``prompt`` string and any other columns (given to the rewards).
+            As in TRL, a completion is its text (special tokens removed) when its prompt is a string, and
+            ``[{"role": "assistant", "content": text}]`` when its prompt is a list of messages; ``prompts`` are the
+            dataset's prompts as they are.
+        train_dataset: a sequence of dicts with a ``prompt`` and any other columns (given to the rewards). A prompt
+            is a string (tokenized as it is, with the tokenizer's special tokens, no chat template) or a list of
+            messages ``[{"role": "user", "content": ...}, ...]`` (rendered with the tokenizer's chat template and
+            the generation prompt), as TRL takes them (:func:`.rollout.prompt_token_ids`).
         config: the options (default ``GRPOConfig()``).
         ref_model: the frozen reference for the KL term; default a deep copy of ``model`` made here, only when
             ``config.beta != 0``.
         tokenizer: a ``transformers`` tokenizer with ``pad_token_id`` and ``eos_token_id`` (left padding is used).
+            A completion ends at the tokenizer's EOS or at one of the model's ``generation_config.eos_token_id``.
 
     Under ``torchrun`` (a default process group initialized before the trainer is built, every rank building it
     with the same arguments) the trainer runs data-parallel: DDP, or FSDP2 with ``config.fsdp``. Each rank
@@ -169,7 +176,7 @@ class GRPOTrainer:
 
     def generate(
         self,
-        prompts: list[str],
+        prompts: list[Any],
         num_return_sequences: int,
         greedy: bool = False,
         row_seeds: Sequence[int] | None = None,
@@ -177,11 +184,13 @@ class GRPOTrainer:
         """Sample completions and their masks: :meth:`RolloutGenerator.generate`."""
         return self.rollouts.generate(prompts, num_return_sequences, greedy=greedy, row_seeds=row_seeds)
 
-    def decode_completions(self, completion_ids: Tensor, completion_mask: Tensor) -> list[str]:
-        """Completion texts: tokens up to the first EOS, special tokens removed."""
-        return self.rollouts.decode_completions(completion_ids, completion_mask)
+    def decode_completions(
+        self, completion_ids: Tensor, completion_mask: Tensor, prompts: Sequence[Any] | None = None
+    ) -> list[Any]:
+        """Completion texts, or messages for conversational ``prompts``: :meth:`RolloutGenerator.decode_completions`."""
+        return self.rollouts.decode_completions(completion_ids, completion_mask, prompts)
 
-    def _score_completions(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> Tensor:
+    def _score_completions(self, prompts: list[Any], completions: list[Any], columns: dict[str, list]) -> Tensor:
         """Every reward function on ``N`` completions: ``rewards [N, K]`` float32 on the CPU (NaN: not scored).
 
         Raises:
