@@ -12,12 +12,11 @@ import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import grpo_ext
 from grpo_ext.ops import lm_head as lm_head_module
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
-from grpo_ext.trainer.policy_logps import fused_policy_loss, fused_refusal, logits_transform, plain_token_logps
+from grpo_ext.trainer.policy_logps import fused_policy_loss, fused_refusal, logits_transform
 from grpo_ext.trainer.trainer import GRPOTrainer
-from trainer_utils import small_config
+from trainer_utils import small_config, step_loss_and_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,22 +65,6 @@ def family_trainer(tmp_path, model: torch.nn.Module, backend: str, **overrides) 
     tokenizer = build_tokenizer()
     rows, _ = reversal_dataset(seed=0)
     return GRPOTrainer(model, [reversal_reward], rows, small_config(tmp_path / backend, **options), tokenizer=tokenizer)
-
-
-def step_loss_and_grads(trainer: GRPOTrainer, fused: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro-batch's loss and the parameters' gradients, through the fused or the plain path (policy = model)."""
-    mb = dict(trainer._micro_batches[0])
-    options = dict(old_logps=mb["old_logps"], ref_logps=mb["ref_logps"], beta=0.04, loss_type="dapo",
-                   sample_mask=~mb["zero_std"])  # fmt: skip
-    trainer.model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)  # the same dropout masks (GPT-2) on both paths
-    if fused:
-        loss = fused_policy_loss(trainer.model, trainer.model, mb, trainer.config.temperature, **options).loss
-    else:
-        logps = plain_token_logps(trainer.model, mb, trainer.config.temperature, "plain")
-        loss = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
 def assert_training_equal(tmp_path, family: str, **overrides) -> None:

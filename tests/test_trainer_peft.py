@@ -11,9 +11,9 @@ import torch
 
 import grpo_ext
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
-from grpo_ext.trainer.policy_logps import fused_policy_loss, fused_refusal, plain_token_logps
+from grpo_ext.trainer.policy_logps import fused_refusal
 from grpo_ext.trainer.trainer import GRPOTrainer
-from trainer_utils import read_metrics, small_config, without_timing
+from trainer_utils import read_metrics, small_config, step_loss_and_grads, without_timing
 
 # `make test` installs peft in its venv and sets this: there a missing peft fails instead of skipping.
 if os.environ.get("GRPO_EXT_REQUIRE_TRL") == "1":
@@ -106,20 +106,7 @@ def test_lora_fused_training_equals_plain(tmp_path, monkeypatch, targets):
     # One micro-batch (old and reference log-probs from the queue): the loss and each LoRA parameter's gradient.
     trainer = lora_trainer(tmp_path / "grads", lora_model(targets), "fused")
     trainer._generate_and_score()
-    mb = trainer._micro_batches[0]
-    options = dict(old_logps=mb["old_logps"], ref_logps=mb["ref_logps"], beta=0.04, loss_type="dapo",
-                   sample_mask=~mb["zero_std"])  # fmt: skip
-    results = {}
-    for fused in (True, False):
-        trainer.model.zero_grad(set_to_none=True)
-        if fused:
-            loss = fused_policy_loss(trainer.model, trainer.model, mb, trainer.config.temperature, **options).loss
-        else:
-            logps = plain_token_logps(trainer.model, mb, trainer.config.temperature, "plain")
-            loss = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options).loss
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-        results[fused] = loss.detach(), grads
+    results = {fused: step_loss_and_grads(trainer, fused) for fused in (True, False)}
     torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-7)
     assert results[True][1].keys() == results[False][1].keys() == lora_names
     for name, grad in results[True][1].items():

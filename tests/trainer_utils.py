@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+import grpo_ext
 from grpo_ext.trainer import GRPOConfig
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
 from grpo_ext.trainer.metrics import TIMING_METRICS
+from grpo_ext.trainer.policy_logps import fused_policy_loss, plain_token_logps
 from grpo_ext.trainer.trainer import GRPOTrainer
 
 
@@ -53,3 +57,19 @@ def write_cli_inputs(folder: Path, num_rows: int = 40, **options) -> Path:
     }  # fmt: skip
     (folder / "run.yaml").write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in run.items()))
     return folder / "run.yaml"
+
+
+def step_loss_and_grads(trainer: GRPOTrainer, fused: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's loss and the parameters' gradients, through the fused or the plain path (policy = model)."""
+    mb = dict(trainer._micro_batches[0])
+    options = dict(old_logps=mb["old_logps"], ref_logps=mb["ref_logps"], beta=0.04, loss_type="dapo",
+                   sample_mask=~mb["zero_std"])  # fmt: skip
+    trainer.model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # the same dropout masks (GPT-2) on both paths
+    if fused:
+        loss = fused_policy_loss(trainer.model, trainer.model, mb, trainer.config.temperature, **options).loss
+    else:
+        logps = plain_token_logps(trainer.model, mb, trainer.config.temperature, "plain")
+        loss = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
