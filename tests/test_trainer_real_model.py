@@ -264,8 +264,41 @@ def test_cli_trains_a_gguf_model_on_message_prompts(gguf_folder, tmp_path, capsy
         "model_name_or_path": str(folder), "gguf_file": "tiny-llama.gguf", "dataset": str(tmp_path / "data.jsonl"),
         "reward_funcs": ["accuracy"], "num_generations": 4, "per_device_train_batch_size": 8,
         "max_completion_length": 3, "max_steps": 1, "report_to": "none", "disable_tqdm": True, "plot": False,
-        "output_dir": str(tmp_path / "out"),
+        "output_dir": str(tmp_path / "out"), "save_steps": 1,
     }  # fmt: skip
     (tmp_path / "run.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in run.items()))
     assert cli.main(["train", "--config", str(tmp_path / "run.yaml")]) == 0, capsys.readouterr().err
     assert (tmp_path / "out" / "metrics.jsonl").read_text().count("\n") == 1
+    # A GGUF model's checkpoint is a plain float32 model folder (transformers refuses to save a "quantized" one).
+    saved = tmp_path / "out" / "checkpoint-1"
+    assert "quantization_config" not in json.loads((saved / "config.json").read_text())
+    assert cli.load_model_and_tokenizer(saved)[0].dtype == torch.float32
+
+
+def test_cli_trains_lora_with_a_held_out_set_and_a_reward_file(gguf_folder, tmp_path, capsys, monkeypatch):
+    """The run keys of examples/smollm2_sums.yaml: ``eval_dataset``, ``lora`` and a ``file.py:function`` reward."""
+    folder, _ = gguf_folder
+    rows = [{"prompt": [{"role": "user", "content": f"what is {a}?"}], "answer": str(a)} for a in range(10)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[8:]))
+    (tmp_path / "my_rewards.py").write_text(
+        "def has_digit(prompts, completions, answer, **_):\n"
+        "    return [float(any(ch.isdigit() for ch in c[-1]['content'])) for c in completions]\n"
+    )
+    monkeypatch.chdir(tmp_path)  # the reward file's path is relative to the working directory
+    run = {
+        "model_name_or_path": str(folder), "gguf_file": "tiny-llama.gguf", "dataset": "data.jsonl",
+        "eval_dataset": "held_out.jsonl", "reward_funcs": "my_rewards.py:has_digit",
+        "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 3, "max_steps": 2,
+        "save_steps": 2, "report_to": "none", "disable_tqdm": True, "plot": False, "output_dir": "out",
+    }  # fmt: skip
+    (tmp_path / "run.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in run.items()))
+    assert cli.main(["train", "--config", "run.yaml"]) == 0, capsys.readouterr().err
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    assert [r["step"] for r in logged if "eval/rewards/has_digit/mean" in r] == [0, 2]
+    assert "rewards/has_digit/mean" in logged[1]
+    saved = tmp_path / "out" / "checkpoint-2"
+    assert (saved / "adapter_config.json").is_file()  # a LoRA run saves its adapter
+    assert json.loads((saved / "adapter_config.json").read_text())["r"] == 4

@@ -3,9 +3,12 @@
 A run file holds GRPOConfig fields plus ``model_name_or_path`` (a local model folder), optionally ``gguf_file`` (a
 GGUF file in that folder, or a path to one: transformers dequantizes its weights to float32 and builds the tokenizer,
 chat template included, from it), ``dataset`` (a JSONL file with a ``prompt`` column, a string or a list of
-messages, and any others for the rewards) and ``reward_funcs`` (built-in names ``accuracy``,
-``format``, ``graded_answer``, or ``package.module:function``). ``--key value`` overrides a key; values are read
-as YAML, so ``--learning_rate 1e-5``, ``--bf16 false`` and ``--reward_weights [1,0.5]`` work.
+messages, and any others for the rewards), optionally ``eval_dataset`` (held-out rows of the same form: greedy
+completions scored before, every ``eval_steps`` and after training), ``reward_funcs`` (built-in names ``accuracy``,
+``format``, ``graded_answer``, ``package.module:function``, or ``path/to/file.py:function``) and optionally ``lora``
+(a mapping of ``peft.LoraConfig`` fields: the model is wrapped with ``peft.get_peft_model`` and only the adapter
+trains). ``--key value`` overrides a key; values are read as YAML, so ``--learning_rate 1e-5``, ``--bf16 false``,
+``--reward_weights [1,0.5]`` and ``--lora "{r: 16}"`` work.
 
 Under ``torchrun`` (``torchrun --nproc_per_node=N -m grpo_ext.trainer.cli train ...``) each process joins the
 default process group (NCCL on GPUs, gloo on CPUs) and trains its share with DDP, or FSDP2 with ``--fsdp``;
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 RUN_KEYS = ("model_name_or_path", "dataset", "reward_funcs")
-OPTIONAL_RUN_KEYS = ("gguf_file",)
+OPTIONAL_RUN_KEYS = ("gguf_file", "eval_dataset", "lora")
 
 
 @functools.cache
@@ -135,35 +138,83 @@ def reward_spec_list(value: Any) -> list[str]:
 
 
 def resolve_reward(spec: str):
-    """A built-in reward by name, or ``module:function``."""
+    """A built-in reward by name, ``module:function`` (an importable module), or ``path/to/file.py:function`` (a
+    Python file, relative to the working directory)."""
     from .rewards import BUILTIN_REWARDS
 
     if isinstance(spec, str) and spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"reward_funcs: unknown reward {spec!r}; use one of {', '.join(BUILTIN_REWARDS)} or "
-                         "package.module:function")  # fmt: skip
-    module_name, func_name = spec.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward_funcs: cannot import {module_name!r} for {spec!r} ({err})") from None
+        raise ValueError(f"reward_funcs: unknown reward {spec!r}; use one of {', '.join(BUILTIN_REWARDS)}, "
+                         "package.module:function or path/to/file.py:function")  # fmt: skip
+    module_name, func_name = spec.rsplit(":", 1)
+    if module_name.endswith(".py"):
+        module = _import_file(module_name, spec)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"reward_funcs: cannot import {module_name!r} for {spec!r} ({err})") from None
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ValueError(f"reward_funcs: module {module_name!r} has no function {func_name!r}")
     return func
 
 
-def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+def _import_file(path: str, spec: str) -> Any:
+    """The module of a Python file (run once per file and process: its module name is its resolved path)."""
+    import importlib.util
+
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ValueError(f"reward_funcs: no file {path} for {spec!r} (a path relative to {Path.cwd()})")
+    name = f"grpo_ext_reward_file_{abs(hash(str(file)))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise ValueError(f"reward_funcs: importing {path} for {spec!r} failed ({type(err).__name__}: {err})") from None
+    return module
+
+
+def lora_config(lora: Any) -> Any:
+    """``peft.LoraConfig(task_type="CAUSAL_LM", **lora)`` of the run file's ``lora`` mapping.
+
+    Raises:
+        ValueError: naming ``lora`` when it is not a mapping, peft is missing, or LoraConfig refuses a field.
+    """
+    if not isinstance(lora, dict):
+        raise ValueError(f"lora must be a mapping of peft.LoraConfig fields (e.g. {{r: 16, lora_alpha: 32}}), got "
+                         f"{lora!r} ({type(lora).__name__})")  # fmt: skip
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise ValueError("lora needs the peft package: pip install peft") from None
+    try:
+        return LoraConfig(**{"task_type": "CAUSAL_LM", **lora})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"lora: {err}") from None
+
+
+def load_jsonl(path: str | Path, key: str = "dataset") -> list[dict[str, Any]]:
     """Rows of a JSONL file; each must be an object with a ``prompt``: a string, or a list of messages
     (``{"role": ..., "content": ...}`` objects, rendered with the tokenizer's chat template).
+
+    Args:
+        path: the JSONL file.
+        key: the run key that names it (``dataset`` or ``eval_dataset``), for the errors.
 
     Raises:
         ValueError: the file is missing or empty, or a line is not JSON or has no prompt (naming file and line).
     """
     rows = []
     if not Path(path).is_file():
-        raise ValueError(f"dataset: no such file {path}")
+        raise ValueError(f"{key}: no such file {path}")
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -177,7 +228,7 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
                                  '([{"role": "user", "content": "..."}])')  # fmt: skip
             rows.append(row)
     if not rows:
-        raise ValueError(f"dataset: {path} has no rows")
+        raise ValueError(f"{key}: {path} has no rows")
     return rows
 
 
@@ -220,7 +271,8 @@ def load_model_and_tokenizer(model_name_or_path: Any, gguf_file: str | None = No
 
     Returns:
         ``(model, tokenizer)``. A tokenizer without a pad token pads with its EOS (padding is on the left for
-        generation, and padded positions are masked).
+        generation, and padded positions are masked). A GGUF model is a plain float32 model (``is_quantized`` False),
+        which ``save_pretrained`` writes as safetensors.
 
     Raises:
         ValueError: naming ``model_name_or_path`` or ``gguf_file`` when the folder or the file is missing.
@@ -238,6 +290,11 @@ def load_model_and_tokenizer(model_name_or_path: Any, gguf_file: str | None = No
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **extra)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if gguf_file is not None and quantizer is not None:
+        # The GGUF weights are dequantized to plain float32 tensors, but transformers keeps the GGUF quantizer on the
+        # model, and with it save_pretrained refuses the model ("not serializable"): checkpoints would fail.
+        quantizer.remove_quantization_config(model)
     if device is not None:
         model.to(device)
     return model, tokenizer
@@ -261,7 +318,7 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
 
     Args:
         options: GRPOConfig fields plus ``model_name_or_path``, ``dataset``, ``reward_funcs`` and optionally
-            ``gguf_file``.
+            ``gguf_file``, ``eval_dataset`` and ``lora``.
         resume: a checkpoint folder, True for the latest in ``output_dir``, or None.
 
     Returns:
@@ -277,12 +334,14 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise unknown_keys_error(unknown, known, "the run config")
-    missing = [key for key in RUN_KEYS if key not in options]
+    missing = [key for key in RUN_KEYS if options.get(key) is None]
     if missing:
-        raise ValueError(f"the run config lacks {', '.join(missing)}")
+        raise ValueError(f"the run config lacks {', '.join(missing)} (give it in the run file or as --key value)")
     model_path = options.pop("model_name_or_path")
     gguf_file = options.pop("gguf_file", None)
     dataset_path = options.pop("dataset")
+    eval_path = options.pop("eval_dataset", None)
+    lora = options.pop("lora", None)
     reward_specs = reward_spec_list(options.pop("reward_funcs"))
     config = GRPOConfig.from_dict(options)
     # Everything that can be checked before a process group exists or a model loads.
@@ -292,11 +351,17 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     else:
         check_model_folder(model_path)
     rows = load_jsonl(dataset_path)
+    eval_rows = load_jsonl(eval_path, "eval_dataset") if eval_path is not None else None
+    peft_config = lora_config(lora) if lora is not None else None
     reward_funcs = [resolve_reward(s) for s in reward_specs]
     created_group, device = distributed.init_from_env()  # a process group when launched by torchrun
     try:
         model, tokenizer = load_model_and_tokenizer(model_path, gguf_file, device)
-        trainer = GRPOTrainer(model, reward_funcs, rows, config, tokenizer=tokenizer)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        trainer = GRPOTrainer(model, reward_funcs, rows, config, tokenizer=tokenizer, eval_dataset=eval_rows)
         history = trainer.train(resume_from_checkpoint=resume)
         if trainer.is_main_process:
             print(f"metrics: {trainer.metrics_path}\ncurves: {trainer.plot_path if config.plot else '(plot off)'}")

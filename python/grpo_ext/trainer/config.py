@@ -140,6 +140,11 @@ class GRPOConfig:
     disable_tqdm: bool = False
     plot: bool = True  # write metrics.png with the curves at the end of train()
 
+    # Held-out evaluation (GRPOTrainer's eval_dataset): greedy completions scored by the reward functions, before the
+    # first step, every eval_steps steps (0: none in between) and after the last step; logged as eval/reward.
+    eval_steps: int = 0
+    per_device_eval_batch_size: int | None = None  # prompts per generate call; None: per_device_train_batch_size
+
     # Faults (README "Failure behaviour")
     # A fresh run (no resume) into an output_dir holding a previous run's outputs is refused unless this is set; then
     # those outputs (checkpoint-N, metrics.jsonl, metrics.png, runs/) are deleted first.
@@ -181,7 +186,7 @@ class GRPOConfig:
             "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "steps_per_generation": 1,
             "num_iterations": 1, "warmup_steps": 0, "logging_steps": 1, "save_steps": 0, "log_completions_steps": 1,
             "num_completions_to_print": 0, "kl_horizon": 1, "max_sampling_rounds": 1,
-            "max_consecutive_nonfinite_steps": 1,
+            "max_consecutive_nonfinite_steps": 1, "eval_steps": 0,
         }  # fmt: skip
         for name, minimum in ints.items():
             value = getattr(self, name)
@@ -189,7 +194,7 @@ class GRPOConfig:
                 _fail(name, "must be an integer", value)
             if value < minimum:
                 _fail(name, f"must be >= {minimum}", value)
-        for name in ("max_prompt_length", "save_total_limit"):
+        for name in ("max_prompt_length", "save_total_limit", "per_device_eval_batch_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 _fail(name, "must be None or an integer >= 1", value)
@@ -277,7 +282,7 @@ RESUMABLE_FIELDS: frozenset[str] = frozenset({
     "warmup_steps", "warmup_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
     "per_device_train_batch_size", "fsdp", "bf16", "logps_backend", "logging_steps", "save_steps",
     "save_total_limit", "report_to", "log_completions", "log_completions_steps", "num_completions_to_print",
-    "disable_tqdm", "plot", "max_consecutive_nonfinite_steps",
+    "disable_tqdm", "plot", "max_consecutive_nonfinite_steps", "eval_steps", "per_device_eval_batch_size",
 })  # fmt: skip
 
 

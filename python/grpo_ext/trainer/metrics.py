@@ -27,6 +27,8 @@ PLOTTED_METRICS = (
     ("clip_ratio/region_mean", "clip ratio"),
     ("completions/mean_length", "completion length"),
 )
+# Drawn in the panel of the first metric, with a legend, when logged: the held-out reward beside the training one.
+PLOTTED_OVERLAYS = {"reward": ("eval/reward", "held-out (greedy)")}
 
 
 def read_metrics(path: str | os.PathLike) -> tuple[list[dict[str, Any]], bool]:
@@ -182,7 +184,7 @@ class MetricsLogger:
         self._tb_writer = SummaryWriter(log_dir=str(self.output_dir / "runs"), purge_step=step + 1)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Append ``metrics`` as a JSON line, and to TensorBoard as ``train/<name>`` at ``step``.
+        """Append ``metrics`` as a JSON line, and to TensorBoard at ``step`` as ``train/<name>`` (``eval/...`` as is).
 
         Raises:
             OSError: naming the file when it cannot be written (a full disk: the run stops, the checkpoints stay).
@@ -197,7 +199,7 @@ class MetricsLogger:
         if self._tb_writer is not None:
             for name, value in metrics.items():
                 if name != "step":
-                    self._tb_writer.add_scalar(f"train/{name}", value, step)
+                    self._tb_writer.add_scalar(name if name.startswith("eval/") else f"train/{name}", value, step)
 
     def _truncate_metrics_file(self, step: int) -> None:
         """Drop lines logged after ``step`` (by a run that died after its last checkpoint), and a torn last line."""
@@ -227,7 +229,8 @@ class MetricsLogger:
 
 
 def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path:
-    """Plot reward, KL, loss, clip ratio and completion length against step from a metrics JSONL file.
+    """Plot reward, KL, loss, clip ratio and completion length against step from a metrics JSONL file (the held-out
+    ``eval/reward`` too, in the reward panel, when it was logged).
 
     Returns:
         The PNG's path. A metric never logged (e.g. ``kl`` when ``beta == 0``) gets an empty panel saying so.
@@ -241,10 +244,16 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -
     fig, axes = plt.subplots(1, len(PLOTTED_METRICS), figsize=(4 * len(PLOTTED_METRICS), 3.2))
     for ax, (key, title) in zip(axes, PLOTTED_METRICS, strict=True):
         points = [(r["step"], r[key]) for r in rows if key in r]
+        overlay_key, overlay_label = PLOTTED_OVERLAYS.get(key, (None, None))
+        overlay = [(r["step"], r[overlay_key]) for r in rows if overlay_key in r]
         if points:
             steps, values = zip(*points, strict=True)
-            ax.plot(steps, values, linewidth=0.8)
-        else:
+            ax.plot(steps, values, linewidth=0.8, label="training (sampled)")
+        if overlay:
+            steps, values = zip(*overlay, strict=True)
+            ax.plot(steps, values, marker="o", markersize=3, linewidth=1.2, label=overlay_label)
+            ax.legend(fontsize=8)
+        if not points and not overlay:
             note = "not computed (beta = 0)" if key == "kl" else "not logged"
             ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title)

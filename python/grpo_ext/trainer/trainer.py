@@ -26,6 +26,7 @@ from ..ops.options import TOKEN_LEVEL_LOSS_TYPES
 from . import distributed as dist_utils
 from .checkpoint import CheckpointManager, build_optimizer, scheduler_step, seed_everything
 from .config import GRPOConfig
+from .evaluation import EVAL_REWARD, evaluate_greedy
 from .guards import NonFiniteSteps, StopSignals, TrainingInterrupted, is_finite_step
 from .metrics import MetricsLogger, StepMetrics
 from .policy_logps import fused_policy_loss, fused_token_logps, plain_token_logps, use_fused
@@ -61,6 +62,10 @@ class GRPOTrainer:
             ``config.beta != 0``.
         tokenizer: a ``transformers`` tokenizer with ``pad_token_id`` and ``eos_token_id`` (left padding is used).
             A completion ends at the tokenizer's EOS or at one of the model's ``generation_config.eos_token_id``.
+        eval_dataset: held-out rows like ``train_dataset``'s, or None. Their greedy completions are scored by the
+            reward functions before the first step, every ``config.eval_steps`` steps and after the last
+            (:func:`.evaluation.evaluate_greedy`); ``eval/reward`` (and ``eval/rewards/<name>/mean``) is logged with
+            that step (step 0: before training), shown in the progress bar and plotted beside the training reward.
 
     Under ``torchrun`` (a default process group initialized before the trainer is built, every rank building it
     with the same arguments) the trainer runs data-parallel: DDP, or FSDP2 with ``config.fsdp``. Each rank
@@ -80,6 +85,7 @@ class GRPOTrainer:
         config: GRPOConfig | None = None,
         ref_model: torch.nn.Module | None = None,
         tokenizer: Any = None,
+        eval_dataset: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         self.config = config if config is not None else GRPOConfig()
         cfg = self.config
@@ -103,6 +109,10 @@ class GRPOTrainer:
         if len(train_dataset) == 0:
             raise ValueError("train_dataset is empty")
         self.train_dataset = train_dataset
+        if eval_dataset is not None and len(eval_dataset) == 0:
+            raise ValueError("eval_dataset is empty: give held-out rows, or None for no evaluation")
+        self.eval_dataset = eval_dataset
+        self.last_eval_reward: float | None = None
         self.device = next(model.parameters()).device
         self.use_bf16 = cfg.bf16 if cfg.bf16 is not None else self.device.type == "cuda"
 
@@ -336,6 +346,28 @@ class GRPOTrainer:
         metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, entropy=entropy_mean)
         return metrics
 
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of ``eval_dataset`` scored by the reward functions: :func:`.evaluation.evaluate_greedy`.
+
+        Under torch.distributed every rank must call it (the rows are split over the ranks, the sums all-reduced).
+
+        Raises:
+            ValueError: the trainer has no ``eval_dataset``.
+        """
+        if self.eval_dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (GRPOTrainer(..., eval_dataset=rows))")
+        cfg = self.config
+        metrics = evaluate_greedy(
+            self.rollouts, self.eval_dataset, self._score_completions, self.reward_names, cfg.reward_weights,
+            cfg.per_device_eval_batch_size or cfg.per_device_train_batch_size,
+        )  # fmt: skip
+        self.last_eval_reward = metrics[EVAL_REWARD]
+        if self.is_main_process:
+            tqdm.write(f"[step {self.global_step}] held-out {EVAL_REWARD} = {self.last_eval_reward:.4f} "
+                       f"({len(self.eval_dataset)} prompts, greedy)")  # fmt: skip
+            sys.stdout.flush()  # a log file sees it now, beside the progress bar (stderr, unbuffered)
+        return metrics
+
     def _update_beta(self, kl: float) -> None:
         """Adaptive KL control: scale beta by ``1 + clip(kl / target - 1, +-0.2) / horizon`` after each step."""
         error = min(max(kl / self.config.kl_target - 1.0, -0.2), 0.2)
@@ -382,6 +414,11 @@ class GRPOTrainer:
             mininterval=0.1 if sys.stderr.isatty() else 10.0,  # a log file gets a line every 10 s, not 10 a second
         )  # fmt: skip
         try:
+            if self.eval_dataset is not None and self.global_step == 0:  # where the model starts
+                metrics = {"step": 0, **self.evaluate()}
+                if self.is_main_process:
+                    self.metrics_logger.log(metrics, 0)
+                history.append(metrics)
             while self.global_step < cfg.max_steps:
                 step_start = time.perf_counter()
                 metrics = self._training_step()
@@ -392,11 +429,21 @@ class GRPOTrainer:
                 metrics["nonfinite_steps"] = float(self.nonfinite.total)
                 metrics["step"] = self.global_step
                 bar.update(1)
-                if self.global_step % cfg.logging_steps == 0 or self.global_step == cfg.max_steps:
+                out_of_time = cfg.max_time_s is not None and self._out_of_time(start)
+                last = self.global_step == cfg.max_steps or out_of_time
+                evaluated = self.eval_dataset is not None and (
+                    last or (cfg.eval_steps > 0 and self.global_step % cfg.eval_steps == 0)
+                )
+                if evaluated:
+                    metrics.update(self.evaluate())
+                if self.global_step % cfg.logging_steps == 0 or last or evaluated:
                     if self.is_main_process:
                         self.metrics_logger.log(metrics, self.global_step)
                     history.append(metrics)
-                    bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
+                    postfix = {"reward": f"{metrics['reward']:.3f}", "loss": f"{metrics['loss']:.4f}"}
+                    if self.last_eval_reward is not None:
+                        postfix["eval"] = f"{self.last_eval_reward:.3f}"
+                    bar.set_postfix(postfix)
                 if cfg.log_completions and self.global_step % cfg.log_completions_steps == 0 and self.is_main_process:
                     self.metrics_logger.print_completions(self.global_step, self._sample_completions)
                 saved = None
@@ -406,7 +453,7 @@ class GRPOTrainer:
                 signal_number = stop.requested(self.device)  # the same on every rank
                 if signal_number and self.global_step < cfg.max_steps:
                     raise TrainingInterrupted(signal_number, self.global_step, saved or self.save_checkpoint())
-                if cfg.max_time_s is not None and self._out_of_time(start):
+                if out_of_time:
                     if self.is_main_process:
                         tqdm.write(f"stopping at step {self.global_step}: max_time_s={cfg.max_time_s} reached")
                     break
