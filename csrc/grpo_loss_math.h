@@ -400,6 +400,13 @@ GRPO_HD T logits_row_weight(LossType t, T count, T global_scale) {
   return per_row_normalized(t) ? global_scale / (count > T(1) ? count : T(1)) : global_scale;
 }
 
+// The entropy bonus' weight of a kept token's entropy gradient, before its mask value (docs/math.md section 5,
+// "Entropy bonus"): entropy_coef * loss_scale / max(sum m, 1).
+template <typename T>
+GRPO_HD T entropy_row_weight(T entropy_coef, T loss_scale, T mask_total) {
+  return entropy_coef * loss_scale / (mask_total > T(1) ? mask_total : T(1));
+}
+
 // dP/dl + dP/drho * rho for one token (the caller multiplies by its weight); rho = 1 when on-policy.
 template <typename T>
 GRPO_HD T token_logp_grad(const TokenConsts<T>& c, PolicyFamily family, KLKind kl, bool bias_correction, bool has_old,

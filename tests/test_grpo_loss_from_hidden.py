@@ -125,7 +125,7 @@ def test_opcheck_and_compile(device):
     options = LossOptions(old_logps=old, epsilon_high=0.2, importance_sampling_level="sequence",
                           max_completion_length=3)  # fmt: skip
     for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):  # (temperature, logit_scale, logit_softcap)
-        op_args = (flat, w, bias, ids.reshape(-1), adv, mask, *options.op_args(), *logit_args, 4)
+        op_args = (flat, w, bias, ids.reshape(-1), adv, mask, *options.op_args(), *logit_args, 4, 0.0)
         torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_hidden.default, op_args)
 
     def fn(h, weight):
@@ -265,10 +265,57 @@ def test_masked_rows_get_zero_grad_hidden_with_a_non_finite_weight(device, bad, 
                                        msg=f"grad {name} {dtype}")  # fmt: skip
     # torch.compile's composite op shares the chunked forward: its gradients too
     options = validate_grpo_loss_args(old, adv, mask, LossOptions(**kwargs))
-    *_, grad_hidden, grad_weight, grad_bias = torch.ops.grpo_ext.grpo_loss_from_hidden(
+    _, _, _, grad_hidden, grad_weight, grad_bias, *_ = torch.ops.grpo_ext.grpo_loss_from_hidden(
         hidden.flatten(0, 1), weight, bias, ids.flatten(), adv, mask, *options.op_args(), 1.0, 1.0, 0.0,
-        chunk_size or hidden.shape[0] * hidden.shape[1],
+        chunk_size or hidden.shape[0] * hidden.shape[1], 0.0,
     )  # fmt: skip
     for name, a, b in zip(("hidden", "weight", "bias"), (grad_hidden.view_as(hidden), grad_weight, grad_bias),
                           expected_grads, strict=True):  # fmt: skip
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, equal_nan=True, msg=f"composite op's grad {name}")
+
+
+def call_hidden(grad: bool, args: tuple, options: dict, **extra):
+    """``run`` with gradients, or the op under no_grad (no gradients)."""
+    if grad:
+        return run(grpo_ext, *args, **options, **extra)
+    with torch.no_grad():
+        hidden, weight, bias, *rest = args
+        return grpo_ext.grpo_loss_from_hidden(hidden, weight, *rest, lm_head_bias=bias, **options, **extra), None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_return_token_logps(device, level, grad):
+    """``return_token_logps=True``: the [B, T] log-probs and entropies the chunks' pass computed, equal to the float64
+    selective_log_softmax of the materialized logits at the kept tokens and 0 at the others, detached; the loss and
+    its gradients are the ones without it."""
+    hidden, weight, bias, ids, adv, mask, old, _ = make_problem(seed=21)
+    sample_mask = torch.tensor([True, False, True, True])
+    kwargs = dict(old_logps=old, importance_sampling_level=level, temperature=0.8, logit_scale=1.2, logit_softcap=4.0,
+                  sample_mask=sample_mask, chunk_size=3)  # fmt: skip
+    expected = reference.selective_log_softmax(hidden @ weight.t() + bias, ids, temperature=0.8, logit_scale=1.2,
+                                               logit_softcap=4.0, return_entropy=True)  # fmt: skip
+    kept = mask & sample_mask.unsqueeze(1)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        args = (hidden.to(device, dtype), weight.to(device, dtype), bias.to(device, dtype), ids.to(device),
+                adv.to(device, dtype), mask.to(device))  # fmt: skip
+        options = cast_kwargs(device, dtype, kwargs)
+        plain, plain_grads = call_hidden(grad, args, options)
+        out, grads = call_hidden(grad, args, options, return_token_logps=True)
+        assert isinstance(out, grpo_ext.GRPOLossTokenOutput)
+        assert not out.token_logps.requires_grad and not out.token_entropy.requires_grad
+        assert out.token_logps.shape == out.token_entropy.shape == mask.shape
+        assert_close(out.token_logps, torch.where(kept, expected.logps, 0.0), rtol=tol, atol=tol, msg="logps")
+        assert_close(out.token_entropy, torch.where(kept, expected.entropy, 0.0), rtol=tol, atol=tol, msg="entropy")
+        assert_close(out.loss, plain.loss, rtol=0, atol=0)
+        if grad:
+            for a, b in zip(grads, plain_grads, strict=True):
+                assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_return_token_logps_must_be_a_bool(bad):
+    hidden, weight, _, ids, adv, mask, _, _ = make_problem()
+    with pytest.raises(ValueError, match="return_token_logps"):
+        grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, return_token_logps=bad)

@@ -243,14 +243,14 @@ def test_opcheck_and_compile(device):
     ):
         options = LossOptions(old_logps=old, ref_logps=ref, epsilon_high=0.2, beta=0.1, max_completion_length=3)
         for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):  # (temperature, logit_scale, logit_softcap)
-            args = (x, flat_ids, 0, adv, mask, token_grad, *options.op_args(), *logit_args, compute_grad)
+            args = (x, flat_ids, 0, adv, mask, token_grad, *options.op_args(), *logit_args, 0.0, compute_grad)
             torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass.default, args)
             torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass_.default, (x.clone(), *args[1:]))
     torch.library.opcheck(torch.ops.grpo_ext.scale_grad_.default, (x.clone(), torch.tensor(2.0, device=device)))
     options = LossOptions(old_logps=old, ref_logps=ref, loss_type="dapo", epsilon_high=0.28, beta=0.1,
                           max_completion_length=3)  # fmt: skip
     for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):
-        op_args = (x.requires_grad_(True), flat_ids, adv, mask, *options.op_args(), *logit_args)
+        op_args = (x.requires_grad_(True), flat_ids, adv, mask, *options.op_args(), *logit_args, 0.0)
         torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits.default, op_args)
 
     def fn(t):
@@ -364,3 +364,20 @@ def test_logit_scale_and_softcap_match_reference(device, logit_scale, logit_soft
     (grad_inplace,) = torch.autograd.grad(out.loss, x)
     assert torch.equal(out.loss, expected_f32.loss)
     assert torch.equal(grad_inplace, grad_f32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inplace_grad", [False, True])
+def test_return_token_logps(device, inplace_grad):
+    """The logits loss returns the [B, T] log-probs and entropies its pass computed (0 at the tokens never read)."""
+    logits, ids, adv, mask, old, _ = make_problem(seed=17)
+    expected = reference.selective_log_softmax(logits, ids, temperature=0.9, return_entropy=True)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        leaf = logits.detach().to(device, dtype).clone().requires_grad_(True)
+        out = grpo_ext.grpo_loss_from_logits(leaf * 1.0, ids.to(device), adv.to(device, dtype), mask.to(device),
+                                             old_logps=old.to(device, dtype), temperature=0.9,
+                                             inplace_grad=inplace_grad, return_token_logps=True)  # fmt: skip
+        out.loss.backward()
+        assert isinstance(out, grpo_ext.GRPOLossTokenOutput) and leaf.grad is not None
+        assert_close(out.token_logps, torch.where(mask, expected.logps, 0.0), rtol=tol, atol=tol, msg="logps")
+        assert_close(out.token_entropy, torch.where(mask, expected.entropy, 0.0), rtol=tol, atol=tol, msg="entropy")

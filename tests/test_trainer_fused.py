@@ -209,3 +209,32 @@ def test_sapo_and_vespo_options_reach_the_loss(tmp_path, monkeypatch):
     history = trainer.train()
     assert seen and all(options[k] == v for options in seen for k, v in values.items())
     assert seen[0]["loss_type"] == "vespo" and torch.isfinite(torch.tensor(history[0]["loss"]))
+
+
+def test_entropy_bonus_fused_equals_plain_and_torch(tmp_path):
+    """GRPOConfig.entropy_coef over 2 micro-batches per step: the fused kernels' bonus, the plain path's (the entropy
+    of selective_log_softmax, differentiated) and the torch path's (log_softmax, differentiated by autograd) give the
+    same metrics and parameters, and the bonus does change the run."""
+    tokenizer = build_tokenizer()
+    overrides = dict(entropy_coef=0.5, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    runs = {}
+    for backend, coef in (("fused", 0.5), ("plain", 0.5), ("torch", 0.5), ("fused", 0.0)):
+        model = build_family("llama", tokenizer)
+        trainer = family_trainer(tmp_path / f"{backend}-{coef}", model, backend, **{**overrides, "entropy_coef": coef})
+        runs[backend, coef] = (trainer.train(), {n: p.detach().clone() for n, p in model.named_parameters()})
+    fused = runs["fused", 0.5]
+    for other in (runs["plain", 0.5], runs["torch", 0.5]):
+        for row, other_row in zip(fused[0], other[0], strict=True):
+            for key in ("loss", "grad_norm", "kl", "entropy", "reward"):
+                assert row[key] == pytest.approx(other_row[key], rel=1e-5, abs=1e-6), key
+        for name, value in fused[1].items():
+            torch.testing.assert_close(value, other[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    without = runs["fused", 0.0]
+    assert fused[0][0]["loss"] != pytest.approx(without[0][0]["loss"], rel=1e-3)
+    assert any(not torch.allclose(value, without[1][name]) for name, value in fused[1].items())
+
+
+def test_entropy_coef_must_be_a_finite_number(tmp_path):
+    for bad in (float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match=r"GRPOConfig\.entropy_coef"):
+            small_config(tmp_path, entropy_coef=bad)

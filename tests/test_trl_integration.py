@@ -12,6 +12,7 @@ have to import them across files.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,7 @@ else:
 
 import grpo_ext  # noqa: E402
 from grpo_ext.integrations import trl as grpo_trl  # noqa: E402
+from grpo_ext.integrations.trl import loss as grpo_trl_loss  # noqa: E402
 from grpo_ext.ops.options import LOSS_TYPES  # noqa: E402
 from grpo_ext.trainer.demo import build_tokenizer  # noqa: E402
 
@@ -220,8 +222,11 @@ def compare(trainer, inputs, calls: Calls, tol: float = 1e-5, backend: str = "fu
     The patched run must take the fused path (grpo_loss_from_hidden, no log-prob pass for the loss) for
     ``backend="fused"``, unless ``fallback`` names the warning it must give instead of taking it.
     """
+    before = entropy_control_state(trainer)
     expected = loss_and_grads(trainer, inputs)
+    after_trl = entropy_control_state(trainer)
     assert calls.grpo_loss == calls.grpo_loss_from_hidden == calls.selective_log_softmax == 0
+    restore_entropy_control_state(trainer, before)
     grpo_trl.patch(trainer, logps_backend=backend)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -230,14 +235,38 @@ def compare(trainer, inputs, calls: Calls, tol: float = 1e-5, backend: str = "fu
     if backend == "fused" and fallback is None:
         assert not fallbacks
         assert calls.grpo_loss_from_hidden == 1 and calls.grpo_loss == 0
-        # the only log-prob pass allowed is the no-grad one of the clip metrics when old log-probs are given
-        uses_ratio = "old_per_token_logps" in inputs and trainer.loss_type not in ("cispo", "sapo", "vespo")
-        assert calls.selective_log_softmax == (1 if uses_ratio else 0)
+        # no log-prob pass but the no-grad one that TRL's masks need before the loss: the clip metrics' per-token
+        # ratios come from the fused pass' own log-probs
+        if grpo_trl_loss._needs_token_values(trainer):
+            assert calls.selective_log_softmax >= 1
+        else:
+            assert calls.selective_log_softmax == 0
     else:
         assert len(fallbacks) == (0 if fallback is None else 1) and (fallback or "") in "".join(fallbacks)
         assert calls.grpo_loss == 1 and calls.grpo_loss_from_hidden == 0 and calls.selective_log_softmax >= 1
     assert_same(expected, actual, tol)
+    assert_same_entropy_control(after_trl, entropy_control_state(trainer), tol)
     return expected[2]
+
+
+def entropy_control_state(trainer) -> dict[str, Any]:
+    """TRL's entropy-bonus controller: the coefficient, the last optimizer step's entropy, the window's sums."""
+    window = trainer._entropy_window_stats
+    return dict(entropy_coef=trainer.entropy_coef, last=trainer._last_world_entropy,
+                window=None if window is None else window.clone())  # fmt: skip
+
+
+def restore_entropy_control_state(trainer, state: dict[str, Any]) -> None:
+    trainer.entropy_coef, trainer._last_world_entropy = state["entropy_coef"], state["last"]
+    trainer._entropy_window_stats = None if state["window"] is None else state["window"].clone()
+
+
+def assert_same_entropy_control(expected: dict[str, Any], actual: dict[str, Any], tol: float) -> None:
+    assert actual["entropy_coef"] == pytest.approx(expected["entropy_coef"], rel=tol, abs=tol)
+    assert actual["last"] == pytest.approx(expected["last"], rel=tol, abs=tol)
+    assert (actual["window"] is None) == (expected["window"] is None)
+    if expected["window"] is not None:
+        torch.testing.assert_close(actual["window"], expected["window"], rtol=tol, atol=tol)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -311,11 +340,21 @@ CASES = {
         config=dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.7, vespo_k_neg=4.0, vespo_lambda_neg=1.2),
         inputs=dict(token_advantages=True),
     ),
-    "off_policy_mask": Case(
-        config=dict(loss_type="dapo", beta=0.04, off_policy_mask_threshold=0.02), fallback="off_policy_mask_threshold"
+    # TRL's masks from per-token values: a no-grad pass inside the forward, then the fused loss with them as weights
+    "off_policy_mask": Case(config=dict(loss_type="dapo", beta=0.04, off_policy_mask_threshold=0.02)),
+    "off_policy_mask_on_policy": Case(
+        config=dict(loss_type="grpo", off_policy_mask_threshold=0.02), inputs=dict(old=False)
     ),
-    "top_entropy_quantile": Case(
-        config=dict(loss_type="grpo", top_entropy_quantile=0.5), fallback="top_entropy_quantile=0.5"
+    "top_entropy_quantile": Case(config=dict(loss_type="grpo", top_entropy_quantile=0.5)),
+    "top_entropy_quantile_sequence": Case(
+        config=dict(loss_type="dapo", beta=0.04, top_entropy_quantile=0.2, importance_sampling_level="sequence")
+    ),
+    "both_masks_softcap": Case(
+        config=dict(loss_type="bnpo", top_entropy_quantile=0.5, off_policy_mask_threshold=0.02),
+        model_config=dict(final_logit_softcapping=0.5),
+    ),
+    "off_policy_mask_entropy_coef": Case(
+        config=dict(loss_type="cispo", off_policy_mask_threshold=0.02, entropy_coef=0.1)
     ),
     # the logits options of the fused kernels (logit_softcap, logit_scale), TRL's order: scale, cap, temperature
     "softcap_model": Case(config=dict(loss_type="dapo", beta=0.04), model_config=dict(final_logit_softcapping=0.5)),
@@ -326,6 +365,27 @@ CASES = {
     "eval_dapo": Case(config=dict(loss_type="dapo", beta=0.04), eval_mode=True),
     "eval_grpo": Case(config=dict(loss_type="grpo", importance_sampling_level="sequence"), eval_mode=True),
     "moe_router_aux_loss": Case(config=dict(loss_type="grpo", beta=0.04), arch="mixtral"),
+    # TRL's entropy bonus: in the fused kernels' pass (the mean entropy of the loss' own distribution, whatever the
+    # loss type), and on the log-prob path with top_entropy_quantile (the bonus then acts on the high-entropy tokens)
+    "entropy_coef_grpo": Case(config=dict(loss_type="grpo", beta=0.04, entropy_coef=0.05)),
+    "entropy_coef_dapo_sequence": Case(
+        config=dict(loss_type="dapo", importance_sampling_level="sequence", entropy_coef=0.2)
+    ),
+    "entropy_coef_cispo_temperature": Case(config=dict(loss_type="cispo", entropy_coef=-0.1, temperature=0.7)),
+    "entropy_coef_vespo": Case(config=dict(loss_type="vespo", entropy_coef=0.1)),
+    "entropy_coef_softcap": Case(
+        config=dict(loss_type="bnpo", entropy_coef=0.1), model_config=dict(final_logit_softcapping=0.5)
+    ),
+    "entropy_coef_eval": Case(config=dict(loss_type="dapo", entropy_coef=0.1), eval_mode=True),
+    "entropy_coef_top_entropy_quantile": Case(
+        config=dict(loss_type="grpo", entropy_coef=0.1, top_entropy_quantile=0.5),
+        fallback="top_entropy_quantile=0.5 with the entropy bonus",
+    ),
+    # adaptive control (Skywork-OR1): the bonus applies when the last step's entropy was at most the target
+    "adaptive_entropy_applied": Case(config=dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.05,
+                                                 entropy_target=100.0), attrs=dict(_last_world_entropy=0.5)),
+    "adaptive_entropy_gated": Case(config=dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.05,
+                                               entropy_target=0.1), attrs=dict(_last_world_entropy=0.5)),
     # TRL's default mixed precision: the LM head runs in bfloat16 in both, so only bf16 rounding differs
     "bf16_autocast": Case(config=dict(loss_type="dapo", beta=0.04, bf16=True), tol=2e-2),
 }
@@ -475,15 +535,67 @@ def test_subclass_trains_like_trl(llama_dir, tokenizer, tmp_path, grpo_ext_calls
     # 2 x (the reference log-prob pass, then the fused loss)
     assert grpo_ext_calls.grpo_loss_from_hidden == 2 and grpo_ext_calls.selective_log_softmax >= 2
     assert grpo_ext_calls.grpo_loss == 0
+    assert_same_training(reference, ours, ("loss", "kl", "entropy", "grad_norm", "reward", "clip_ratio/region_mean"))
+
+
+def assert_same_training(reference, ours, keys: tuple[str, ...], param_atol: float = 1e-6) -> list[dict]:
+    """Two trainers' logged steps agree on ``keys``, and so do their parameters; returns the reference's log rows."""
     logs0 = [row for row in reference.state.log_history if "loss" in row]
     logs1 = [row for row in ours.state.log_history if "loss" in row]
     assert len(logs0) == len(logs1) == 2
     for row0, row1 in zip(logs0, logs1, strict=True):
-        for key in ("loss", "kl", "entropy", "grad_norm", "reward", "clip_ratio/region_mean"):
+        for key in keys:
             assert row1[key] == pytest.approx(row0[key], rel=1e-4, abs=1e-6), key
     params0 = dict(reference.model.named_parameters())
     for name, p in ours.model.named_parameters():
-        torch.testing.assert_close(p, params0[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p, params0[name], rtol=1e-4, atol=param_atol)
+    return logs0
+
+
+@pytest.mark.parametrize("backend", grpo_trl.LOGPS_BACKENDS)
+def test_adaptive_entropy_over_accumulation_windows_matches_trl(backend, llama_dir, tokenizer, tmp_path):
+    """Four micro-batches, two accumulation windows: the window's entropy is accumulated over its micro-batches, the
+    coefficient moves at each optimizer step (up, then gated off and down), as in TRL, and so do the losses."""
+    config = dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_delta=0.02)
+    trainers = [make_trainer(llama_dir, tokenizer, tmp_path / name, **config) for name in ("trl", "ours")]
+    grpo_trl.patch(trainers[1], logps_backend=backend)
+    for trainer in trainers:
+        trainer._last_world_entropy = 0.0  # a measurement below the target: the bonus applies from the start
+    targets = (100.0, 100.0, 0.1, 0.1)  # the second window's entropy is above its target: gated off, coef down
+    results: list[list] = [[], []]
+    for step, target in enumerate(targets):
+        batch = make_inputs(trainers[0], seed=step)
+        for trainer, out in zip(trainers, results, strict=True):
+            trainer.args.entropy_target = target
+            trainer.accelerator.gradient_state._set_sync_gradients(step % 2 == 1)
+            loss, grads, metrics = loss_and_grads(trainer, batch)
+            out.append(((loss, grads, metrics), entropy_control_state(trainer)))
+    for (expected, state0), (actual, state1) in zip(*results, strict=True):
+        assert_same(expected, actual)
+        assert_same_entropy_control(state0, state1, 1e-5)
+    coefs = [state["entropy_coef"] for _, state in results[0]]
+    assert coefs == pytest.approx([0.05, 0.07, 0.07, 0.05])  # the controller did move, both ways
+
+
+def test_subclass_with_entropy_bonus_trains_like_trl(llama_dir, tokenizer, tmp_path, grpo_ext_calls):
+    """Two optimizer steps of TRL's loop with the adaptive entropy bonus and 2 accumulation steps: the logged loss,
+    policy_loss, entropy_coef and the parameters agree; the checkpoint holds TRL's controller state."""
+    options = dict(max_steps=2, loss_type="dapo", learning_rate=1e-2, gradient_accumulation_steps=2,
+                   steps_per_generation=2, per_device_train_batch_size=2,  # one prompt's 4 completions a step
+                   max_completion_length=4, use_adaptive_entropy=True, entropy_coef=0.05,
+                   entropy_target=100.0, save_strategy="steps", save_steps=2)  # fmt: skip
+    reference = make_trainer(llama_dir, tokenizer, tmp_path / "a", **options)
+    reference.train()
+    ours = make_trainer(llama_dir, tokenizer, tmp_path / "b", cls=grpo_trl.GRPOExtTrainer, **options)
+    ours.train()
+    assert grpo_ext_calls.grpo_loss_from_hidden == 4 and grpo_ext_calls.grpo_loss == 0
+    # Adam's g / sqrt(v) magnifies the float rounding of tiny gradients: parameters to 1e-5
+    logs = assert_same_training(reference, ours, ("loss", "policy_loss", "entropy_coef", "entropy", "grad_norm",
+                                                  "reward"), param_atol=1e-5)  # fmt: skip
+    assert logs[1]["entropy_coef"] > logs[0]["entropy_coef"]  # the bonus applied from the second step on
+    saved = [json.loads((path / "checkpoint-2" / "entropy_ctrl_state.json").read_text())
+             for path in (tmp_path / "a" / "trl", tmp_path / "b" / "trl")]  # fmt: skip
+    assert saved[1] == pytest.approx(saved[0], rel=1e-5)
 
 
 def test_patch_is_idempotent_and_unpatch_restores_trl(llama_dir, tokenizer, tmp_path, grpo_ext_calls):
@@ -512,10 +624,6 @@ def test_unsupported_settings_raise_naming_them(llama_dir, tokenizer, tmp_path):
             args=trl.GRPOConfig(output_dir=str(tmp_path), loss_type="vespo", off_policy_mask_threshold=0.1,
                                 use_cpu=True, report_to="none"),
         )  # fmt: skip
-    with pytest.raises(ValueError, match=r"GRPOConfig\.entropy_coef=0\.1"):
-        grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path, entropy_coef=0.1))
-    with pytest.raises(ValueError, match=r"use_adaptive_entropy=True"):
-        grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path, use_adaptive_entropy=True))
     with pytest.raises(ValueError, match=r"logps_backend must be one of \('fused', 'plain'\), got 'fast'"):
         grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path), logps_backend="fast")
     with pytest.raises(ValueError, match=r"logps_backend must be one of \('fused', 'plain'\), got 'logits'"):

@@ -24,9 +24,16 @@ void load_scaled_row(const LogitsRows& logits, int64_t r, const LogitTransform<T
   }
 }
 
-// Per-row gradient weights (docs/math.md section 5's denominators) from the masks alone.
+// The gradient's weights from the masks alone: per row, d loss / d logp's normalizer (docs/math.md section 5's
+// denominators; only without token_grad), and the entropy bonus' entropy_coef * loss_scale / max(sum m, 1).
 template <typename T>
-std::vector<T> row_weights(const LogitsPassPlan& plan) {
+struct PassWeights {
+  std::vector<T> rows;
+  T entropy = T(0);
+};
+
+template <typename T>
+PassWeights<T> pass_weights(const LogitsPassPlan& plan, bool policy_rows) {
   const LossInputs& in = plan.loss.inputs;
   std::vector<double> counts(in.batch);
   double total = 0.0, non_empty = 0.0;
@@ -37,12 +44,15 @@ std::vector<T> row_weights(const LogitsPassPlan& plan) {
     total += c;
     non_empty += c > 0.0 ? 1.0 : 0.0;
   }
+  PassWeights<T> weights;
+  weights.rows.assign(in.batch, T(0));
+  weights.entropy = T(entropy_row_weight<double>(plan.entropy_coef, plan.loss.loss_scale, total));
+  if (!policy_rows) return weights;
   const double scale =
       global_loss_scale<double>(plan.loss.params, in.batch, plan.loss.max_completion_length, total, non_empty,
                                 plan.loss.has_num_items, plan.loss.num_items, plan.loss.loss_scale);
-  std::vector<T> weights(in.batch);
   for (int64_t b = 0; b < in.batch; ++b) {
-    weights[b] = T(logits_row_weight<double>(plan.loss.params.loss_type, counts[b], scale));
+    weights.rows[b] = T(logits_row_weight<double>(plan.loss.params.loss_type, counts[b], scale));
   }
   return weights;
 }
@@ -64,8 +74,10 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   }
   const bool want_grad = plan.compute_grad && plan.grad_data != nullptr;
   const bool grad_in_logits = want_grad && plan.grad_data == logits.data;
-  const std::vector<T> weights =
-      want_grad && !plan.token_grad.present() ? row_weights<T>(plan) : std::vector<T>(in.batch, T(0));
+  const bool policy_rows = want_grad && !plan.token_grad.present();
+  const PassWeights<T> weights = policy_rows || (want_grad && plan.entropy_coef != 0.0)
+                                     ? pass_weights<T>(plan, policy_rows)
+                                     : PassWeights<T>{std::vector<T>(in.batch, T(0)), T(0)};
   const TokenConsts<T> consts(p);
   const PolicyFamily family = policy_family(p.loss_type);
   const KLKind kl = kl_kind(p);
@@ -101,19 +113,31 @@ void logits_pass_impl(LogitsPassPlan& plan) {
         const T l_old = p.has_old ? in.old_logps.load<T>(b, t) : logp;
         const T l_ref = want_kl ? in.ref_logps.load<T>(b, t) : T(0);
         const T isw = in.is_weights.present() ? in.is_weights.load<T>(b, t) : T(1);
-        g = weights[b] * m *
+        g = weights.rows[b] * m *
             token_logp_grad<T>(consts, family, kl, p.bias_correction, p.has_old, logp, l_old, l_ref,
                                in.advantages.load<T>(b, t), isw);
       }
       // d/dz_v of g * logp = g * (onehot - p_v), times dz/dx; the chosen entry as -expm1(logp), exact where p -> 1.
-      if constexpr (kCapped) {
-        const T scale = T(-double(g) / s.sum);
-        for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale * f.template slope_of<true>(z[v]));
+      // The entropy bonus adds e * p_v * (z_v - E_p[z]) (an entry with p_v = 0 adds exactly 0, even at z = -inf).
+      const T e = weights.entropy * m;
+      const T inv_sum = T(1.0 / s.sum), mean_z = T(s.mean_z);
+      const auto bonus = [&](int64_t v) { return exps[v] == T(0) ? T(0) : exps[v] * inv_sum * (z[v] - mean_z); };
+      if (e == T(0)) {
+        if constexpr (kCapped) {
+          const T scale = T(-double(g) / s.sum);
+          for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale * f.template slope_of<true>(z[v]));
+        } else {
+          const T scale = T(-double(g) / s.sum) * f.slope;
+          for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale);
+        }
+        grad_row[id] = In(g * -math_expm1(logp) * f.template slope_of<kCapped>(z[id]));
       } else {
-        const T scale = T(-double(g) / s.sum) * f.slope;
-        for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale);
+        const T scale = T(-double(g) / s.sum);
+        for (int64_t v = 0; v < vocab; ++v) {
+          grad_row[v] = In((exps[v] * scale + e * bonus(v)) * f.template slope_of<kCapped>(z[v]));
+        }
+        grad_row[id] = In((g * -math_expm1(logp) + e * bonus(id)) * f.template slope_of<kCapped>(z[id]));
       }
-      grad_row[id] = In(g * -math_expm1(logp) * f.template slope_of<kCapped>(z[id]));
     }
   });
 }

@@ -24,13 +24,14 @@
 
 namespace grpo_ext {
 
-// row_weight[b] = global scale * (1 / max(n_b, 1) for grpo/sapo, else 1). One block: a warp per row for n_b (a
-// fixed shuffle tree), then a fixed block tree over the rows for the mask total.
+// row_weight[b] = global scale * (1 / max(n_b, 1) for grpo/sapo, else 1), and row_weight[B] = the entropy bonus'
+// entropy_coef * loss_scale / max(sum m, 1). One block: a warp per row for n_b (a fixed shuffle tree), then a fixed
+// block tree over the rows for the mask total.
 template <typename T>
 __global__ void __launch_bounds__(1024)
     grpo_loss_from_logits_row_weights_kernel(LossParams p, LossInputs in, int64_t max_completion_length,
                                              bool has_num_items, T num_items_value,
-                                             const T* __restrict__ num_items_device, T loss_scale,
+                                             const T* __restrict__ num_items_device, T loss_scale, T entropy_coef,
                                              T* __restrict__ row_weight) {
   __shared__ T scratch[2 * 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
@@ -53,6 +54,7 @@ __global__ void __launch_bounds__(1024)
   for (int64_t b = threadIdx.x; b < in.batch; b += blockDim.x) {
     row_weight[b] = logits_row_weight<T>(p.loss_type, row_weight[b], scale);
   }
+  if (threadIdx.x == 0) row_weight[in.batch] = entropy_row_weight<T>(entropy_coef, loss_scale, total[0]);
 }
 
 struct LogitsPassArgs {
@@ -64,6 +66,7 @@ struct LogitsPassArgs {
   int64_t row_offset;
   bool compute_grad;
   bool grad_in_logits;  // the in-place op: row r's gradient goes over logits row r
+  bool entropy_bonus;   // the gradient has the entropy bonus' term (its weight is row_weight[B])
 };
 
 // The shared memory of both pass kernels (one declaration, so that the host knows its size: resident_split).
@@ -72,6 +75,7 @@ struct PassShared {
   SoftmaxState<T> warp_states[32];
   SoftmaxState<T> block_state[2];  // the resident kernel: this block's part of the row, by row parity
   T row_max, row_log_sum, row_logp, row_g;
+  T row_entropy_weight, row_mean_shift;  // the entropy bonus' e * m and E_p[z] - max
   int64_t row_id;
 };
 
@@ -136,20 +140,26 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const T* row
   sh.row_log_sum = log_sum;
   sh.row_logp = logp;
   sh.row_g = g;
+  sh.row_entropy_weight = with_grad && a.entropy_bonus ? row_weight[in.batch] * row.m : T(0);
+  sh.row_mean_shift = s.weighted / s.sum;
   sh.row_id = chosen.id;
 }
 
 // out[v] = d/dx_v of g * logp for the row's elements [lo, lo + n) read from `x` (the row at `x - lo`):
-// g * (onehot - p_v) * dz/dx, the chosen entry as -g * expm1(logp) (exact where p -> 1).
+// g * (onehot - p_v) * dz/dx, the chosen entry as -g * expm1(logp) (exact where p -> 1); with the entropy bonus, plus
+// e * p_v * (z_v - E_p[z]) (0 where p_v = 0, a -inf logit included).
 template <typename T, typename In>
 __device__ __forceinline__ void write_row_grad(const LogitTransform<T>& f, const PassShared<T>& sh, const In* x,
                                                In* out, int64_t lo, int64_t n) {
   const T z_max = sh.row_max, log_sum = sh.row_log_sum, g = sh.row_g;
+  const T e = sh.row_entropy_weight, mean_shift = sh.row_mean_shift;
   const int64_t id = sh.row_id - lo;
   const T chosen = -g * expm1(sh.row_logp);
   transform_row<T>(x, out, n, [&](int64_t v, T logit) {
-    const T z = f(logit);
-    const T value = v == id ? chosen : -g * exp((z - z_max) - log_sum);
+    const T z = f(logit), d = z - z_max;
+    const T p = exp(d - log_sum);
+    T value = v == id ? chosen : -g * p;
+    if (e != T(0) && p != T(0)) value += e * p * (d - mean_shift);
     return value * f.slope_at(z);
   });
 }
@@ -290,9 +300,10 @@ __global__ void __launch_bounds__(1024) scale_rows_kernel(LogitsRows rows, const
 template <typename T>
 void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInputs& in, int64_t max_completion_length,
                                               bool has_num_items, T num_items_value, const T* num_items_device,
-                                              T loss_scale, T* row_weight, cudaStream_t stream) {
+                                              T loss_scale, T entropy_coef, T* row_weight, cudaStream_t stream) {
   GRPO_LAUNCH(1, 1024, 0, stream, grpo_loss_from_logits_row_weights_kernel<T>)(
-      p, in, max_completion_length, has_num_items, num_items_value, num_items_device, loss_scale, row_weight);
+      p, in, max_completion_length, has_num_items, num_items_value, num_items_device, loss_scale, entropy_coef,
+      row_weight);
 }
 
 // The pass over every row: the single-read kernel where a row fits `device` (one block or a cluster), else (or if

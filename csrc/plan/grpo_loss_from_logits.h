@@ -2,19 +2,21 @@
 // inputs they score, and the outputs (log-probs, entropy, and the gradient in a new buffer or over the logits).
 #pragma once
 
+#include <cmath>
 #include <optional>
 #include <tuple>
 
 #include "loss_options.h"
 
 // The pass op's parameters (binding signature) and the values its plan takes (the in-place op adds `inplace`).
-#define GRPO_LOSS_FROM_LOGITS_PASS_PARAMS                                                \
-  const Tensor &logits, const Tensor &ids, int64_t row_offset, const Tensor &advantages, \
-      const Tensor &completion_mask, const std::optional<Tensor>&token_grad,             \
-      GRPO_LOSS_OPTION_PARAMS double temperature, double logit_scale, double logit_softcap, bool compute_grad
+#define GRPO_LOSS_FROM_LOGITS_PASS_PARAMS                                                                        \
+  const Tensor &logits, const Tensor &ids, int64_t row_offset, const Tensor &advantages,                         \
+      const Tensor &completion_mask, const std::optional<Tensor>&token_grad,                                     \
+      GRPO_LOSS_OPTION_PARAMS double temperature, double logit_scale, double logit_softcap, double entropy_coef, \
+      bool compute_grad
 #define GRPO_LOSS_FROM_LOGITS_PASS_ARGS                                                                                \
   logits, ids, row_offset, advantages, completion_mask, token_grad, GRPO_LOSS_OPTION_VALUES, temperature, logit_scale, \
-      logit_softcap, compute_grad
+      logit_softcap, entropy_coef, compute_grad
 
 namespace grpo_ext {
 
@@ -27,6 +29,10 @@ struct LogitsPassPlan {
   StridedMatrix token_grad;  // [R, 1] d loss / d logp per row, or absent (then computed from the loss inputs)
   int64_t row_offset = 0;    // row r of the logits is token row_offset + r of the flattened [B, T] problem
   LogitOptions logit;        // temperature, logit_scale, logit_softcap
+  // The entropy bonus' coefficient (docs/math.md section 5, "Entropy bonus"): the gradient of -entropy_coef *
+  // loss_scale * H, H the mean entropy over the kept tokens of the whole [B, T] problem, is added to each row's (0: no
+  // bonus).
+  double entropy_coef = 0.0;
   bool compute_grad = true;
   Tensor logps, entropy, grad_logits;
   void* grad_data = nullptr;  // grad_logits' storage, or the logits' own for the in-place op
@@ -49,9 +55,10 @@ inline LogitsPassPlan plan_grpo_loss_from_logits(const Tensor& logits, const Ten
                                                  const Tensor& advantages, const Tensor& completion_mask,
                                                  const std::optional<Tensor>& token_grad, const LossOptionArgs& options,
                                                  double temperature, double logit_scale, double logit_softcap,
-                                                 bool compute_grad, bool inplace) {
+                                                 double entropy_coef, bool compute_grad, bool inplace) {
   check_float(logits, "logits");
   const LogitOptions logit = check_logit_options(temperature, logit_scale, logit_softcap);
+  GRPO_CHECK(std::isfinite(entropy_coef), "entropy_coef must be a finite number, got ", entropy_coef);
   GRPO_CHECK(completion_mask.dim() == 2, "completion_mask must have shape [B, T], got ", shape(completion_mask));
   const int64_t batch = completion_mask.size(0), seq_len = completion_mask.size(1);
   GRPO_CHECK(batch >= 1, "completion_mask must have at least one row (B >= 1), got shape ", shape(completion_mask));
@@ -84,6 +91,7 @@ inline LogitsPassPlan plan_grpo_loss_from_logits(const Tensor& logits, const Ten
   }
   plan.row_offset = row_offset;
   plan.logit = logit;
+  plan.entropy_coef = entropy_coef;
   plan.compute_grad = compute_grad;
   plan.logps = new_empty(logits, {rows}, acc);
   plan.entropy = new_empty(logits, {rows}, acc);

@@ -16,7 +16,7 @@ from .ops import (
     process_advantages,
     selective_log_softmax,
 )
-from .results import GroupAdvantages, GRPOLossOutput, SelectiveLogSoftmax
+from .results import GroupAdvantages, GRPOLossOutput, GRPOLossTokenOutput, SelectiveLogSoftmax
 
 # The version is pyproject.toml's, written next to the native libraries by CMake (SKBUILD_PROJECT_VERSION).
 __version__: str = _native.config.VERSION
@@ -66,6 +66,7 @@ def __getattr__(name: str):
 __all__ = [
     "GRPOConfig",
     "GRPOLossOutput",
+    "GRPOLossTokenOutput",
     "GRPOTrainer",
     "GroupAdvantages",
     "SelectiveLogSoftmax",

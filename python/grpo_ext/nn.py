@@ -6,9 +6,10 @@ A Liger user swaps one import::
 
 The constructor takes Liger's arguments (``beta``, ``compiled``, ``use_ref_model``, ``chunk_size``,
 ``epsilon_low``, ``epsilon_high``, ``loss_type``, ``max_completion_length``, ``importance_sampling_level``,
-``sapo_temperature_pos``, ``sapo_temperature_neg``, ``temperature``), ``forward`` Liger's positional arguments, and
-it returns Liger's ``(loss, metrics)``. The computation is :func:`grpo_ext.grpo_loss_from_hidden`; reference
-log-probs from ``ref_input``/``ref_weight`` are computed chunk by chunk in the same pass, under no_grad.
+``sapo_temperature_pos``, ``sapo_temperature_neg``, ``temperature``; and grpo_ext's ``entropy_coef``),
+``forward`` Liger's positional arguments, and it returns Liger's ``(loss, metrics)``. The computation is
+:func:`grpo_ext.grpo_loss_from_hidden`; reference log-probs from ``ref_input``/``ref_weight`` are computed chunk by
+chunk in the same pass, under no_grad.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         sapo_temperature_pos: SAPO temperature for positive advantages.
         sapo_temperature_neg: SAPO temperature for non-positive advantages.
         temperature: logits are divided by it (policy and reference alike).
+        entropy_coef: the entropy bonus (TRL's ``entropy_coef``; not in Liger): ``loss - entropy_coef * H``, ``H``
+            the mean entropy over the kept tokens, its gradient fused (docs/math.md section 5, "Entropy bonus").
         **options: the other loss options of :func:`grpo_ext.grpo_loss`, keywords only
             (:class:`~grpo_ext.ops.options.LossOptions`, each listed below from its definition there).
     """
@@ -76,6 +79,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
         temperature: float = 1.0,
+        entropy_coef: float = 0.0,
         **options,
     ) -> None:
         super().__init__()
@@ -97,6 +101,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self.sapo_temperature_pos = sapo_temperature_pos
         self.sapo_temperature_neg = sapo_temperature_neg
         self.temperature = temperature
+        self.entropy_coef = entropy_coef
         self.options = options
 
     def forward(
@@ -149,7 +154,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         has_kl = ref_logps is not None or ref_head is not None
         out = hidden_loss(
             _input, lin_weight, selected_token_ids, advantages, attention_mask,
-            lm_head_bias=bias, temperature=self.temperature,
+            lm_head_bias=bias, temperature=self.temperature, entropy_coef=self.entropy_coef,
             chunk_size=None if self.chunk_size is None else self.chunk_size * length, ref_head=ref_head,
             old_logps=None if old_per_token_logps is None else old_per_token_logps.detach(), ref_logps=ref_logps,
             beta=self.beta if has_kl else 0.0, epsilon=self.epsilon_low, epsilon_high=self.epsilon_high,

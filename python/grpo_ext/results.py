@@ -41,6 +41,24 @@ class GRPOLossOutput(NamedTuple):
     metrics: dict[str, Tensor]
 
 
+class GRPOLossTokenOutput(NamedTuple):
+    """Output of the fused losses (:func:`grpo_loss_from_logits`, :func:`grpo_loss_from_hidden`) called with
+    ``return_token_logps=True``: :class:`GRPOLossOutput`'s fields, then what the fused pass computed per token.
+
+    Attributes:
+        loss: as :class:`GRPOLossOutput`.
+        metrics: as :class:`GRPOLossOutput`, with ``"entropy"``.
+        token_logps: ``[B, T]`` detached log-probs of the completion ids under the loss' distribution (after the
+            logits options), in the compute dtype; 0 where ``completion_mask * sample_mask`` is 0 (never read).
+        token_entropy: ``[B, T]`` detached entropy of each token's distribution, 0 at the tokens never read.
+    """
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+    token_logps: Tensor
+    token_entropy: Tensor
+
+
 class SelectiveLogSoftmax(NamedTuple):
     """Per-token log-probs of the chosen ids, and the entropy of each row's distribution (None unless asked)."""
 

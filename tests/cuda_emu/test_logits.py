@@ -84,12 +84,13 @@ def test_selective_log_softmax_id_outside_the_vocabulary_is_a_device_assert(emu)
 
 
 def pass_args(logits, ids, adv, mask, *, token_grad=None, row_offset=0, temperature=0.9, logit=(1.0, 0.0),
-              compute_grad=True, **options):  # fmt: skip
+              entropy_coef=0.0, compute_grad=True, **options):  # fmt: skip
     """grpo_loss_from_logits_pass' arguments; ``mask`` is the [B, T] completion mask the rows score; ``logit`` is
     (logit_scale, logit_softcap), 0 for no cap."""
     stand_in = torch.empty(mask.shape)
     resolved = validate_grpo_loss_args(stand_in, adv, mask, LossOptions(**options))
-    return (logits, ids, row_offset, adv, mask, token_grad, *resolved.op_args(), temperature, *logit, compute_grad)
+    return (logits, ids, row_offset, adv, mask, token_grad, *resolved.op_args(), temperature, *logit, entropy_coef,
+            compute_grad)  # fmt: skip
 
 
 PASS_TOL = [VALUES, VALUES, LOGITS_GRAD]  # log-probs, entropy, gradient
@@ -306,3 +307,41 @@ def test_logits_pass_falls_back_when_the_device_refuses_the_cluster(monkeypatch)
         assert PASS_KERNELS["two-read"] in launched
     finally:
         assert not device.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_logits_pass_entropy_bonus(emu, dtype, level):
+    """The entropy bonus' gradient (docs/math.md section 5, "Entropy bonus"): its weight from the row-weights kernel
+    (the last of its B + 1 outputs, also with per-token gradients), -inf logits (p = 0 adds 0), a dropped row, a
+    chunk of rows (row_offset), in a new tensor and in place."""
+    logits, ids, adv, mask, old, _ = make_problem(seed=40)
+    logits[2, 1, (ids[2, 1] + 3) % 50] = float("-inf")
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    options = dict(old_logps=old.to(acc), loss_type="grpo", importance_sampling_level=level, loss_scale=0.5,
+                   sample_mask=torch.tensor([True, True, True, False]))  # fmt: skip
+    token_grad = None
+    if level == "sequence":
+        token_grad = torch.randn(24, generator=torch.Generator().manual_seed(41), dtype=acc)
+    flat, flat_ids = logits.to(dtype).reshape(24, 50), ids.reshape(-1)
+    for start, stop in ((0, 24), (5, 17)):
+        rows_grad = None if token_grad is None else token_grad[start:stop]
+        for coef in (0.3, -1.5):
+            args = pass_args(flat[start:stop], flat_ids[start:stop], adv.to(acc), mask, row_offset=start,
+                             token_grad=rows_grad, logit=(1.2, 0.0), entropy_coef=coef, **options)  # fmt: skip
+            check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+            check_op(emu, "grpo_loss_from_logits_pass_", args[0].clone(), *args[1:], tol=[VALUES, VALUES, LOGITS_GRAD],
+                     names=("logps", "entropy", "logits"))  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "vocab", "path"), [RESIDENT_CASES[1], RESIDENT_CASES[3], RESIDENT_CASES[5]])
+def test_logits_pass_entropy_bonus_single_read(emu_small_shared, dtype, vocab, path):
+    """The bonus in the single-read kernel (a cluster's blocks each write their part with the row's E_p[z]) and in
+    the two-read kernel, with the soft-cap."""
+    logits, ids, adv, mask, old, _ = make_problem(2, 3, vocab, seed=vocab + 1, per_token_adv=True)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    args = pass_args(logits.to(dtype).reshape(6, vocab), ids.reshape(-1), adv.to(acc), mask, temperature=0.7,
+                     logit=(1.5, 20.0), entropy_coef=0.8, old_logps=old.to(acc), loss_type="dapo")  # fmt: skip
+    launched = kernels_launched(emu_small_shared, lambda: check_op(emu_small_shared, "grpo_loss_from_logits_pass",
+                                                                   *args, tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
+    assert PASS_KERNELS[path] in launched

@@ -12,16 +12,18 @@ import torch
 from torch import Tensor
 
 from .. import _native
-from ..results import GRPOLossOutput
-from ..validation import check_int, validate_logit_options
+from ..results import GRPOLossOutput, GRPOLossTokenOutput
+from ..validation import check_bool, check_finite, check_int, validate_logit_options
 from ._common import accumulate_dtype, refuse_double_backward
 from .grpo_loss_from_logits import (
     check_ids_and_mask,
     logit_options_from_op_args,
+    loss_output,
     masked_mean_entropy,
     resolve_loss_options,
     scale_grad,
     take_saved_grads,
+    with_entropy_bonus,
 )
 from .lm_head import chunk_rows, hidden_chunk_budget, project
 from .options import NUM_METRICS, LogitOptions, LossOptions, metrics_dict, takes_loss_options
@@ -70,13 +72,16 @@ def _hidden_loss_forward(
     chunk_size: int,
     needs: tuple[bool, bool, bool],
     ref_head: RefHead | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """The chunked forward: (loss, metrics vector, mean entropy, d/d hidden, d/d weight, d/d bias).
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor]:
+    """The chunked forward: (loss, metrics vector, mean entropy, d/d hidden, d/d weight, d/d bias, ``[N]`` log-probs,
+    ``[N]`` entropy).
 
     Per chunk of token rows: logits = hidden @ weight.T (+ bias) through torch (cuBLAS), the fused logits kernel
     in place (log-probs, entropy, and the gradient over the chunk's logits), then grad_hidden = g @ weight and
     grad_weight += g.T @ hidden (float32 accumulator). Sequence-level losses first run every chunk for the
-    log-probs alone, then recompute each chunk's logits for the gradient. With ``ref_head``, each chunk first
+    log-probs alone, then recompute each chunk's logits for the gradient (the entropy bonus' gradient is written with
+    the policy term's, by the pass that writes the gradient). With ``ref_head``, each chunk first
     writes its reference log-probs into ``options.ref_logps`` (the rows the chunk's pass then reads), no_grad.
     """
     batch, length = completion_mask.shape
@@ -131,7 +136,8 @@ def _hidden_loss_forward(
         logits = chunk_logits(start, end)
         grad_now = compute_grad and token_level
         op = ops.grpo_loss_from_logits_pass_ if grad_now else ops.grpo_loss_from_logits_pass
-        out = op(logits, ids[start:end], start, advantages, completion_mask, None, *option_args, *logit_args, grad_now)
+        out = op(logits, ids[start:end], start, advantages, completion_mask, None, *option_args, *logit_args,
+                 entropy_coef if grad_now else 0.0, grad_now)  # fmt: skip
         logps[start:end] = out[0]
         entropy[start:end] = out[1]
         if grad_now:
@@ -145,7 +151,7 @@ def _hidden_loss_forward(
             end = min(rows, start + chunk_size)
             logits = chunk_logits(start, end)
             ops.grpo_loss_from_logits_pass_(logits, ids[start:end], start, advantages, completion_mask,
-                                            token_grad[start:end], *option_args, *logit_args, True)
+                                            token_grad[start:end], *option_args, *logit_args, entropy_coef, True)
             backward_through_chunk(start, end, logits)
     if need_weight and grad_weight is None:  # no row at all
         grad_weight = torch.zeros_like(weight)
@@ -154,7 +160,8 @@ def _hidden_loss_forward(
     if grad_bias is not None and bias is not None and grad_bias.dtype != bias.dtype:
         grad_bias = grad_bias.to(bias.dtype)
     entropy_mean = masked_mean_entropy(entropy, completion_mask, options.sample_mask)
-    return loss, metrics, entropy_mean, grad_hidden, grad_weight, grad_bias
+    loss = with_entropy_bonus(loss, entropy_mean, entropy_coef, options)
+    return loss, metrics, entropy_mean, grad_hidden, grad_weight, grad_bias, logps, entropy
 
 
 class _HiddenLossFunction(torch.autograd.Function):
@@ -162,44 +169,45 @@ class _HiddenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, advantages, completion_mask, options, logit, chunk_size,
-                ref_head=None):  # fmt: skip
+                ref_head=None, entropy_coef=0.0):  # fmt: skip
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        loss, metrics, entropy, *grads = _hidden_loss_forward(
-            hidden, weight, bias, ids, advantages, completion_mask, options, logit, chunk_size, needs, ref_head
-        )
+        loss, metrics, entropy, *grads, token_logps, token_entropy = _hidden_loss_forward(
+            hidden, weight, bias, ids, advantages, completion_mask, options, logit, chunk_size, needs, ref_head,
+            entropy_coef,
+        )  # fmt: skip
         ctx.saved_grads = tuple(grads)
-        ctx.mark_non_differentiable(metrics, entropy)
-        return loss, metrics, entropy
+        ctx.mark_non_differentiable(metrics, entropy, token_logps, token_entropy)
+        return loss, metrics, entropy, token_logps, token_entropy
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_metrics, grad_entropy):
+    def backward(ctx, grad_loss, *unused):
         refuse_double_backward("grpo_loss_from_hidden")
         grads = take_saved_grads(ctx, "grpo_loss_from_hidden")
         scaled = tuple(None if g is None else scale_grad(g, grad_loss) for g in grads)
-        return scaled + (None,) * 7
+        return scaled + (None,) * 8
 
 
 # The chunked loss as one opaque op for torch.compile; every gradient computed (bias' empty without bias).
 torch.library.define(
     "grpo_ext::grpo_loss_from_hidden",
     f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor advantages, Tensor completion_mask, "
-    f"{_native.LOSS_OPTIONS_SCHEMA}float temperature, float logit_scale, float logit_softcap, int chunk_size) -> "
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    f"{_native.LOSS_OPTIONS_SCHEMA}float temperature, float logit_scale, float logit_softcap, int chunk_size, "
+    "float entropy_coef) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.impl("grpo_ext::grpo_loss_from_hidden", "CompositeExplicitAutograd")
 def _grpo_loss_from_hidden_impl(hidden, weight, bias, ids, advantages, completion_mask, *rest):
-    *options, temperature, logit_scale, logit_softcap, chunk_size = rest
+    *options, temperature, logit_scale, logit_softcap, chunk_size, entropy_coef = rest
     logit = logit_options_from_op_args(temperature, logit_scale, logit_softcap)
-    loss, metrics, entropy, grad_hidden, grad_weight, grad_bias = _hidden_loss_forward(
+    loss, metrics, entropy, grad_hidden, grad_weight, grad_bias, token_logps, token_entropy = _hidden_loss_forward(
         hidden, weight, bias, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), logit,
-        chunk_size,
-        (True, True, bias is not None),
+        chunk_size, (True, True, bias is not None), None, entropy_coef,
     )  # fmt: skip
     if grad_bias is None:
         grad_bias = weight.new_empty((0,))
-    return loss, metrics, entropy, grad_hidden, grad_weight, grad_bias
+    return loss, metrics, entropy, grad_hidden, grad_weight, grad_bias, token_logps, token_entropy
 
 
 @torch.library.register_fake("grpo_ext::grpo_loss_from_hidden")
@@ -212,13 +220,15 @@ def _grpo_loss_from_hidden_fake(hidden, weight, bias, *args):
         torch.empty_like(hidden),
         torch.empty_like(weight),
         torch.empty_like(bias) if bias is not None else weight.new_empty((0,)),
+        hidden.new_empty((hidden.shape[0],), dtype=dtype),
+        hidden.new_empty((hidden.shape[0],), dtype=dtype),
     )
 
 
 def _hidden_op_setup_context(ctx, inputs, output) -> None:
     ctx.num_inputs = len(inputs)
     ctx.has_bias = inputs[2] is not None
-    ctx.save_for_backward(*output[3:])
+    ctx.save_for_backward(*output[3:6])
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -247,9 +257,11 @@ def grpo_loss_from_hidden(
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    entropy_coef: float = 0.0,
     chunk_size: int | None = None,
+    return_token_logps: bool = False,
     **options,
-) -> GRPOLossOutput:
+) -> GRPOLossOutput | GRPOLossTokenOutput:
     """Fused GRPO loss from the last hidden states, never materializing the ``[N, V]`` logits (docs/math.md 2-7).
 
     Chunks over tokens: each chunk's logits (``chunk_size x V``) go through the fused logits kernel in place, and
@@ -269,17 +281,25 @@ def grpo_loss_from_hidden(
             and soft-capped (docs/math.md section 2).
         logit_scale: ``y = logit_scale * x`` first (Cohere's ``logit_scale``); finite, > 0.
         logit_softcap: then ``y = logit_softcap * tanh(y / logit_softcap)`` (Gemma 2's final soft-capping), or None.
+        entropy_coef: the entropy bonus (TRL's ``entropy_coef``): ``loss - entropy_coef * loss_scale * H``, ``H`` the
+            mean entropy over the kept tokens (``metrics["entropy"]``); its gradient is written by the chunks' pass
+            (docs/math.md section 5, "Entropy bonus"). Finite; 0: none.
         chunk_size: token rows per chunk (default: the largest power of two whose logits fit in
             ``lm_head.hidden_chunk_budget``: 256 MiB on CUDA; on a CPU at least the float32 weight gradient's size).
+        return_token_logps: also return the ``[B, T]`` log-probs and entropies the chunks' pass computed (detached),
+            as a :class:`~grpo_ext.GRPOLossTokenOutput`: per-token metrics (the clip ratio's extremes, say) need no
+            second pass through the LM head.
         **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
             from its definition there).
 
     Returns:
-        GRPOLossOutput: as :func:`grpo_loss_from_logits` (``loss`` with autograd to hidden, weight and bias).
+        GRPOLossOutput: as :func:`grpo_loss_from_logits` (``loss`` with autograd to hidden, weight and bias); a
+        GRPOLossTokenOutput with ``return_token_logps=True``.
     """
     return hidden_loss(hidden, lm_head_weight, completion_ids, advantages, completion_mask, lm_head_bias=lm_head_bias,
                        temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
-                       chunk_size=chunk_size, **options)  # fmt: skip
+                       entropy_coef=entropy_coef, chunk_size=chunk_size, return_token_logps=return_token_logps,
+                       **options)  # fmt: skip
 
 
 def _check_ref_head(ref_head: RefHead, rows: int, vocab: int, like: Tensor) -> RefHead:
@@ -314,10 +334,12 @@ def hidden_loss(
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    entropy_coef: float = 0.0,
     chunk_size: int | None = None,
     ref_head: RefHead | None = None,
+    return_token_logps: bool = False,
     **options,
-) -> GRPOLossOutput:
+) -> GRPOLossOutput | GRPOLossTokenOutput:
     """:func:`grpo_loss_from_hidden`, and with ``ref_head`` the reference log-probs from a reference LM head.
 
     ``ref_head`` = (ref hidden ``[B, T, H']`` or ``[N, H']``, ref weight ``[V, H']``, ref bias ``[V]`` or None): each
@@ -347,6 +369,8 @@ def hidden_loss(
     flat_hidden = hidden.reshape(-1, size)
     flat_ids = check_ids_and_mask(flat_hidden.shape[0], hidden.device, completion_ids, completion_mask)
     logit = validate_logit_options(temperature, logit_scale, logit_softcap)
+    entropy_coef = check_finite("entropy_coef", entropy_coef)
+    return_token_logps = check_bool("return_token_logps", return_token_logps)
     batch, length = completion_mask.shape
     if ref_head is not None:
         ref_head = _check_ref_head(ref_head, flat_hidden.shape[0], vocab, hidden)
@@ -366,22 +390,23 @@ def hidden_loss(
         or (lm_head_bias is not None and lm_head_bias.requires_grad)
     )
     if not grad_wanted:
-        loss, metrics, entropy, *_ = _hidden_loss_forward(
+        loss, metrics, entropy, *_, token_logps, token_entropy = _hidden_loss_forward(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit,
-            chunk_size, (False, False, False), ref_head,
+            chunk_size, (False, False, False), ref_head, entropy_coef,
         )  # fmt: skip
     elif torch.compiler.is_compiling():
         if ref_head is not None:  # the opaque op takes ref_logps: fill them first, chunk by chunk
             for start in range(0, rows, chunk_size):
                 end = min(rows, start + chunk_size)
                 _write_ref_logps(ref_head, flat_ids, start, end, logit, resolved.ref_logps.view(-1))
-        loss, metrics, entropy, *_ = torch.ops.grpo_ext.grpo_loss_from_hidden(
+        loss, metrics, entropy, *_, token_logps, token_entropy = torch.ops.grpo_ext.grpo_loss_from_hidden(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, *resolved.op_args(),
-            *logit.op_args(), chunk_size,
+            *logit.op_args(), chunk_size, entropy_coef,
         )
     else:
-        loss, metrics, entropy = _HiddenLossFunction.apply(
+        loss, metrics, entropy, token_logps, token_entropy = _HiddenLossFunction.apply(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit, chunk_size,
-            ref_head,
+            ref_head, entropy_coef,
         )
-    return GRPOLossOutput(loss, metrics_dict(metrics, resolved, entropy))
+    return loss_output(loss, metrics_dict(metrics, resolved, entropy), token_logps, token_entropy, completion_mask,
+                       return_token_logps)  # fmt: skip

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from .. import _native
-from ..results import GRPOLossOutput
-from ..validation import validate_grpo_loss_args, validate_logit_options
+from ..results import GRPOLossOutput, GRPOLossTokenOutput
+from ..validation import check_bool, check_finite, validate_grpo_loss_args, validate_logit_options
 from ._common import accumulate_dtype, refuse_double_backward
 from .options import NUM_METRICS, LogitOptions, LossOptions, metrics_dict, takes_loss_options
 
@@ -41,6 +41,17 @@ def masked_mean_entropy(entropy: Tensor, completion_mask: Tensor, sample_mask: T
     return (entropy.view_as(mask) * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def with_entropy_bonus(loss: Tensor, entropy_mean: Tensor, entropy_coef: float, options: LossOptions) -> Tensor:
+    """``loss - entropy_coef * loss_scale * entropy_mean`` (docs/math.md section 5, "Entropy bonus"); ``loss`` itself
+    when ``entropy_coef`` is 0. The passes wrote the bonus' gradient already."""
+    if entropy_coef == 0.0:
+        return loss
+    scale = options.loss_scale
+    if isinstance(scale, Tensor):
+        scale = scale.detach().to(device=loss.device, dtype=loss.dtype)
+    return loss - (entropy_coef * scale) * entropy_mean.to(loss.dtype)
+
+
 def _logits_loss_forward(
     logits: Tensor,
     ids: Tensor,
@@ -50,12 +61,15 @@ def _logits_loss_forward(
     logit: LogitOptions,
     compute_grad: bool,
     inplace: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """The fused forward on ``[N, V]``/``[B, T, V]`` logits: (loss, metrics vector, mean entropy, d loss/d logits).
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+    """The fused forward on ``[N, V]``/``[B, T, V]`` logits: (loss, metrics vector, mean entropy, d loss/d logits,
+    ``[N]`` log-probs, ``[N]`` entropy).
 
     Token-level losses: one pass over the logits (log-probs, entropy and the gradient), then the [B, T] loss op
     for the loss and metrics. Sequence level and vespo: the log-probs first, the loss op's d loss / d logp, then a
     second pass that writes the gradient. In place, the gradient is written over ``logits`` (returned as the gradient).
+    The entropy bonus' gradient is written by the pass that writes the gradient.
     """
     batch, length = completion_mask.shape
     ops = torch.ops.grpo_ext
@@ -64,15 +78,17 @@ def _logits_loss_forward(
     logit_args = logit.op_args()
     if compute_grad and options.gradient_needs_whole_rows:
         logps, entropy, _ = ops.grpo_loss_from_logits_pass(
-            logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, False
+            logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, 0.0, False
         )
         loss, metrics, grad_raw, grad_scale = ops.grpo_loss_forward(
             logps.view(batch, length), advantages, completion_mask, *option_args, True
         )
         token_grad = (grad_raw * grad_scale).reshape(-1)
-        out = pass_op(logits, ids, 0, advantages, completion_mask, token_grad, *option_args, *logit_args, True)
+        out = pass_op(logits, ids, 0, advantages, completion_mask, token_grad, *option_args, *logit_args,
+                      entropy_coef, True)  # fmt: skip
     else:
-        out = pass_op(logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, compute_grad)
+        out = pass_op(logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, entropy_coef,
+                      compute_grad)  # fmt: skip
         logps, entropy = out[0], out[1]
         loss, metrics, _, _ = ops.grpo_loss_forward(
             logps.view(batch, length), advantages, completion_mask, *option_args, False
@@ -80,7 +96,8 @@ def _logits_loss_forward(
     grad = None
     if compute_grad:
         grad = logits if inplace else out[2].view(logits.shape)
-    return loss, metrics, masked_mean_entropy(entropy, completion_mask, options.sample_mask), grad
+    entropy_mean = masked_mean_entropy(entropy, completion_mask, options.sample_mask)
+    return with_entropy_bonus(loss, entropy_mean, entropy_coef, options), metrics, entropy_mean, grad, logps, entropy
 
 
 def check_ids_and_mask(rows: int, device: torch.device, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
@@ -169,35 +186,37 @@ class _LogitsLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, advantages, completion_mask, options, logit, inplace):
-        loss, metrics, entropy, grad = _logits_loss_forward(
-            logits, ids, advantages, completion_mask, options, logit, True, inplace
+    def forward(ctx, logits, ids, advantages, completion_mask, options, logit, inplace, entropy_coef):
+        loss, metrics, entropy, grad, token_logps, token_entropy = _logits_loss_forward(
+            logits, ids, advantages, completion_mask, options, logit, True, inplace, entropy_coef
         )
         ctx.saved_grads = (grad,)
-        ctx.mark_non_differentiable(metrics, entropy)
-        return loss, metrics, entropy
+        ctx.mark_non_differentiable(metrics, entropy, token_logps, token_entropy)
+        return loss, metrics, entropy, token_logps, token_entropy
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_metrics, grad_entropy):
+    def backward(ctx, grad_loss, *unused):
         refuse_double_backward("grpo_loss_from_logits")
         (grad,) = take_saved_grads(ctx, "grpo_loss_from_logits")
-        return scale_grad(grad, grad_loss), None, None, None, None, None, None
+        return scale_grad(grad, grad_loss), None, None, None, None, None, None, None
 
 
-# The fused loss as one opaque op for torch.compile: (loss, metrics vector, mean entropy, d loss / d logits).
+# The fused loss as one opaque op for torch.compile: (loss, metrics vector, mean entropy, d loss / d logits, [N]
+# log-probs, [N] entropy).
 torch.library.define(
     "grpo_ext::grpo_loss_from_logits",
     f"(Tensor logits, Tensor ids, Tensor advantages, Tensor completion_mask, {_native.LOSS_OPTIONS_SCHEMA}"
-    "float temperature, float logit_scale, float logit_softcap) -> (Tensor, Tensor, Tensor, Tensor)",
+    "float temperature, float logit_scale, float logit_softcap, float entropy_coef) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.impl("grpo_ext::grpo_loss_from_logits", "CompositeExplicitAutograd")
 def _grpo_loss_from_logits_impl(logits, ids, advantages, completion_mask, *options_and_logit):
-    *options, temperature, logit_scale, logit_softcap = options_and_logit
+    *options, temperature, logit_scale, logit_softcap, entropy_coef = options_and_logit
     options = LossOptions.from_op_args(tuple(options))
     logit = logit_options_from_op_args(temperature, logit_scale, logit_softcap)
-    return _logits_loss_forward(logits, ids, advantages, completion_mask, options, logit, True, False)
+    return _logits_loss_forward(logits, ids, advantages, completion_mask, options, logit, True, False, entropy_coef)
 
 
 def logit_options_from_op_args(temperature: float, logit_scale: float, logit_softcap: float) -> LogitOptions:
@@ -208,18 +227,21 @@ def logit_options_from_op_args(temperature: float, logit_scale: float, logit_sof
 @torch.library.register_fake("grpo_ext::grpo_loss_from_logits")
 def _grpo_loss_from_logits_fake(logits, ids, advantages, completion_mask, *args):
     dtype = accumulate_dtype(logits.dtype)
+    rows = _logits_rows(logits)
     return (
         logits.new_empty((), dtype=dtype),
         logits.new_empty((NUM_METRICS,), dtype=dtype),
         logits.new_empty((), dtype=dtype),
         torch.empty_like(logits, memory_format=torch.contiguous_format),
+        logits.new_empty((rows,), dtype=dtype),
+        logits.new_empty((rows,), dtype=dtype),
     )
 
 
 def _logits_op_setup_context(ctx, inputs, output) -> None:
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(output[3])
-    ctx.mark_non_differentiable(output[1], output[2], output[3])
+    ctx.mark_non_differentiable(*output[1:])
 
 
 def _logits_op_backward(ctx, grad_loss, *unused):
@@ -243,9 +265,11 @@ def grpo_loss_from_logits(
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    entropy_coef: float = 0.0,
     inplace_grad: bool = False,
+    return_token_logps: bool = False,
     **options,
-) -> GRPOLossOutput:
+) -> GRPOLossOutput | GRPOLossTokenOutput:
     """Fused GRPO loss from logits: log-probs, entropy, loss, metrics and d loss / d logits (docs/math.md sections 2-7).
 
     Token-level losses read each logits row once for its softmax statistics and write its gradient in the same
@@ -266,18 +290,26 @@ def grpo_loss_from_logits(
         logit_scale: ``y = logit_scale * logits`` first (Cohere's ``logit_scale``); finite, > 0.
         logit_softcap: then ``y = logit_softcap * tanh(y / logit_softcap)`` (Gemma 2's final soft-capping), or None.
             The gradient is with respect to the raw ``logits``.
+        entropy_coef: the entropy bonus (TRL's ``entropy_coef``): ``loss - entropy_coef * loss_scale * H``, ``H`` the
+            mean entropy over the kept tokens (``metrics["entropy"]``) of the distribution the loss uses; its
+            gradient is written by the same pass (docs/math.md section 5, "Entropy bonus"). Finite; 0: none.
         inplace_grad: write the gradient over ``logits`` instead of a new buffer (no extra memory). ``logits`` must
             be the output of an op (a model's lm_head, say), not a leaf; its version counter is bumped, so autograd
             raises if anything saved it for backward, and its values are the gradient afterwards. Eager mode only.
+        return_token_logps: also return the ``[B, T]`` log-probs and entropies the pass computed (detached), as a
+            :class:`~grpo_ext.GRPOLossTokenOutput`: no second pass over the logits for per-token metrics.
         **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
             from its definition there).
 
     Returns:
         GRPOLossOutput: as :func:`grpo_loss` (``loss`` float32, with autograd to ``logits``), with
-        ``metrics["entropy"]`` the mean entropy over the kept tokens.
+        ``metrics["entropy"]`` the mean entropy over the kept tokens; a GRPOLossTokenOutput with
+        ``return_token_logps=True``.
     """
     flat_ids = check_logits_shapes(logits, completion_ids, completion_mask)
     logit = validate_logit_options(temperature, logit_scale, logit_softcap)
+    entropy_coef = check_finite("entropy_coef", entropy_coef)
+    return_token_logps = check_bool("return_token_logps", return_token_logps)
     batch, length = completion_mask.shape
     resolved = resolve_loss_options("grpo_loss_from_logits", batch, length, logits, advantages, completion_mask,
                                     options)  # fmt: skip
@@ -295,18 +327,29 @@ def grpo_loss_from_logits(
                 "(e.g. the lm_head's output) or use inplace_grad=False"
             )
     if not compute_grad:
-        loss, metrics, entropy, _ = _logits_loss_forward(
-            logits, flat_ids, advantages, completion_mask, resolved, logit, False, False
+        loss, metrics, entropy, _, token_logps, token_entropy = _logits_loss_forward(
+            logits, flat_ids, advantages, completion_mask, resolved, logit, False, False, entropy_coef
         )
     elif torch.compiler.is_compiling():
-        loss, metrics, entropy, _ = torch.ops.grpo_ext.grpo_loss_from_logits(
-            logits, flat_ids, advantages, completion_mask, *resolved.op_args(), *logit.op_args()
+        loss, metrics, entropy, _, token_logps, token_entropy = torch.ops.grpo_ext.grpo_loss_from_logits(
+            logits, flat_ids, advantages, completion_mask, *resolved.op_args(), *logit.op_args(), entropy_coef
         )
     else:
-        loss, metrics, entropy = _LogitsLossFunction.apply(
-            logits, flat_ids, advantages, completion_mask, resolved, logit, inplace_grad
+        loss, metrics, entropy, token_logps, token_entropy = _LogitsLossFunction.apply(
+            logits, flat_ids, advantages, completion_mask, resolved, logit, inplace_grad, entropy_coef
         )
         if inplace_grad:
             # the values are the gradient now: anything that saved the logits for backward must fail loudly
             torch.autograd.graph.increment_version(logits)
-    return GRPOLossOutput(loss, metrics_dict(metrics, resolved, entropy))
+    return loss_output(loss, metrics_dict(metrics, resolved, entropy), token_logps, token_entropy, completion_mask,
+                       return_token_logps)  # fmt: skip
+
+
+def loss_output(loss: Tensor, metrics: dict[str, Tensor], token_logps: Tensor, token_entropy: Tensor,
+                completion_mask: Tensor, with_tokens: bool) -> GRPOLossOutput | GRPOLossTokenOutput:  # fmt: skip
+    """The public output of a fused loss: :class:`GRPOLossOutput`, or with ``with_tokens`` also the ``[N]``
+    per-token values viewed as ``[B, T]`` (the kernels wrote 0 for the rows they never read)."""
+    if not with_tokens:
+        return GRPOLossOutput(loss, metrics)
+    shape = completion_mask.shape
+    return GRPOLossTokenOutput(loss, metrics, token_logps.detach().view(shape), token_entropy.detach().view(shape))

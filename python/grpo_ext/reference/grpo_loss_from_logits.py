@@ -21,6 +21,7 @@ def grpo_loss_from_logits(
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    entropy_coef: float = 0.0,
     **options,
 ) -> GRPOLossOutput:
     """:func:`selective_log_softmax` then :func:`grpo_loss`, through a materialized log_softmax.
@@ -34,6 +35,8 @@ def grpo_loss_from_logits(
         temperature: > 0.
         logit_scale: multiplies the raw logits first; finite, > 0 (docs/math.md section 2).
         logit_softcap: ``logit_softcap * tanh(y / logit_softcap)`` of the scaled logits ``y``, or None.
+        entropy_coef: the entropy bonus: ``loss - entropy_coef * loss_scale * H``, ``H`` the mean entropy over the
+            kept tokens, differentiated through the materialized softmax (docs/math.md section 5, "Entropy bonus").
         **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
             from its definition there).
 
@@ -57,8 +60,14 @@ def grpo_loss_from_logits(
     sample_mask = options.get("sample_mask")
     if sample_mask is not None:
         mask = mask * sample_mask.to(mask.dtype).unsqueeze(1)
-    entropy = torch.where(mask != 0, selected.entropy.detach(), 0.0)
-    out.metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+    entropy = torch.where(mask != 0, selected.entropy, 0.0)
+    entropy_mean = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+    out.metrics["entropy"] = entropy_mean.detach()
+    if entropy_coef != 0.0:
+        scale = options.get("loss_scale", 1.0)
+        if isinstance(scale, torch.Tensor):
+            scale = scale.detach().to(device=entropy_mean.device, dtype=entropy_mean.dtype)
+        out = out._replace(loss=out.loss - entropy_coef * scale * entropy_mean.to(out.loss.dtype))
     return out
 
 

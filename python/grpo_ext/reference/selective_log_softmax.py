@@ -43,6 +43,8 @@ def selective_log_softmax(
     entropy = None
     if return_entropy:
         probs = log_probs.exp()
-        # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing; a NaN row stays NaN
-        entropy = -torch.where(probs == 0, torch.zeros_like(probs), probs * log_probs).sum(-1)
+        # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing, and nothing to the
+        # gradient either (log 0 is replaced before the product, so no 0 * inf); a NaN row stays NaN
+        finite_log_probs = torch.where(probs == 0, torch.zeros_like(log_probs), log_probs)
+        entropy = -(probs * finite_log_probs).sum(-1)
     return SelectiveLogSoftmax(logps, entropy)

@@ -98,6 +98,9 @@ class GRPOConfig:
     vespo_lambda_pos: float = _LOSS_DEFAULTS["vespo_lambda_pos"]
     vespo_k_neg: float = _LOSS_DEFAULTS["vespo_k_neg"]
     vespo_lambda_neg: float = _LOSS_DEFAULTS["vespo_lambda_neg"]
+    # Entropy bonus (TRL's entropy_coef): the step's loss minus entropy_coef times the mean entropy of the policy over
+    # the step's tokens entering the loss (docs/math.md section 5, "Entropy bonus"); fused into the logits pass.
+    entropy_coef: float = 0.0
     scale_rewards: str = "group"
     reward_weights: list[float] | None = None
     mask_zero_std_groups: bool = True  # drop zero-std groups from the loss when beta != 0 (docs/math.md section 6)
@@ -218,6 +221,10 @@ class GRPOConfig:
         if not 0 <= number("warmup_ratio") < 1:
             _fail("warmup_ratio", "must be in [0, 1)", self.warmup_ratio)
         self._validate_loss_options()
+        if isinstance(self.entropy_coef, bool) or not isinstance(self.entropy_coef, (int, float)) or not math.isfinite(
+            self.entropy_coef
+        ):
+            _fail("entropy_coef", "must be a finite number", self.entropy_coef)
         if self.max_grad_norm is not None and number("max_grad_norm") <= 0:
             _fail("max_grad_norm", "must be None or > 0", self.max_grad_norm)
         if self.kl_target is not None:

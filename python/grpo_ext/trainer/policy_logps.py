@@ -323,14 +323,15 @@ def fused_policy_loss(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
 
 
 def plain_token_logps(model: torch.nn.Module, batch: dict[str, Any], temperature: float, backend: str,
-                      autocast: AbstractContextManager | None = None,
-                      with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """Per-token log-probs ``[B, T]`` float32 (and entropy, detached) from the model's full ``[B, Lp + T, V]`` logits.
+                      autocast: AbstractContextManager | None = None, with_entropy: bool = False,
+                      entropy_grad: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """Per-token log-probs ``[B, T]`` float32 (and entropy) from the model's full ``[B, Lp + T, V]`` logits.
 
     Args:
         backend: ``"plain"`` (grpo_ext.selective_log_softmax: no ``[B, T, V]`` log-softmax temporary) or
             ``"torch"`` (float32 log_softmax + gather, the reference path).
         autocast: the context the model runs in (bf16 autocast on CUDA), default none.
+        entropy_grad: the entropy keeps its graph (the entropy bonus); detached otherwise.
     """
     prompt_len = batch["prompt_ids"].shape[1]
     input_ids, attention_mask, position_ids = model_inputs(batch)
@@ -341,12 +342,14 @@ def plain_token_logps(model: torch.nn.Module, batch: dict[str, Any], temperature
         selected = grpo_ext.selective_log_softmax(
             logits, batch["completion_ids"], temperature=temperature, return_entropy=with_entropy
         )
-        return (selected.logps, selected.entropy.detach()) if with_entropy else selected.logps
+        if not with_entropy:
+            return selected.logps
+        return selected.logps, selected.entropy if entropy_grad else selected.entropy.detach()
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     logps = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logps
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logps, entropy
 

@@ -209,14 +209,15 @@ class GRPOTrainer:
         """
         return score_completions(self.reward_funcs, self.reward_names, prompts, completions, columns)
 
-    def token_logps(self, model: torch.nn.Module, batch: dict[str, Any], with_entropy: bool = False):
+    def token_logps(self, model: torch.nn.Module, batch: dict[str, Any], with_entropy: bool = False,
+                    entropy_grad: bool = False):  # fmt: skip
         """Per-token log-probs of the completion tokens under ``model`` (:mod:`.policy_logps`): chunked from the last
         hidden states for a model on the fused path, else from its logits.
 
         Args:
             model: a causal LM (the policy ``self.model``, the reference, or DDP around the policy: plain path).
             batch: ``prompt_ids``/``prompt_mask`` ``[N, Lp]`` and ``completion_ids``/``completion_mask`` ``[N, T]``.
-            with_entropy: also return the per-token entropy (detached).
+            with_entropy: also return the per-token entropy (detached unless ``entropy_grad``, on the plain path).
 
         Returns:
             ``logps [N, T]`` float32 (differentiable when grad is on); with ``with_entropy`` also ``entropy [N, T]``.
@@ -227,7 +228,7 @@ class GRPOTrainer:
             with autocast:
                 return fused_token_logps(model, model, batch, self.config.temperature, with_entropy)
         backend = "plain" if self.config.logps_backend == "fused" else self.config.logps_backend
-        return plain_token_logps(model, batch, self.config.temperature, backend, autocast, with_entropy)
+        return plain_token_logps(model, batch, self.config.temperature, backend, autocast, with_entropy, entropy_grad)
 
     def _generate_and_score(self) -> None:
         """One generation batch (:meth:`RolloutGenerator.generate_batch`): queue its micro-batches, keep its metrics."""
@@ -297,6 +298,10 @@ class GRPOTrainer:
                 return world * counts_list[k] / step_tokens
             return 1.0 / num_micro
 
+        # The entropy bonus: entropy_coef times the mean entropy over the step's N kept tokens, so each token's entropy
+        # weighs W * entropy_coef / N on its rank (the ranks' gradients are averaged, as for the loss).
+        bonus_per_token = world * cfg.entropy_coef / step_tokens
+
         self._train_model.train()
         # sequence level: the clip ratios are shares of rows (docs/math.md section 7)
         per_row_ratios = cfg.importance_sampling_level == "sequence"
@@ -314,13 +319,23 @@ class GRPOTrainer:
             )  # fmt: skip
             with self._grad_sync(k == num_micro - 1):
                 if self.policy_fused:  # the loss from hidden states: no [B, T, V] logits
+                    # the kernels' bonus is entropy_coef * loss_scale * (the micro-batch's mean entropy)
+                    scale = options["loss_scale"]
+                    coef = bonus_per_token * counts_list[k] / scale if cfg.entropy_coef and scale else 0.0
                     with bf16_autocast(self.use_bf16, self.device):
-                        out = fused_policy_loss(self._train_model, self.model, mb, cfg.temperature, **options)
+                        out = fused_policy_loss(self._train_model, self.model, mb, cfg.temperature, entropy_coef=coef,
+                                                **options)  # fmt: skip
                     entropy = out.metrics["entropy"]
                 else:
-                    logps, token_entropy = self.token_logps(self._train_model, mb, with_entropy=True)
+                    logps, token_entropy = self.token_logps(self._train_model, mb, with_entropy=True,
+                                                            entropy_grad=cfg.entropy_coef != 0)  # fmt: skip
                     out = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options)
-                    entropy = masked_mean_entropy(token_entropy, mb["completion_mask"], options["sample_mask"])
+                    entropy = masked_mean_entropy(token_entropy.detach(), mb["completion_mask"], options["sample_mask"])
+                    if cfg.entropy_coef:
+                        kept = mb["completion_mask"].to(token_entropy.dtype)
+                        if options["sample_mask"] is not None:
+                            kept = kept * options["sample_mask"].to(kept.dtype).unsqueeze(1)
+                        out = out._replace(loss=out.loss - bonus_per_token * (token_entropy * kept).sum())
                 out.loss.backward()
             sums.add(out, entropy, mb["completion_mask"].shape[0], counts_list[k])
         row_total = world * num_micro * micro[0]["completion_mask"].shape[0]

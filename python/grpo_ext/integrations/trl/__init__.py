@@ -20,7 +20,9 @@ What changes, and what does not:
   (the cispo cap included), ``delta``, ``beta``, ``use_bias_correction_kl`` (TRL's default True is passed explicitly:
   grpo_ext's own default is False), ``importance_sampling_level``, ``max_completion_length``, ``sapo_temperature_*``,
   ``vespo_k_*``/``vespo_lambda_*``, the dapo/cispo/vespo ``num_items_in_batch`` normalizer, gradient accumulation (as
-  ``loss_scale``), the vLLM importance-sampling correction, ``off_policy_mask_threshold`` and ``top_entropy_quantile``
+  ``loss_scale``), TRL's entropy bonus (``entropy_coef``, fused into the kernels' pass on the fused path, and its
+  adaptive control ``use_adaptive_entropy``, TRL's update between optimizer steps), the vLLM importance-sampling
+  correction, ``off_policy_mask_threshold`` and ``top_entropy_quantile``
   (all three as ``is_weights``; for vespo the vLLM ratio enters its sequence weight, as in TRL), tool masks and the MoE
   router auxiliary loss;
 - **the log-prob passes** (policy, old policy and reference): TRL 1.16 computes them inside the model's forward
@@ -31,9 +33,9 @@ What changes, and what does not:
 - **the metrics** keep TRL's names and reductions (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
   ``vespo/phi_seq_mean``).
 
-Not supported (a clear error when the trainer is built or patched): TRL's entropy bonus (``entropy_coef != 0`` or
-``use_adaptive_entropy``), and ``loss_type="vespo"`` together with ``off_policy_mask_threshold`` or
-``top_entropy_quantile < 1`` (TRL multiplies vespo's term by those masks; grpo_ext's vespo has no such weight).
+Not supported (a clear error when the trainer is built or patched): ``loss_type="vespo"`` together with
+``off_policy_mask_threshold`` or ``top_entropy_quantile < 1`` (TRL multiplies vespo's term by those masks;
+grpo_ext's vespo has no such weight).
 The differences from TRL are listed in the README ("Using grpo_ext from TRL").
 """
 
@@ -127,12 +129,6 @@ def _check_config(args: Any) -> None:
             f"GRPOConfig.loss_type={args.loss_type!r} is not supported by grpo_ext.integrations.trl (supported: "
             f"{', '.join(SUPPORTED_LOSS_TYPES)}); train with the unpatched trl.GRPOTrainer for it"
         )
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        raise ValueError(
-            f"GRPOConfig.entropy_coef={args.entropy_coef} / use_adaptive_entropy={args.use_adaptive_entropy}: TRL's "
-            "entropy bonus is not supported by grpo_ext.integrations.trl; set entropy_coef=0.0 and "
-            "use_adaptive_entropy=False, or train with the unpatched trl.GRPOTrainer"
-        )
     if args.loss_type == "vespo" and (args.off_policy_mask_threshold is not None or args.top_entropy_quantile < 1.0):
         raise ValueError(
             f"GRPOConfig.loss_type='vespo' with off_policy_mask_threshold={args.off_policy_mask_threshold} / "
@@ -150,8 +146,8 @@ class GRPOExtTrainer(trl.GRPOTrainer):
 
     Raises:
         RuntimeError: the installed TRL is not a supported release (see :func:`check_trl_version`).
-        ValueError: ``args`` asks for something grpo_ext does not compute (the entropy bonus, vespo with the
-            off-policy or entropy masks), before the model is loaded when ``args`` is given.
+        ValueError: ``args`` asks for something grpo_ext does not compute (vespo with the off-policy or entropy
+            masks), before the model is loaded when ``args`` is given.
     """
 
     def __init__(self, *args: Any, logps_backend: str = "fused", **kwargs: Any) -> None:
@@ -193,7 +189,7 @@ def patch(trainer: trl.GRPOTrainer, logps_backend: str = "fused") -> trl.GRPOTra
     Raises:
         TypeError: ``trainer`` is not a ``trl.GRPOTrainer``.
         RuntimeError: the installed TRL is not a supported release.
-        ValueError: its config asks for something grpo_ext does not compute (entropy bonus, vespo with masks), or
+        ValueError: its config asks for something grpo_ext does not compute (vespo with masks), or
             ``logps_backend`` is not one of :data:`LOGPS_BACKENDS`.
     """
     if not isinstance(trainer, trl.GRPOTrainer):

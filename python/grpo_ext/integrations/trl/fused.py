@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,7 +37,10 @@ class FusedLossRequest:
         input_length: ``P + T``, the length of the sequences the forward sees.
         loss_options: keyword arguments of :func:`grpo_ext.grpo_loss_from_hidden` besides the hidden states, the
             head and the ids (advantages, the loss mask, every loss option).
-        want_logps: also return the detached ``[B, T]`` log-probs (a no-grad chunked pass; for the clip metrics).
+        want_logps: also return the detached ``[B, T]`` log-probs (the fused pass' own; for the clip metrics).
+        token_weights: for the masks that need per-token values before the loss (TRL's ``top_entropy_quantile`` and
+            ``off_policy_mask_threshold``): called with the detached ``[B, T]`` log-probs and entropies of a no-grad
+            chunked pass over the completion rows, it returns the loss' ``is_weights`` (or None).
         output: the loss output, set by the head.
         logps: the detached log-probs when ``want_logps``.
         refusal: why the call fell back to the log-prob pass, set by the head; None when fused.
@@ -48,6 +51,7 @@ class FusedLossRequest:
     input_length: int
     loss_options: dict[str, Any]
     want_logps: bool = False
+    token_weights: Callable[[Tensor, Tensor], Tensor | None] | None = None
     output: GRPOLossOutput | None = None
     logps: Tensor | None = None
     refusal: str | None = None
@@ -121,20 +125,30 @@ class GrpoExtHead:
         with torch.autocast(hidden.device.type, enabled=False):
             rows = rows.to(dtype)
             ids = request.completion_ids.to(hidden.device)
-            request.output = ops.grpo_loss_from_hidden(
+            if request.token_weights is not None:
+                request.loss_options["is_weights"] = _token_weights(request, rows, weight_c, bias_c, ids, temperature,
+                                                                    chunk_size, final_logit_softcapping, logit_scale)
+            out = ops.grpo_loss_from_hidden(
                 rows, weight_c, ids, lm_head_bias=bias_c, temperature=temperature, logit_scale=logit_scale,
-                logit_softcap=final_logit_softcapping, **request.loss_options,
+                logit_softcap=final_logit_softcapping, return_token_logps=True, **request.loss_options,
             )  # fmt: skip
-            if request.want_logps:
-                with torch.no_grad():
-                    logps, *_ = _GrpoExtLogProbs.apply(
-                        rows.detach().reshape(-1, rows.shape[-1]), weight_c.detach(),
-                        None if bias_c is None else bias_c.detach(), ids.reshape(-1), temperature, chunk_size,
-                        final_logit_softcapping, logit_scale,
-                    )  # fmt: skip
-                request.logps = logps.view(ids.shape)
+            request.output = GRPOLossOutput(out.loss, out.metrics)
+            if request.want_logps:  # the pass' own log-probs (0 at masked tokens, which the metrics never read)
+                request.logps = out.token_logps
         zeros = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
         return zeros, (zeros if "entropy" in outputs else None), None, None, None
+
+
+def _token_weights(request: FusedLossRequest, rows: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor,
+                   temperature: float, chunk_size: int, softcap: float | None, scale: float) -> Tensor | None:
+    """``request.token_weights`` of the per-token log-probs and entropies of a no-grad pass over ``rows`` (chunked:
+    one chunk of logits at a time, as the fused loss), before the loss that they weigh."""
+    with torch.no_grad():
+        logps, entropy, *_ = _GrpoExtLogProbs.apply(
+            rows.detach().reshape(-1, rows.shape[-1]), weight.detach(), None if bias is None else bias.detach(),
+            ids.reshape(-1), temperature, chunk_size, softcap, scale, ("log_probs", "entropy"),
+        )  # fmt: skip
+    return request.token_weights(logps.view(ids.shape), entropy.view(ids.shape))
 
 
 @contextlib.contextmanager

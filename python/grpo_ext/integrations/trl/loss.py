@@ -55,8 +55,10 @@ def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor | None, ol
     TRL multiplies its per-token policy loss, before adding the KL, by the high-entropy token mask
     (``top_entropy_quantile``), the DeepSeek-V3.2 off-policy sequence mask (``off_policy_mask_threshold``) and the
     vLLM importance-sampling ratio; none of them is differentiated, which is what ``is_weights`` means in docs/math.md.
-    The first two need the current ``logps`` / ``entropies`` (the fused path, which has neither, refuses them).
-    For vespo only the vLLM ratio can be there (the masks are refused): it enters the sequence weight, as in TRL.
+    The first two need the current ``logps`` / ``entropies``: on the fused path they come from a no-grad chunked pass
+    over the completion rows inside the forward, before the loss (:class:`.fused.FusedLossRequest`'s
+    ``token_weights``). For vespo only the vLLM ratio can be there (the masks are refused): it enters the sequence
+    weight, as in TRL.
     """
     factors: list[Tensor] = []
     if trainer.top_entropy_quantile < 1.0:
@@ -173,14 +175,58 @@ def _loss_options(trainer: trl.GRPOTrainer, inputs: dict[str, Any], mode: str, a
     )
 
 
+def _entropy_bonus_coef(trainer: trl.GRPOTrainer) -> float | None:
+    """The coefficient TRL applies to this micro-batch's mean entropy (None: the bonus is off).
+
+    TRL's rule: the static ``entropy_coef``; with ``use_adaptive_entropy`` the coefficient the last optimizer step
+    left, applied only when that step's entropy over every process was at most ``entropy_target`` (no bonus before
+    the first step's measurement).
+    """
+    if not trainer._entropy_bonus_enabled:
+        return None
+    if trainer.use_adaptive_entropy:
+        return trainer.entropy_coef if trainer._last_world_entropy <= trainer.args.entropy_target else 0.0
+    return trainer.entropy_coef
+
+
+def _update_entropy_control(trainer: trl.GRPOTrainer, mode: str, entropy_sum: Tensor, token_count: Tensor) -> None:
+    """TRL's adaptive entropy control (Skywork-OR1) and its ``entropy_coef`` metric, after a micro-batch's loss.
+
+    The window's entropy sum and token count are accumulated over its micro-batches; at the optimizer step they are
+    summed over the processes, and the coefficient moves by ``entropy_coef_delta`` toward more bonus when the mean
+    entropy is at most ``entropy_target`` (less otherwise), within ``[entropy_coef_min, entropy_coef_max]``. The
+    state (``entropy_coef``, ``_last_world_entropy``) is TRL's own, so its checkpoints save and restore it.
+    """
+    sync = trainer.accelerator.sync_gradients
+    if trainer.use_adaptive_entropy and mode == "train":
+        stats = torch.stack([entropy_sum.detach().float(), token_count.detach().float()])
+        window = trainer._entropy_window_stats
+        trainer._entropy_window_stats = stats if window is None else window + stats
+        if sync:
+            totals = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+            world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+            args = trainer.args
+            if world_entropy <= args.entropy_target:
+                trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            trainer._last_world_entropy = world_entropy
+            trainer._entropy_window_stats = None
+    if mode == "train" and sync:
+        trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
+
+
 def fused_refusal(trainer: trl.GRPOTrainer) -> str | None:
     """Why this trainer's settings keep the loss off the fused path (None: fused), before any forward runs."""
-    if trainer.top_entropy_quantile < 1.0:
-        return f"top_entropy_quantile={trainer.top_entropy_quantile} masks tokens by an entropy the fused loss forms"
-    if trainer.off_policy_mask_threshold is not None:
-        return (f"off_policy_mask_threshold={trainer.off_policy_mask_threshold} masks rows by log-probs the fused loss "
-                "forms")  # fmt: skip
+    if trainer.top_entropy_quantile < 1.0 and trainer._entropy_bonus_enabled:
+        return (f"top_entropy_quantile={trainer.top_entropy_quantile} with the entropy bonus: TRL's bonus then "
+                "averages over the high-entropy tokens only, a mask the fused bonus does not take")  # fmt: skip
     return None
+
+
+def _needs_token_values(trainer: trl.GRPOTrainer) -> bool:
+    """Whether the loss' weights need the current per-token log-probs or entropies (TRL's two masks)."""
+    return trainer.top_entropy_quantile < 1.0 or trainer.off_policy_mask_threshold is not None
 
 
 def _warn_fallback(trainer: trl.GRPOTrainer, reason: str) -> None:
@@ -220,16 +266,28 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1
     options = _loss_options(trainer, inputs, mode, accumulation)
     old_logps = options["old_logps"]
+    # TRL subtracts coef * (mean entropy) / accumulation whatever the loss type: grpo_ext's bonus is scaled by
+    # loss_scale, so the fused loss takes coef / (accumulation * loss_scale) (docs/math.md section 5, "Entropy bonus").
+    bonus_coef = _entropy_bonus_coef(trainer)
 
     request = None
     if getattr(trainer, "logps_backend", "fused") == "fused":
         reason = fused_refusal(trainer)
         if reason is None:
-            is_weights = _is_weights(trainer, inputs, None, old_logps, None, mask, advantages)
+            token_weights = None
+            if _needs_token_values(trainer):  # weights from a no-grad pass inside the forward, before the loss
+                def token_weights(logps: Tensor, entropies: Tensor) -> Tensor | None:
+                    return _is_weights(trainer, inputs, logps, old_logps, entropies, mask, advantages)
+
+                is_weights = None
+            else:
+                is_weights = _is_weights(trainer, inputs, None, old_logps, None, mask, advantages)
             request = FusedLossRequest(
                 completion_ids, completion_mask, prompt_ids.size(1) + completion_ids.size(1),
-                dict(advantages=advantages, completion_mask=mask, is_weights=is_weights, **options),
+                dict(advantages=advantages, completion_mask=mask, is_weights=is_weights, **options,
+                     entropy_coef=0.0 if bonus_coef is None else bonus_coef / (accumulation * options["loss_scale"])),
                 want_logps=old_logps is not None and trainer.loss_type in CLIP_FAMILY_LOSS_TYPES,
+                token_weights=token_weights,
             )  # fmt: skip
         else:
             _warn_fallback(trainer, reason)
@@ -252,6 +310,12 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
         out = request.output
         logps = request.logps
         entropy_sum = out.metrics["entropy"] * mask.sum()
+        loss = out.loss
+        # The fused loss has the bonus in it (with its gradient); TRL's policy_loss metric is the loss without it.
+        bonus_sum, bonus_count = entropy_sum, mask.sum()
+        policy_loss = out.loss.detach()
+        if bonus_coef is not None:
+            policy_loss = policy_loss + bonus_coef * out.metrics["entropy"] / accumulation
     else:
         if request is not None:
             _warn_fallback(trainer, request.refusal)
@@ -260,7 +324,23 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
             is_weights=_is_weights(trainer, inputs, logps, old_logps, entropies, mask, advantages), **options,
         )  # fmt: skip
         entropy_sum = (entropies.detach() * mask).sum()
-    loss = out.loss
+        loss = out.loss
+        policy_loss = out.loss.detach()
+        if bonus_coef is not None:
+            # TRL's bonus acts on the tokens its policy term keeps (the high-entropy ones with top_entropy_quantile),
+            # differentiated through the log-prob pass' entropy output.
+            bonus_mask = mask.to(entropies.dtype)
+            if trainer.top_entropy_quantile < 1.0:
+                bonus_mask = bonus_mask * trainer.get_high_entropy_mask(entropies.detach(), mask,
+                                                                        1 - trainer.top_entropy_quantile)  # fmt: skip
+            bonus_sum, bonus_count = (entropies * bonus_mask).sum(), bonus_mask.sum()
+            loss = loss - bonus_coef * (bonus_sum / bonus_count.clamp(min=1.0)) / accumulation
+    if bonus_coef is not None:
+        # TRL's policy_loss is before its division by the accumulation steps (grpo_ext's loss_scale there)
+        trainer._metrics[mode]["policy_loss"].append(
+            trainer.accelerator.gather(policy_loss / options["loss_scale"]).nanmean().item()
+        )
+        _update_entropy_control(trainer, mode, bonus_sum, bonus_count)
     if trainer.aux_loss_enabled:
         loss = loss + trainer.router_aux_loss_coef * aux_loss / accumulation
         trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
