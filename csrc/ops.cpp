@@ -6,11 +6,12 @@
 // The pass ops' arguments after `logits`: the ids they score, where they start in the [B, T] problem, the loss
 // inputs, per-token gradients for the second pass of sequence-level losses, the options and the logits options
 // (temperature, logit_scale, logit_softcap: 0 for no cap; docs/math.md section 2) and the entropy bonus'
-// coefficient (0: none; section 5).
-#define GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA                                           \
-  "Tensor ids, int row_offset, Tensor advantages, Tensor completion_mask, Tensor? " \
-  "token_grad, " GRPO_LOSS_OPTIONS_SCHEMA                                           \
-  "float temperature, float logit_scale, float logit_softcap, float entropy_coef, bool compute_grad"
+// coefficient (0: none; section 5) with the weights of the tokens in its mean (None: every kept token).
+#define GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA                                                                    \
+  "Tensor ids, int row_offset, Tensor advantages, Tensor completion_mask, Tensor? "                          \
+  "token_grad, " GRPO_LOSS_OPTIONS_SCHEMA                                                                    \
+  "float temperature, float logit_scale, float logit_softcap, float entropy_coef, Tensor? entropy_weights, " \
+  "bool compute_grad"
 
 STABLE_TORCH_LIBRARY(grpo_ext, m) {
   m.def(

@@ -70,6 +70,61 @@ def test_logits_matches_reference(device, loss_type, level, softcap):
         assert_close(grad, expected_grad, rtol=tol, atol=tol, msg=f"grad {dtype}")
 
 
+def high_entropy_weights(logits, mask, dtype=torch.float64) -> torch.Tensor:
+    """``[B, T]`` weights as TRL's high-entropy mask makes them (1 for the kept tokens whose entropy is at least the
+    median, 0 otherwise; an unkept token 1, which the kernels must not count), plus a fractional one."""
+    entropy = reference.selective_log_softmax(logits, logits.argmax(-1), temperature=0.9, return_entropy=True).entropy
+    median = entropy[mask].median()
+    weights = ((entropy >= median) | ~mask).to(dtype)
+    weights[1, 1] = 0.5
+    return weights
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("loss_type", "level"), [("grpo", "token"), ("dapo", "sequence"), ("vespo", "token")])
+def test_entropy_weights_match_reference(device, loss_type, level):
+    """``entropy_weights``: the bonus' mean and its gradient over the weighted kept tokens only, through the logits
+    and the hidden-state losses; metrics["entropy"] stays the unweighted mean."""
+    logits, ids, adv, mask, old, ref = make_problem(seed=30)
+    weights = high_entropy_weights(logits, mask)
+    kwargs = problem_kwargs(loss_type, level, old, ref)
+    expected, expected_grad = run_logits(reference, logits, ids, adv, mask, entropy_coef=COEF,
+                                         entropy_weights=weights, **kwargs)  # fmt: skip
+    unweighted, unweighted_grad = run_logits(reference, logits, ids, adv, mask, entropy_coef=COEF, **kwargs)
+    assert (expected_grad - unweighted_grad).abs().max() > 1e-3  # the weights matter
+    assert_close(expected.metrics["entropy"], unweighted.metrics["entropy"], rtol=0, atol=0)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        for bool_weights in (False, True):
+            w = (weights > 0.75) if bool_weights else weights.to(dtype)
+            want, want_grad = (expected, expected_grad)
+            if bool_weights:
+                want, want_grad = run_logits(reference, logits, ids, adv, mask, entropy_coef=COEF,
+                                             entropy_weights=weights > 0.75, **kwargs)  # fmt: skip
+            got, grad = run_logits(grpo_ext, logits.to(device, dtype), ids.to(device), adv.to(device, dtype),
+                                   mask.to(device), entropy_coef=COEF, entropy_weights=w.to(device),
+                                   **cast_kwargs(device, dtype, kwargs))  # fmt: skip
+            assert_close(got.loss, want.loss, rtol=tol, atol=tol, msg=f"loss {dtype}")
+            assert_close(got.metrics["entropy"], want.metrics["entropy"], rtol=tol, atol=tol, msg="entropy")
+            assert_close(grad, want_grad, rtol=tol, atol=tol, msg=f"grad {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_entropy_weights_through_the_hidden_state_loss(device):
+    _, ids, adv, mask, old, ref = make_problem(vocab=29, seed=31)
+    g = torch.Generator().manual_seed(32)
+    hidden = torch.randn(4, 6, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(29, 16, generator=g, dtype=torch.float64) / 2
+    bias = torch.randn(29, generator=g, dtype=torch.float64)
+    weights = high_entropy_weights(hidden @ weight.t() + bias, mask)
+    kwargs = problem_kwargs("bnpo", "token", old, ref) | dict(entropy_coef=COEF, entropy_weights=weights)
+    expected, expected_grads = run_hidden(reference, hidden, weight, bias, ids, adv, mask, **kwargs)
+    got, grads = run_hidden(grpo_ext, hidden.to(device), weight.to(device), bias.to(device), ids.to(device),
+                            adv.to(device), mask.to(device), chunk_size=5, **cast_kwargs(device, torch.float64, kwargs))
+    assert_close(got.loss, expected.loss, rtol=1e-10, atol=1e-10)
+    for actual, wanted in zip(grads, expected_grads, strict=True):
+        assert_close(actual, wanted, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("coef", [COEF, -0.2])
 def test_logits_in_place_and_bf16(device, coef):
@@ -170,16 +225,17 @@ def test_opcheck_with_the_bonus(device):
     x, ids, adv, mask, old = (t.to(device) for t in (logits, ids, adv, mask, old))
     flat_ids = ids.reshape(-1)
     options = LossOptions(old_logps=old, epsilon_high=0.2, max_completion_length=3)
+    weights = torch.tensor([[1.0, 0.0, 1.0], [0.5, 1.0, 0.0]], dtype=torch.float64, device=device)
     for token_grad in (None, torch.randn(6, dtype=torch.float64, device=device)):
-        args = (x, flat_ids, 0, adv, mask, token_grad, *options.op_args(), 0.9, 1.0, 0.0, COEF, True)
+        args = (x, flat_ids, 0, adv, mask, token_grad, *options.op_args(), 0.9, 1.0, 0.0, COEF, weights, True)
         torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass.default, args)
         torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass_.default, (x.clone(), *args[1:]))
-    op_args = (x.clone().requires_grad_(True), flat_ids, adv, mask, *options.op_args(), 0.9, 1.0, 0.0, COEF)
+    op_args = (x.clone().requires_grad_(True), flat_ids, adv, mask, *options.op_args(), 0.9, 1.0, 0.0, COEF, weights)
     torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits.default, op_args)
     g = torch.Generator().manual_seed(4)
     flat = torch.randn(6, 5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
     w = torch.randn(11, 5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
-    hidden_args = (flat, w, None, flat_ids, adv, mask, *options.op_args(), 0.9, 1.0, 0.0, 4, COEF)
+    hidden_args = (flat, w, None, flat_ids, adv, mask, *options.op_args(), 0.9, 1.0, 0.0, 4, COEF, weights)
     torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_hidden.default, hidden_args)
 
 
@@ -210,6 +266,13 @@ def test_bad_entropy_coef_is_named(bad):
     hidden, weight = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(11, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="entropy_coef"):
         grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, entropy_coef=bad)
+
+
+def test_bad_entropy_weights_are_named():
+    logits, ids, adv, mask, _, _ = make_problem(2, 3, 11, seed=1)
+    for bad in (torch.ones(2, 4), torch.ones(2, 3, dtype=torch.long), [[1.0] * 3] * 2):
+        with pytest.raises(ValueError, match="entropy_weights"):
+            grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, entropy_coef=0.1, entropy_weights=bad)
 
 
 def test_grpo_loss_has_no_entropy_bonus():

@@ -243,14 +243,14 @@ def test_opcheck_and_compile(device):
     ):
         options = LossOptions(old_logps=old, ref_logps=ref, epsilon_high=0.2, beta=0.1, max_completion_length=3)
         for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):  # (temperature, logit_scale, logit_softcap)
-            args = (x, flat_ids, 0, adv, mask, token_grad, *options.op_args(), *logit_args, 0.0, compute_grad)
+            args = (x, flat_ids, 0, adv, mask, token_grad, *options.op_args(), *logit_args, 0.0, None, compute_grad)
             torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass.default, args)
             torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_pass_.default, (x.clone(), *args[1:]))
     torch.library.opcheck(torch.ops.grpo_ext.scale_grad_.default, (x.clone(), torch.tensor(2.0, device=device)))
     options = LossOptions(old_logps=old, ref_logps=ref, loss_type="dapo", epsilon_high=0.28, beta=0.1,
                           max_completion_length=3)  # fmt: skip
     for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):
-        op_args = (x.requires_grad_(True), flat_ids, adv, mask, *options.op_args(), *logit_args, 0.0)
+        op_args = (x.requires_grad_(True), flat_ids, adv, mask, *options.op_args(), *logit_args, 0.0, None)
         torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits.default, op_args)
 
     def fn(t):

@@ -378,8 +378,12 @@ CASES = {
     ),
     "entropy_coef_eval": Case(config=dict(loss_type="dapo", entropy_coef=0.1), eval_mode=True),
     "entropy_coef_top_entropy_quantile": Case(
-        config=dict(loss_type="grpo", entropy_coef=0.1, top_entropy_quantile=0.5),
-        fallback="top_entropy_quantile=0.5 with the entropy bonus",
+        config=dict(loss_type="grpo", entropy_coef=0.1, top_entropy_quantile=0.5)
+    ),
+    "adaptive_entropy_top_entropy_quantile": Case(
+        config=dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=100.0,
+                    top_entropy_quantile=0.2, importance_sampling_level="sequence"),
+        attrs=dict(_last_world_entropy=0.5),
     ),
     # adaptive control (Skywork-OR1): the bonus applies when the last step's entropy was at most the target
     "adaptive_entropy_applied": Case(config=dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.05,

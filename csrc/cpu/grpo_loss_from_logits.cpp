@@ -25,7 +25,8 @@ void load_scaled_row(const LogitsRows& logits, int64_t r, const LogitTransform<T
 }
 
 // The gradient's weights from the masks alone: per row, d loss / d logp's normalizer (docs/math.md section 5's
-// denominators; only without token_grad), and the entropy bonus' entropy_coef * loss_scale / max(sum m, 1).
+// denominators; only without token_grad), and the entropy bonus' entropy_coef * loss_scale / max(sum m * w, 1), w the
+// entropy_weights (1 when absent).
 template <typename T>
 struct PassWeights {
   std::vector<T> rows;
@@ -36,17 +37,22 @@ template <typename T>
 PassWeights<T> pass_weights(const LogitsPassPlan& plan, bool policy_rows) {
   const LossInputs& in = plan.loss.inputs;
   std::vector<double> counts(in.batch);
-  double total = 0.0, non_empty = 0.0;
+  const StridedMatrix& w = plan.entropy_weights;
+  double total = 0.0, non_empty = 0.0, entropy_total = 0.0;
   for (int64_t b = 0; b < in.batch; ++b) {
     double c = 0.0;
-    for (int64_t t = 0; t < in.seq_len; ++t) c += in.mask_at<double>(b, t);
+    for (int64_t t = 0; t < in.seq_len; ++t) {
+      const double m = in.mask_at<double>(b, t);
+      c += m;
+      entropy_total += w.present() ? m * w.load<double>(b, t) : m;
+    }
     counts[b] = c;
     total += c;
     non_empty += c > 0.0 ? 1.0 : 0.0;
   }
   PassWeights<T> weights;
   weights.rows.assign(in.batch, T(0));
-  weights.entropy = T(entropy_row_weight<double>(plan.entropy_coef, plan.loss.loss_scale, total));
+  weights.entropy = T(entropy_row_weight<double>(plan.entropy_coef, plan.loss.loss_scale, entropy_total));
   if (!policy_rows) return weights;
   const double scale =
       global_loss_scale<double>(plan.loss.params, in.batch, plan.loss.max_completion_length, total, non_empty,
@@ -119,7 +125,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
       }
       // d/dz_v of g * logp = g * (onehot - p_v), times dz/dx; the chosen entry as -expm1(logp), exact where p -> 1.
       // The entropy bonus adds e * p_v * (z_v - E_p[z]) (an entry with p_v = 0 adds exactly 0, even at z = -inf).
-      const T e = weights.entropy * m;
+      const T e = weights.entropy * m * (plan.entropy_weights.present() ? plan.entropy_weights.load<T>(b, t) : T(1));
       const T inv_sum = T(1.0 / s.sum), mean_z = T(s.mean_z);
       const auto bonus = [&](int64_t v) { return exps[v] == T(0) ? T(0) : exps[v] * inv_sum * (z[v] - mean_z); };
       if (e == T(0)) {

@@ -31,15 +31,16 @@ void run_pass(LogitsPassPlan& plan, bool grad_in_logits, const CudaCall& call) {
                       plan.row_offset,
                       plan.compute_grad && plan.grad_data != nullptr,
                       grad_in_logits,
-                      plan.compute_grad && plan.grad_data != nullptr && plan.entropy_coef != 0.0};
+                      plan.compute_grad && plan.grad_data != nullptr && plan.entropy_coef != 0.0,
+                      plan.entropy_weights};
   Tensor row_weight;  // [B + 1]: the rows' weights, then the entropy bonus' (row_weights_kernel)
   if (args.compute_grad && (!plan.token_grad.present() || args.entropy_bonus)) {
     row_weight = new_empty(plan.logps, {plan.loss.inputs.batch + 1}, plan.logps.scalar_type());
     const LossForwardPlan& lp = plan.loss;
     const T* num_items_device = lp.num_items_device.defined() ? lp.num_items_device.const_data_ptr<T>() : nullptr;
-    launch_grpo_loss_from_logits_row_weights<T>(lp.params, lp.inputs, lp.max_completion_length, lp.has_num_items,
-                                                T(lp.num_items), num_items_device, T(lp.loss_scale),
-                                                T(plan.entropy_coef), row_weight.mutable_data_ptr<T>(), stream);
+    launch_grpo_loss_from_logits_row_weights<T>(
+        lp.params, lp.inputs, lp.max_completion_length, lp.has_num_items, T(lp.num_items), num_items_device,
+        T(lp.loss_scale), T(plan.entropy_coef), plan.entropy_weights, row_weight.mutable_data_ptr<T>(), stream);
     check_launch();
   }
   launch_grpo_loss_from_logits<T, In>(args, plan.logit.transform<T>(),

@@ -25,36 +25,44 @@
 namespace grpo_ext {
 
 // row_weight[b] = global scale * (1 / max(n_b, 1) for grpo/sapo, else 1), and row_weight[B] = the entropy bonus'
-// entropy_coef * loss_scale / max(sum m, 1). One block: a warp per row for n_b (a fixed shuffle tree), then a fixed
-// block tree over the rows for the mask total.
+// entropy_coef * loss_scale / max(sum m * w, 1) (w: entropy_weights, 1 when absent). One block: a warp per row for
+// n_b (a fixed shuffle tree), then a fixed block tree over the rows for the mask totals.
 template <typename T>
 __global__ void __launch_bounds__(1024)
     grpo_loss_from_logits_row_weights_kernel(LossParams p, LossInputs in, int64_t max_completion_length,
                                              bool has_num_items, T num_items_value,
                                              const T* __restrict__ num_items_device, T loss_scale, T entropy_coef,
-                                             T* __restrict__ row_weight) {
-  __shared__ T scratch[2 * 32];
+                                             StridedMatrix entropy_weights, T* __restrict__ row_weight) {
+  __shared__ T scratch[3 * 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  T weighted = T(0);  // this thread's part of sum m * w (only with entropy_weights)
   for (int64_t b = warp; b < in.batch; b += num_warps) {
     T count = T(0);
-    for (int64_t t = lane; t < in.seq_len; t += 32) count += in.mask_at<T>(b, t);
+    for (int64_t t = lane; t < in.seq_len; t += 32) {
+      const T m = in.mask_at<T>(b, t);
+      count += m;
+      if (entropy_weights.present()) weighted += m * entropy_weights.load<T>(b, t);
+    }
     count = warp_sum(count);
     if (lane == 0) row_weight[b] = count;
   }
-  __syncthreads();            // the counts are visible to the whole block
-  T total[2] = {T(0), T(0)};  // the kept tokens, the rows with one
+  __syncthreads();                      // the counts are visible to the whole block
+  T total[3] = {T(0), T(0), weighted};  // the kept tokens, the rows with one, sum m * w
   for (int64_t b = threadIdx.x; b < in.batch; b += blockDim.x) {
     total[0] += row_weight[b];
     total[1] += row_weight[b] > T(0) ? T(1) : T(0);
   }
-  block_sum<T, 2>(total, scratch);
+  block_sum<T, 3>(total, scratch);
   const T num_items = num_items_device ? num_items_device[0] : num_items_value;
   const T scale = global_loss_scale<T>(p, in.batch, max_completion_length, total[0], total[1], has_num_items, num_items,
                                        loss_scale);
   for (int64_t b = threadIdx.x; b < in.batch; b += blockDim.x) {
     row_weight[b] = logits_row_weight<T>(p.loss_type, row_weight[b], scale);
   }
-  if (threadIdx.x == 0) row_weight[in.batch] = entropy_row_weight<T>(entropy_coef, loss_scale, total[0]);
+  if (threadIdx.x == 0) {
+    row_weight[in.batch] =
+        entropy_row_weight<T>(entropy_coef, loss_scale, entropy_weights.present() ? total[2] : total[0]);
+  }
 }
 
 struct LogitsPassArgs {
@@ -65,8 +73,9 @@ struct LogitsPassArgs {
   StridedMatrix token_grad;  // [R, 1] or absent
   int64_t row_offset;
   bool compute_grad;
-  bool grad_in_logits;  // the in-place op: row r's gradient goes over logits row r
-  bool entropy_bonus;   // the gradient has the entropy bonus' term (its weight is row_weight[B])
+  bool grad_in_logits;            // the in-place op: row r's gradient goes over logits row r
+  bool entropy_bonus;             // the gradient has the entropy bonus' term (its weight is row_weight[B])
+  StridedMatrix entropy_weights;  // [B, T] weights of the tokens in the bonus' mean, or absent (every kept token)
 };
 
 // The shared memory of both pass kernels (one declaration, so that the host knows its size: resident_split).
@@ -140,7 +149,12 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const T* row
   sh.row_log_sum = log_sum;
   sh.row_logp = logp;
   sh.row_g = g;
-  sh.row_entropy_weight = with_grad && a.entropy_bonus ? row_weight[in.batch] * row.m : T(0);
+  T entropy_weight = T(0);
+  if (with_grad && a.entropy_bonus) {
+    entropy_weight = row_weight[in.batch] * row.m;
+    if (a.entropy_weights.present()) entropy_weight *= a.entropy_weights.load<T>(row.b, row.t);
+  }
+  sh.row_entropy_weight = entropy_weight;
   sh.row_mean_shift = s.weighted / s.sum;
   sh.row_id = chosen.id;
 }
@@ -300,10 +314,11 @@ __global__ void __launch_bounds__(1024) scale_rows_kernel(LogitsRows rows, const
 template <typename T>
 void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInputs& in, int64_t max_completion_length,
                                               bool has_num_items, T num_items_value, const T* num_items_device,
-                                              T loss_scale, T entropy_coef, T* row_weight, cudaStream_t stream) {
+                                              T loss_scale, T entropy_coef, const StridedMatrix& entropy_weights,
+                                              T* row_weight, cudaStream_t stream) {
   GRPO_LAUNCH(1, 1024, 0, stream, grpo_loss_from_logits_row_weights_kernel<T>)(
       p, in, max_completion_length, has_num_items, num_items_value, num_items_device, loss_scale, entropy_coef,
-      row_weight);
+      entropy_weights, row_weight);
 }
 
 // The pass over every row: the single-read kernel where a row fits `device` (one block or a cluster), else (or if

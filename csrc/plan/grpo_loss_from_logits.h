@@ -13,10 +13,10 @@
   const Tensor &logits, const Tensor &ids, int64_t row_offset, const Tensor &advantages,                         \
       const Tensor &completion_mask, const std::optional<Tensor>&token_grad,                                     \
       GRPO_LOSS_OPTION_PARAMS double temperature, double logit_scale, double logit_softcap, double entropy_coef, \
-      bool compute_grad
+      const std::optional<Tensor>&entropy_weights, bool compute_grad
 #define GRPO_LOSS_FROM_LOGITS_PASS_ARGS                                                                                \
   logits, ids, row_offset, advantages, completion_mask, token_grad, GRPO_LOSS_OPTION_VALUES, temperature, logit_scale, \
-      logit_softcap, entropy_coef, compute_grad
+      logit_softcap, entropy_coef, entropy_weights, compute_grad
 
 namespace grpo_ext {
 
@@ -33,6 +33,7 @@ struct LogitsPassPlan {
   // loss_scale * H, H the mean entropy over the kept tokens of the whole [B, T] problem, is added to each row's (0: no
   // bonus).
   double entropy_coef = 0.0;
+  StridedMatrix entropy_weights;  // [B, T] weights of the tokens in the bonus' mean (default: every kept token)
   bool compute_grad = true;
   Tensor logps, entropy, grad_logits;
   void* grad_data = nullptr;  // grad_logits' storage, or the logits' own for the in-place op
@@ -55,7 +56,8 @@ inline LogitsPassPlan plan_grpo_loss_from_logits(const Tensor& logits, const Ten
                                                  const Tensor& advantages, const Tensor& completion_mask,
                                                  const std::optional<Tensor>& token_grad, const LossOptionArgs& options,
                                                  double temperature, double logit_scale, double logit_softcap,
-                                                 double entropy_coef, bool compute_grad, bool inplace) {
+                                                 double entropy_coef, const std::optional<Tensor>& entropy_weights,
+                                                 bool compute_grad, bool inplace) {
   check_float(logits, "logits");
   const LogitOptions logit = check_logit_options(temperature, logit_scale, logit_softcap);
   GRPO_CHECK(std::isfinite(entropy_coef), "entropy_coef must be a finite number, got ", entropy_coef);
@@ -92,6 +94,13 @@ inline LogitsPassPlan plan_grpo_loss_from_logits(const Tensor& logits, const Ten
   plan.row_offset = row_offset;
   plan.logit = logit;
   plan.entropy_coef = entropy_coef;
+  if (entropy_weights.has_value()) {
+    const Tensor& w = *entropy_weights;
+    GRPO_CHECK(w.scalar_type() == ScalarType::Bool || is_float_type(w.scalar_type()),
+               "entropy_weights must be bool or floating-point, got ", w.scalar_type());
+    check_same_device(w, logits, "entropy_weights", "logits");
+    plan.entropy_weights = matrix_view(w, batch, seq_len, "entropy_weights", false);
+  }
   plan.compute_grad = compute_grad;
   plan.logps = new_empty(logits, {rows}, acc);
   plan.entropy = new_empty(logits, {rows}, acc);

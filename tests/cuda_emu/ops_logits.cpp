@@ -95,23 +95,30 @@ grpo_ext::RowResidency row_residency() {
   return residency;
 }
 
+// The entropy bonus' arguments: its coefficient and the weights of the tokens in its mean (absent: every kept one).
+struct EntropyBonus {
+  double coef = 0.0;
+  grpo_ext::StridedMatrix weights;
+};
+
 // cuda/grpo_loss_from_logits.cu's run_pass: the row weights (token-level gradient), then the pass.
 template <typename T, typename In>
 void run_pass(const LossPlan& loss, const grpo_ext::LogitsRows& logits, const grpo_ext::StridedMatrix& ids,
               const grpo_ext::StridedMatrix& token_grad, int64_t row_offset, bool compute_grad, bool grad_in_logits,
-              void* grad_data, const LogitArgs& logit, double entropy_coef, const Tensor& logps,
+              void* grad_data, const LogitArgs& logit, const EntropyBonus& bonus, const Tensor& logps,
               const Tensor& entropy) {
   const bool with_grad = compute_grad && grad_data != nullptr;
-  const grpo_ext::LogitsPassArgs args{loss.params, loss.inputs,    logits,
-                                      ids,         token_grad,     row_offset,
-                                      with_grad,   grad_in_logits, with_grad && entropy_coef != 0.0};
+  const grpo_ext::LogitsPassArgs args{loss.params,  loss.inputs,    logits,
+                                      ids,          token_grad,     row_offset,
+                                      with_grad,    grad_in_logits, with_grad && bonus.coef != 0.0,
+                                      bonus.weights};
   std::optional<Tensor> row_weight;  // [B + 1]: the rows' weights, then the entropy bonus'
   if (args.compute_grad && (!token_grad.present() || args.entropy_bonus)) {
     row_weight = empty({loss.inputs.batch + 1}, logps.dtype);
     const T* num_items_device = loss.num_items_device ? loss.num_items_device->data_as<T>() : nullptr;
     grpo_ext::launch_grpo_loss_from_logits_row_weights<T>(
         loss.params, loss.inputs, loss.max_completion_length, loss.has_num_items, T(loss.num_items), num_items_device,
-        T(loss.loss_scale), T(entropy_coef), row_weight->data_as<T>(), nullptr);
+        T(loss.loss_scale), T(bonus.coef), bonus.weights, row_weight->data_as<T>(), nullptr);
   }
   grpo_ext::launch_grpo_loss_from_logits<T, In>(
       args, logit.transform<T>(), row_weight ? row_weight->data_as<T>() : nullptr, static_cast<In*>(grad_data),
@@ -129,7 +136,10 @@ std::vector<Tensor> logits_pass(Args& a, bool inplace) {
   const DType acc = accumulate_type(logits.dtype);
   const LossPlan loss = plan_loss_inputs(batch, seq_len, std::nullopt, acc, advantages, mask, a, false, true);
   const LogitArgs logit = logit_args(a);
-  const double entropy_coef = a.number();
+  EntropyBonus bonus;
+  bonus.coef = a.number();
+  const std::optional<Tensor> entropy_weights = a.optional_tensor();
+  if (entropy_weights) bonus.weights = matrix_view(*entropy_weights, batch, seq_len, false);
   const bool compute_grad = a.boolean();
   a.done();
   const grpo_ext::StridedMatrix id = matrix_view(ids, rows.rows, 1, true);
@@ -146,20 +156,20 @@ std::vector<Tensor> logits_pass(Args& a, bool inplace) {
   }
   switch (logits.dtype) {
     case DType::kFloat64:
-      run_pass<double, double>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, entropy_coef,
-                               logps, entropy);
+      run_pass<double, double>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, bonus, logps,
+                               entropy);
       break;
     case DType::kFloat32:
-      run_pass<float, float>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, entropy_coef,
-                             logps, entropy);
+      run_pass<float, float>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, bonus, logps,
+                             entropy);
       break;
     case DType::kBFloat16:
-      run_pass<float, __nv_bfloat16>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit,
-                                     entropy_coef, logps, entropy);
+      run_pass<float, __nv_bfloat16>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, bonus,
+                                     logps, entropy);
       break;
     case DType::kFloat16:
-      run_pass<float, __half>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, entropy_coef,
-                              logps, entropy);
+      run_pass<float, __half>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, bonus, logps,
+                              entropy);
       break;
     default: bad_args("logits must be float32, float64, bfloat16 or float16");
   }

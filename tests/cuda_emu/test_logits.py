@@ -84,13 +84,13 @@ def test_selective_log_softmax_id_outside_the_vocabulary_is_a_device_assert(emu)
 
 
 def pass_args(logits, ids, adv, mask, *, token_grad=None, row_offset=0, temperature=0.9, logit=(1.0, 0.0),
-              entropy_coef=0.0, compute_grad=True, **options):  # fmt: skip
+              entropy_coef=0.0, entropy_weights=None, compute_grad=True, **options):  # fmt: skip
     """grpo_loss_from_logits_pass' arguments; ``mask`` is the [B, T] completion mask the rows score; ``logit`` is
     (logit_scale, logit_softcap), 0 for no cap."""
     stand_in = torch.empty(mask.shape)
     resolved = validate_grpo_loss_args(stand_in, adv, mask, LossOptions(**options))
     return (logits, ids, row_offset, adv, mask, token_grad, *resolved.op_args(), temperature, *logit, entropy_coef,
-            compute_grad)  # fmt: skip
+            entropy_weights, compute_grad)  # fmt: skip
 
 
 PASS_TOL = [VALUES, VALUES, LOGITS_GRAD]  # log-probs, entropy, gradient
@@ -198,6 +198,11 @@ def test_logits_pass_many_rows_of_weights(emu, batch, length):
     for loss_type in ("grpo", "bnpo", "sapo"):
         args = pass_args(logits.float(), ids.reshape(-1), adv.float(), mask, old_logps=old.float(), loss_type=loss_type)
         check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+    # the entropy bonus' weighted token total, summed by every thread over the same loops
+    weights = (torch.arange(batch * length).reshape(batch, length) % 4 != 1).float()
+    args = pass_args(logits.float(), ids.reshape(-1), adv.float(), mask, old_logps=old.float(), entropy_coef=0.5,
+                     entropy_weights=weights)  # fmt: skip
+    check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -326,9 +331,12 @@ def test_logits_pass_entropy_bonus(emu, dtype, level):
     flat, flat_ids = logits.to(dtype).reshape(24, 50), ids.reshape(-1)
     for start, stop in ((0, 24), (5, 17)):
         rows_grad = None if token_grad is None else token_grad[start:stop]
-        for coef in (0.3, -1.5):
+        weights = (torch.arange(24).reshape(4, 6) % 3 != 0).to(acc)  # the bonus' token weights (a third left out)
+        weights[1, 2] = 0.25
+        for coef, entropy_weights in ((0.3, None), (-1.5, None), (0.7, weights), (0.7, weights > 0)):
             args = pass_args(flat[start:stop], flat_ids[start:stop], adv.to(acc), mask, row_offset=start,
-                             token_grad=rows_grad, logit=(1.2, 0.0), entropy_coef=coef, **options)  # fmt: skip
+                             token_grad=rows_grad, logit=(1.2, 0.0), entropy_coef=coef, entropy_weights=entropy_weights,
+                             **options)  # fmt: skip
             check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
             check_op(emu, "grpo_loss_from_logits_pass_", args[0].clone(), *args[1:], tol=[VALUES, VALUES, LOGITS_GRAD],
                      names=("logps", "entropy", "logits"))  # fmt: skip

@@ -16,6 +16,7 @@ from ..results import GRPOLossOutput, GRPOLossTokenOutput
 from ..validation import check_bool, check_finite, check_int, validate_logit_options
 from ._common import accumulate_dtype, refuse_double_backward
 from .grpo_loss_from_logits import (
+    check_entropy_weights,
     check_ids_and_mask,
     logit_options_from_op_args,
     loss_output,
@@ -73,6 +74,7 @@ def _hidden_loss_forward(
     needs: tuple[bool, bool, bool],
     ref_head: RefHead | None = None,
     entropy_coef: float = 0.0,
+    entropy_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor]:
     """The chunked forward: (loss, metrics vector, mean entropy, d/d hidden, d/d weight, d/d bias, ``[N]`` log-probs,
     ``[N]`` entropy).
@@ -137,7 +139,7 @@ def _hidden_loss_forward(
         grad_now = compute_grad and token_level
         op = ops.grpo_loss_from_logits_pass_ if grad_now else ops.grpo_loss_from_logits_pass
         out = op(logits, ids[start:end], start, advantages, completion_mask, None, *option_args, *logit_args,
-                 entropy_coef if grad_now else 0.0, grad_now)  # fmt: skip
+                 entropy_coef if grad_now else 0.0, entropy_weights, grad_now)  # fmt: skip
         logps[start:end] = out[0]
         entropy[start:end] = out[1]
         if grad_now:
@@ -151,7 +153,8 @@ def _hidden_loss_forward(
             end = min(rows, start + chunk_size)
             logits = chunk_logits(start, end)
             ops.grpo_loss_from_logits_pass_(logits, ids[start:end], start, advantages, completion_mask,
-                                            token_grad[start:end], *option_args, *logit_args, entropy_coef, True)
+                                            token_grad[start:end], *option_args, *logit_args, entropy_coef,
+                                            entropy_weights, True)  # fmt: skip
             backward_through_chunk(start, end, logits)
     if need_weight and grad_weight is None:  # no row at all
         grad_weight = torch.zeros_like(weight)
@@ -160,7 +163,7 @@ def _hidden_loss_forward(
     if grad_bias is not None and bias is not None and grad_bias.dtype != bias.dtype:
         grad_bias = grad_bias.to(bias.dtype)
     entropy_mean = masked_mean_entropy(entropy, completion_mask, options.sample_mask)
-    loss = with_entropy_bonus(loss, entropy_mean, entropy_coef, options)
+    loss = with_entropy_bonus(loss, entropy, entropy_mean, completion_mask, options, entropy_coef, entropy_weights)
     return loss, metrics, entropy_mean, grad_hidden, grad_weight, grad_bias, logps, entropy
 
 
@@ -169,11 +172,11 @@ class _HiddenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, advantages, completion_mask, options, logit, chunk_size,
-                ref_head=None, entropy_coef=0.0):  # fmt: skip
+                ref_head=None, entropy_coef=0.0, entropy_weights=None):  # fmt: skip
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         loss, metrics, entropy, *grads, token_logps, token_entropy = _hidden_loss_forward(
             hidden, weight, bias, ids, advantages, completion_mask, options, logit, chunk_size, needs, ref_head,
-            entropy_coef,
+            entropy_coef, entropy_weights,
         )  # fmt: skip
         ctx.saved_grads = tuple(grads)
         ctx.mark_non_differentiable(metrics, entropy, token_logps, token_entropy)
@@ -184,7 +187,7 @@ class _HiddenLossFunction(torch.autograd.Function):
         refuse_double_backward("grpo_loss_from_hidden")
         grads = take_saved_grads(ctx, "grpo_loss_from_hidden")
         scaled = tuple(None if g is None else scale_grad(g, grad_loss) for g in grads)
-        return scaled + (None,) * 8
+        return scaled + (None,) * 9
 
 
 # The chunked loss as one opaque op for torch.compile; every gradient computed (bias' empty without bias).
@@ -192,18 +195,18 @@ torch.library.define(
     "grpo_ext::grpo_loss_from_hidden",
     f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor advantages, Tensor completion_mask, "
     f"{_native.LOSS_OPTIONS_SCHEMA}float temperature, float logit_scale, float logit_softcap, int chunk_size, "
-    "float entropy_coef) -> "
+    "float entropy_coef, Tensor? entropy_weights) -> "
     "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.impl("grpo_ext::grpo_loss_from_hidden", "CompositeExplicitAutograd")
 def _grpo_loss_from_hidden_impl(hidden, weight, bias, ids, advantages, completion_mask, *rest):
-    *options, temperature, logit_scale, logit_softcap, chunk_size, entropy_coef = rest
+    *options, temperature, logit_scale, logit_softcap, chunk_size, entropy_coef, entropy_weights = rest
     logit = logit_options_from_op_args(temperature, logit_scale, logit_softcap)
     loss, metrics, entropy, grad_hidden, grad_weight, grad_bias, token_logps, token_entropy = _hidden_loss_forward(
         hidden, weight, bias, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), logit,
-        chunk_size, (True, True, bias is not None), None, entropy_coef,
+        chunk_size, (True, True, bias is not None), None, entropy_coef, entropy_weights,
     )  # fmt: skip
     if grad_bias is None:
         grad_bias = weight.new_empty((0,))
@@ -258,6 +261,7 @@ def grpo_loss_from_hidden(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     entropy_coef: float = 0.0,
+    entropy_weights: Tensor | None = None,
     chunk_size: int | None = None,
     return_token_logps: bool = False,
     **options,
@@ -284,6 +288,8 @@ def grpo_loss_from_hidden(
         entropy_coef: the entropy bonus (TRL's ``entropy_coef``): ``loss - entropy_coef * loss_scale * H``, ``H`` the
             mean entropy over the kept tokens (``metrics["entropy"]``); its gradient is written by the chunks' pass
             (docs/math.md section 5, "Entropy bonus"). Finite; 0: none.
+        entropy_weights: ``[B, T]`` weights of the kept tokens in the bonus' mean, as
+            :func:`grpo_loss_from_logits` takes them.
         chunk_size: token rows per chunk (default: the largest power of two whose logits fit in
             ``lm_head.hidden_chunk_budget``: 256 MiB on CUDA; on a CPU at least the float32 weight gradient's size).
         return_token_logps: also return the ``[B, T]`` log-probs and entropies the chunks' pass computed (detached),
@@ -298,8 +304,8 @@ def grpo_loss_from_hidden(
     """
     return hidden_loss(hidden, lm_head_weight, completion_ids, advantages, completion_mask, lm_head_bias=lm_head_bias,
                        temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
-                       entropy_coef=entropy_coef, chunk_size=chunk_size, return_token_logps=return_token_logps,
-                       **options)  # fmt: skip
+                       entropy_coef=entropy_coef, entropy_weights=entropy_weights, chunk_size=chunk_size,
+                       return_token_logps=return_token_logps, **options)  # fmt: skip
 
 
 def _check_ref_head(ref_head: RefHead, rows: int, vocab: int, like: Tensor) -> RefHead:
@@ -335,6 +341,7 @@ def hidden_loss(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     entropy_coef: float = 0.0,
+    entropy_weights: Tensor | None = None,
     chunk_size: int | None = None,
     ref_head: RefHead | None = None,
     return_token_logps: bool = False,
@@ -371,6 +378,7 @@ def hidden_loss(
     logit = validate_logit_options(temperature, logit_scale, logit_softcap)
     entropy_coef = check_finite("entropy_coef", entropy_coef)
     return_token_logps = check_bool("return_token_logps", return_token_logps)
+    entropy_weights = check_entropy_weights(entropy_weights, completion_mask)
     batch, length = completion_mask.shape
     if ref_head is not None:
         ref_head = _check_ref_head(ref_head, flat_hidden.shape[0], vocab, hidden)
@@ -392,7 +400,7 @@ def hidden_loss(
     if not grad_wanted:
         loss, metrics, entropy, *_, token_logps, token_entropy = _hidden_loss_forward(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit,
-            chunk_size, (False, False, False), ref_head, entropy_coef,
+            chunk_size, (False, False, False), ref_head, entropy_coef, entropy_weights,
         )  # fmt: skip
     elif torch.compiler.is_compiling():
         if ref_head is not None:  # the opaque op takes ref_logps: fill them first, chunk by chunk
@@ -401,12 +409,12 @@ def hidden_loss(
                 _write_ref_logps(ref_head, flat_ids, start, end, logit, resolved.ref_logps.view(-1))
         loss, metrics, entropy, *_, token_logps, token_entropy = torch.ops.grpo_ext.grpo_loss_from_hidden(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, *resolved.op_args(),
-            *logit.op_args(), chunk_size, entropy_coef,
+            *logit.op_args(), chunk_size, entropy_coef, entropy_weights,
         )
     else:
         loss, metrics, entropy, token_logps, token_entropy = _HiddenLossFunction.apply(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit, chunk_size,
-            ref_head, entropy_coef,
+            ref_head, entropy_coef, entropy_weights,
         )
     return loss_output(loss, metrics_dict(metrics, resolved, entropy), token_logps, token_entropy, completion_mask,
                        return_token_logps)  # fmt: skip

@@ -33,23 +33,46 @@ def resolve_loss_options(
     return validate_grpo_loss_args(stand_in, advantages, completion_mask, options)
 
 
-def masked_mean_entropy(entropy: Tensor, completion_mask: Tensor, sample_mask: Tensor | None) -> Tensor:
-    """Mean entropy over the kept tokens (the kernels write 0 for masked rows, which are never read)."""
+def masked_mean_entropy(entropy: Tensor, completion_mask: Tensor, sample_mask: Tensor | None,
+                        weights: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Mean entropy over the kept tokens, each weighted by ``weights`` when given (the kernels write 0 for masked
+    rows, which are never read)."""
     mask = completion_mask.to(entropy.dtype)
     if sample_mask is not None:
         mask = mask * sample_mask.to(entropy.dtype).unsqueeze(1)
+    if weights is not None:
+        mask = mask * weights.to(entropy.dtype)
     return (entropy.view_as(mask) * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def with_entropy_bonus(loss: Tensor, entropy_mean: Tensor, entropy_coef: float, options: LossOptions) -> Tensor:
-    """``loss - entropy_coef * loss_scale * entropy_mean`` (docs/math.md section 5, "Entropy bonus"); ``loss`` itself
-    when ``entropy_coef`` is 0. The passes wrote the bonus' gradient already."""
+def with_entropy_bonus(loss: Tensor, entropy: Tensor, entropy_mean: Tensor, completion_mask: Tensor,
+                       options: LossOptions, entropy_coef: float,
+                       entropy_weights: Tensor | None) -> Tensor:  # fmt: skip
+    """``loss - entropy_coef * loss_scale * H`` (docs/math.md section 5, "Entropy bonus"), ``H`` the mean of the
+    ``[N]`` ``entropy`` over the kept tokens weighted by ``entropy_weights`` (``entropy_mean`` without weights);
+    ``loss`` itself when ``entropy_coef`` is 0. The passes wrote the bonus' gradient already."""
     if entropy_coef == 0.0:
         return loss
+    if entropy_weights is not None:
+        entropy_mean = masked_mean_entropy(entropy, completion_mask, options.sample_mask, entropy_weights)
     scale = options.loss_scale
     if isinstance(scale, Tensor):
         scale = scale.detach().to(device=loss.device, dtype=loss.dtype)
     return loss - (entropy_coef * scale) * entropy_mean.to(loss.dtype)
+
+
+def check_entropy_weights(entropy_weights: Tensor | None, completion_mask: Tensor) -> Tensor | None:
+    """``entropy_weights`` checked: None, or a bool/floating ``[B, T]`` tensor on ``completion_mask``'s device."""
+    if entropy_weights is None:
+        return None
+    if not isinstance(entropy_weights, Tensor) or not (entropy_weights.is_floating_point()
+                                                       or entropy_weights.dtype == torch.bool):  # fmt: skip
+        raise ValueError(f"entropy_weights must be None or a bool/floating [B, T] tensor, got "
+                         f"{getattr(entropy_weights, 'dtype', type(entropy_weights).__name__)}")  # fmt: skip
+    if entropy_weights.shape != completion_mask.shape or entropy_weights.device != completion_mask.device:
+        raise ValueError(f"entropy_weights must have completion_mask's shape {tuple(completion_mask.shape)} and device "
+                         f"{completion_mask.device}, got {tuple(entropy_weights.shape)} on {entropy_weights.device}")
+    return entropy_weights.detach()
 
 
 def _logits_loss_forward(
@@ -62,6 +85,7 @@ def _logits_loss_forward(
     compute_grad: bool,
     inplace: bool,
     entropy_coef: float = 0.0,
+    entropy_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """The fused forward on ``[N, V]``/``[B, T, V]`` logits: (loss, metrics vector, mean entropy, d loss/d logits,
     ``[N]`` log-probs, ``[N]`` entropy).
@@ -78,17 +102,17 @@ def _logits_loss_forward(
     logit_args = logit.op_args()
     if compute_grad and options.gradient_needs_whole_rows:
         logps, entropy, _ = ops.grpo_loss_from_logits_pass(
-            logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, 0.0, False
+            logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, 0.0, None, False
         )
         loss, metrics, grad_raw, grad_scale = ops.grpo_loss_forward(
             logps.view(batch, length), advantages, completion_mask, *option_args, True
         )
         token_grad = (grad_raw * grad_scale).reshape(-1)
         out = pass_op(logits, ids, 0, advantages, completion_mask, token_grad, *option_args, *logit_args,
-                      entropy_coef, True)  # fmt: skip
+                      entropy_coef, entropy_weights, True)  # fmt: skip
     else:
         out = pass_op(logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, entropy_coef,
-                      compute_grad)  # fmt: skip
+                      entropy_weights, compute_grad)  # fmt: skip
         logps, entropy = out[0], out[1]
         loss, metrics, _, _ = ops.grpo_loss_forward(
             logps.view(batch, length), advantages, completion_mask, *option_args, False
@@ -97,7 +121,8 @@ def _logits_loss_forward(
     if compute_grad:
         grad = logits if inplace else out[2].view(logits.shape)
     entropy_mean = masked_mean_entropy(entropy, completion_mask, options.sample_mask)
-    return with_entropy_bonus(loss, entropy_mean, entropy_coef, options), metrics, entropy_mean, grad, logps, entropy
+    loss = with_entropy_bonus(loss, entropy, entropy_mean, completion_mask, options, entropy_coef, entropy_weights)
+    return loss, metrics, entropy_mean, grad, logps, entropy
 
 
 def check_ids_and_mask(rows: int, device: torch.device, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
@@ -186,9 +211,9 @@ class _LogitsLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, advantages, completion_mask, options, logit, inplace, entropy_coef):
+    def forward(ctx, logits, ids, advantages, completion_mask, options, logit, inplace, entropy_coef, entropy_weights):
         loss, metrics, entropy, grad, token_logps, token_entropy = _logits_loss_forward(
-            logits, ids, advantages, completion_mask, options, logit, True, inplace, entropy_coef
+            logits, ids, advantages, completion_mask, options, logit, True, inplace, entropy_coef, entropy_weights
         )
         ctx.saved_grads = (grad,)
         ctx.mark_non_differentiable(metrics, entropy, token_logps, token_entropy)
@@ -198,7 +223,7 @@ class _LogitsLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         refuse_double_backward("grpo_loss_from_logits")
         (grad,) = take_saved_grads(ctx, "grpo_loss_from_logits")
-        return scale_grad(grad, grad_loss), None, None, None, None, None, None, None
+        return scale_grad(grad, grad_loss), None, None, None, None, None, None, None, None
 
 
 # The fused loss as one opaque op for torch.compile: (loss, metrics vector, mean entropy, d loss / d logits, [N]
@@ -206,17 +231,18 @@ class _LogitsLossFunction(torch.autograd.Function):
 torch.library.define(
     "grpo_ext::grpo_loss_from_logits",
     f"(Tensor logits, Tensor ids, Tensor advantages, Tensor completion_mask, {_native.LOSS_OPTIONS_SCHEMA}"
-    "float temperature, float logit_scale, float logit_softcap, float entropy_coef) -> "
+    "float temperature, float logit_scale, float logit_softcap, float entropy_coef, Tensor? entropy_weights) -> "
     "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.impl("grpo_ext::grpo_loss_from_logits", "CompositeExplicitAutograd")
 def _grpo_loss_from_logits_impl(logits, ids, advantages, completion_mask, *options_and_logit):
-    *options, temperature, logit_scale, logit_softcap, entropy_coef = options_and_logit
+    *options, temperature, logit_scale, logit_softcap, entropy_coef, entropy_weights = options_and_logit
     options = LossOptions.from_op_args(tuple(options))
     logit = logit_options_from_op_args(temperature, logit_scale, logit_softcap)
-    return _logits_loss_forward(logits, ids, advantages, completion_mask, options, logit, True, False, entropy_coef)
+    return _logits_loss_forward(logits, ids, advantages, completion_mask, options, logit, True, False, entropy_coef,
+                                entropy_weights)  # fmt: skip
 
 
 def logit_options_from_op_args(temperature: float, logit_scale: float, logit_softcap: float) -> LogitOptions:
@@ -266,6 +292,7 @@ def grpo_loss_from_logits(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     entropy_coef: float = 0.0,
+    entropy_weights: Tensor | None = None,
     inplace_grad: bool = False,
     return_token_logps: bool = False,
     **options,
@@ -293,6 +320,9 @@ def grpo_loss_from_logits(
         entropy_coef: the entropy bonus (TRL's ``entropy_coef``): ``loss - entropy_coef * loss_scale * H``, ``H`` the
             mean entropy over the kept tokens (``metrics["entropy"]``) of the distribution the loss uses; its
             gradient is written by the same pass (docs/math.md section 5, "Entropy bonus"). Finite; 0: none.
+        entropy_weights: ``[B, T]`` bool/float weights of the kept tokens in the bonus' mean (TRL's high-entropy
+            mask with ``top_entropy_quantile``), not differentiated; None: every kept token (``metrics["entropy"]``
+            stays the unweighted mean).
         inplace_grad: write the gradient over ``logits`` instead of a new buffer (no extra memory). ``logits`` must
             be the output of an op (a model's lm_head, say), not a leaf; its version counter is bumped, so autograd
             raises if anything saved it for backward, and its values are the gradient afterwards. Eager mode only.
@@ -310,6 +340,7 @@ def grpo_loss_from_logits(
     logit = validate_logit_options(temperature, logit_scale, logit_softcap)
     entropy_coef = check_finite("entropy_coef", entropy_coef)
     return_token_logps = check_bool("return_token_logps", return_token_logps)
+    entropy_weights = check_entropy_weights(entropy_weights, completion_mask)
     batch, length = completion_mask.shape
     resolved = resolve_loss_options("grpo_loss_from_logits", batch, length, logits, advantages, completion_mask,
                                     options)  # fmt: skip
@@ -328,15 +359,17 @@ def grpo_loss_from_logits(
             )
     if not compute_grad:
         loss, metrics, entropy, _, token_logps, token_entropy = _logits_loss_forward(
-            logits, flat_ids, advantages, completion_mask, resolved, logit, False, False, entropy_coef
-        )
+            logits, flat_ids, advantages, completion_mask, resolved, logit, False, False, entropy_coef,
+            entropy_weights,
+        )  # fmt: skip
     elif torch.compiler.is_compiling():
         loss, metrics, entropy, _, token_logps, token_entropy = torch.ops.grpo_ext.grpo_loss_from_logits(
-            logits, flat_ids, advantages, completion_mask, *resolved.op_args(), *logit.op_args(), entropy_coef
-        )
+            logits, flat_ids, advantages, completion_mask, *resolved.op_args(), *logit.op_args(), entropy_coef,
+            entropy_weights,
+        )  # fmt: skip
     else:
         loss, metrics, entropy, token_logps, token_entropy = _LogitsLossFunction.apply(
-            logits, flat_ids, advantages, completion_mask, resolved, logit, inplace_grad, entropy_coef
+            logits, flat_ids, advantages, completion_mask, resolved, logit, inplace_grad, entropy_coef, entropy_weights
         )
         if inplace_grad:
             # the values are the gradient now: anything that saved the logits for backward must fail loudly

@@ -23,6 +23,7 @@ def grpo_loss_from_hidden(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     entropy_coef: float = 0.0,
+    entropy_weights: Tensor | None = None,
     chunk_size: int | None = None,
     **options,
 ) -> GRPOLossOutput:
@@ -39,6 +40,7 @@ def grpo_loss_from_hidden(
         logit_scale: multiplies the raw logits first; finite, > 0 (docs/math.md section 2).
         logit_softcap: ``logit_softcap * tanh(y / logit_softcap)`` of the scaled logits ``y``, or None.
         entropy_coef: the entropy bonus, as :func:`grpo_loss_from_logits`'.
+        entropy_weights: the bonus' token weights, as :func:`grpo_loss_from_logits`'.
         chunk_size: ignored (the reference materializes every logit).
         **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
             from its definition there).
@@ -54,5 +56,6 @@ def grpo_loss_from_hidden(
         logits = logits + lm_head_bias
     return grpo_loss_from_logits(
         logits, completion_ids, advantages, completion_mask, temperature=temperature, logit_scale=logit_scale,
-        logit_softcap=logit_softcap, entropy_coef=entropy_coef, **options
+        logit_softcap=logit_softcap, entropy_coef=entropy_coef, entropy_weights=entropy_weights,
+        **options
     )

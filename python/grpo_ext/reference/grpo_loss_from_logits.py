@@ -22,6 +22,7 @@ def grpo_loss_from_logits(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     entropy_coef: float = 0.0,
+    entropy_weights: Tensor | None = None,
     **options,
 ) -> GRPOLossOutput:
     """:func:`selective_log_softmax` then :func:`grpo_loss`, through a materialized log_softmax.
@@ -37,6 +38,7 @@ def grpo_loss_from_logits(
         logit_softcap: ``logit_softcap * tanh(y / logit_softcap)`` of the scaled logits ``y``, or None.
         entropy_coef: the entropy bonus: ``loss - entropy_coef * loss_scale * H``, ``H`` the mean entropy over the
             kept tokens, differentiated through the materialized softmax (docs/math.md section 5, "Entropy bonus").
+        entropy_weights: ``[B, T]`` weights of the kept tokens in the bonus' mean, or None (every kept token).
         **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
             from its definition there).
 
@@ -63,6 +65,9 @@ def grpo_loss_from_logits(
     entropy = torch.where(mask != 0, selected.entropy, 0.0)
     entropy_mean = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
     out.metrics["entropy"] = entropy_mean.detach()
+    if entropy_weights is not None:
+        weighted = mask * entropy_weights.to(mask.dtype)
+        entropy_mean = (entropy * weighted).sum() / weighted.sum().clamp(min=1.0)
     if entropy_coef != 0.0:
         scale = options.get("loss_scale", 1.0)
         if isinstance(scale, torch.Tensor):

@@ -9,22 +9,23 @@ What changes, and what does not:
 
 - **the loss** (``logps_backend="fused"``, the default): ``_compute_loss`` runs TRL's fused-LM-head forward and, where
   TRL's forward hands the hidden states and the LM head's weight to its chunked log-prob function, computes the whole
-  loss with :func:`grpo_ext.grpo_loss_from_hidden` on the completion rows (each chunk's logits exist once, the gradients
-  for the hidden states and the head are formed in that pass), so no ``[B, T, V]`` logits and no per-token log-prob
-  graph exist (:mod:`.fused`). Settings it cannot express fall back, with a one-line warning naming the reason, to the
-  log-prob pass below and :func:`grpo_ext.grpo_loss`: ``top_entropy_quantile < 1``, ``off_policy_mask_threshold`` (both
-  need per-token values before the loss); a model's ``logit_scale`` and ``final_logit_softcapping`` go through the
-  kernels' logits options. ``logps_backend="plain"`` (a ``GRPOExtTrainer`` / :func:`patch` argument, or the trainer's
-  ``logps_backend`` attribute) always takes that path. Both map every TRL option that shapes the loss onto the
-  parameters of docs/math.md, so the loss and its gradients equal TRL's: ``loss_type``, ``epsilon``, ``epsilon_high``
-  (the cispo cap included), ``delta``, ``beta``, ``use_bias_correction_kl`` (TRL's default True is passed explicitly:
-  grpo_ext's own default is False), ``importance_sampling_level``, ``max_completion_length``, ``sapo_temperature_*``,
-  ``vespo_k_*``/``vespo_lambda_*``, the dapo/cispo/vespo ``num_items_in_batch`` normalizer, gradient accumulation (as
-  ``loss_scale``), TRL's entropy bonus (``entropy_coef``, fused into the kernels' pass on the fused path, and its
-  adaptive control ``use_adaptive_entropy``, TRL's update between optimizer steps), the vLLM importance-sampling
-  correction, ``off_policy_mask_threshold`` and ``top_entropy_quantile``
-  (all three as ``is_weights``; for vespo the vLLM ratio enters its sequence weight, as in TRL), tool masks and the MoE
-  router auxiliary loss;
+  loss with :func:`grpo_ext.grpo_loss_from_hidden` on the completion rows (each chunk's logits exist once, the
+  gradients for the hidden states and the head are formed in that pass), so no ``[B, T, V]`` logits and no per-token
+  log-prob graph exist (:mod:`.fused`). ``top_entropy_quantile < 1`` and ``off_policy_mask_threshold`` need per-token
+  values before the loss: a no-grad chunked pass over the completion rows, inside the forward, gives them. A model
+  whose forward hands the head rows that do not map onto the completion tokens falls back, with a one-line warning
+  naming the reason, to the log-prob pass below and :func:`grpo_ext.grpo_loss`; a model's ``logit_scale`` and
+  ``final_logit_softcapping`` go through the kernels' logits options. ``logps_backend="plain"`` (a ``GRPOExtTrainer``
+  / :func:`patch` argument, or the trainer's ``logps_backend`` attribute) always takes that path. Both map every TRL
+  option that shapes the loss onto the parameters of docs/math.md, so the loss and its gradients equal TRL's:
+  ``loss_type``, ``epsilon``, ``epsilon_high`` (the cispo cap included), ``delta``, ``beta``,
+  ``use_bias_correction_kl`` (TRL's default True is passed explicitly: grpo_ext's own default is False),
+  ``importance_sampling_level``, ``max_completion_length``, ``sapo_temperature_*``, ``vespo_k_*``/``vespo_lambda_*``,
+  the dapo/cispo/vespo ``num_items_in_batch`` normalizer, gradient accumulation (as ``loss_scale``), TRL's entropy
+  bonus (``entropy_coef``, fused into the kernels' pass on the fused path, and its adaptive control
+  ``use_adaptive_entropy``, TRL's update between optimizer steps), the vLLM importance-sampling correction,
+  ``off_policy_mask_threshold`` and ``top_entropy_quantile`` (all three as ``is_weights``; for vespo the vLLM ratio
+  enters its sequence weight, as in TRL), tool masks and the MoE router auxiliary loss;
 - **the log-prob passes** (policy, old policy and reference): TRL 1.16 computes them inside the model's forward
   (``add_fused_lm_head``), projecting the hidden states through the LM head in tiles. The patched trainer keeps that
   forward (PEFT, multimodal inputs, FSDP, ``cast_lm_head_to_fp32``, logit scaling and soft-capping all stay TRL's)

@@ -40,9 +40,11 @@ class FusedLossRequest:
         want_logps: also return the detached ``[B, T]`` log-probs (the fused pass' own; for the clip metrics).
         token_weights: for the masks that need per-token values before the loss (TRL's ``top_entropy_quantile`` and
             ``off_policy_mask_threshold``): called with the detached ``[B, T]`` log-probs and entropies of a no-grad
-            chunked pass over the completion rows, it returns the loss' ``is_weights`` (or None).
+            chunked pass over the completion rows, it returns the loss options they set (``is_weights`` and, for the
+            entropy bonus, ``entropy_weights``).
         output: the loss output, set by the head.
         logps: the detached log-probs when ``want_logps``.
+        token_entropy: the detached ``[B, T]`` entropies of the fused pass, set by the head.
         refusal: why the call fell back to the log-prob pass, set by the head; None when fused.
     """
 
@@ -51,7 +53,8 @@ class FusedLossRequest:
     input_length: int
     loss_options: dict[str, Any]
     want_logps: bool = False
-    token_weights: Callable[[Tensor, Tensor], Tensor | None] | None = None
+    token_weights: Callable[[Tensor, Tensor], dict[str, Tensor | None]] | None = None
+    token_entropy: Tensor | None = None
     output: GRPOLossOutput | None = None
     logps: Tensor | None = None
     refusal: str | None = None
@@ -126,13 +129,14 @@ class GrpoExtHead:
             rows = rows.to(dtype)
             ids = request.completion_ids.to(hidden.device)
             if request.token_weights is not None:
-                request.loss_options["is_weights"] = _token_weights(request, rows, weight_c, bias_c, ids, temperature,
-                                                                    chunk_size, final_logit_softcapping, logit_scale)
+                request.loss_options.update(_token_weights(request, rows, weight_c, bias_c, ids, temperature,
+                                                           chunk_size, final_logit_softcapping, logit_scale))
             out = ops.grpo_loss_from_hidden(
                 rows, weight_c, ids, lm_head_bias=bias_c, temperature=temperature, logit_scale=logit_scale,
                 logit_softcap=final_logit_softcapping, return_token_logps=True, **request.loss_options,
             )  # fmt: skip
             request.output = GRPOLossOutput(out.loss, out.metrics)
+            request.token_entropy = out.token_entropy
             if request.want_logps:  # the pass' own log-probs (0 at masked tokens, which the metrics never read)
                 request.logps = out.token_logps
         zeros = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
@@ -140,7 +144,8 @@ class GrpoExtHead:
 
 
 def _token_weights(request: FusedLossRequest, rows: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor,
-                   temperature: float, chunk_size: int, softcap: float | None, scale: float) -> Tensor | None:
+                   temperature: float, chunk_size: int, softcap: float | None,
+                   scale: float) -> dict[str, Tensor | None]:  # fmt: skip
     """``request.token_weights`` of the per-token log-probs and entropies of a no-grad pass over ``rows`` (chunked:
     one chunk of logits at a time, as the fused loss), before the loss that they weigh."""
     with torch.no_grad():

@@ -48,21 +48,30 @@ def _global_mean(trainer: trl.GRPOTrainer, local_sum: Tensor, local_count: Tenso
     return (totals[0] / totals[1].clamp(min=1.0)).item()
 
 
+def _high_entropy_mask(trainer: trl.GRPOTrainer, entropies: Tensor | None, mask: Tensor) -> Tensor | None:
+    """TRL's ``[B, T]`` mask of the tokens above the ``1 - top_entropy_quantile`` entropy quantile over every
+    process (None when ``top_entropy_quantile`` is 1)."""
+    if trainer.top_entropy_quantile >= 1.0:
+        return None
+    return trainer.get_high_entropy_mask(entropies.detach(), mask, 1 - trainer.top_entropy_quantile)
+
+
 def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor | None, old_logps: Tensor | None,
-                entropies: Tensor | None, mask: Tensor, advantages: Tensor) -> Tensor | None:  # fmt: skip
+                entropy_mask: Tensor | None, mask: Tensor, advantages: Tensor) -> Tensor | None:  # fmt: skip
     """TRL's factors on the policy term only, multiplied into grpo_ext's ``is_weights`` (``[B, T]`` or ``[B, 1]``).
 
     TRL multiplies its per-token policy loss, before adding the KL, by the high-entropy token mask
     (``top_entropy_quantile``), the DeepSeek-V3.2 off-policy sequence mask (``off_policy_mask_threshold``) and the
     vLLM importance-sampling ratio; none of them is differentiated, which is what ``is_weights`` means in docs/math.md.
-    The first two need the current ``logps`` / ``entropies``: on the fused path they come from a no-grad chunked pass
+    The first two need the current ``logps`` / entropies (``entropy_mask``, :func:`_high_entropy_mask`): on the fused
+    path they come from a no-grad chunked pass
     over the completion rows inside the forward, before the loss (:class:`.fused.FusedLossRequest`'s
     ``token_weights``). For vespo only the vLLM ratio can be there (the masks are refused): it enters the sequence
     weight, as in TRL.
     """
     factors: list[Tensor] = []
-    if trainer.top_entropy_quantile < 1.0:
-        factors.append(trainer.get_high_entropy_mask(entropies.detach(), mask, 1 - trainer.top_entropy_quantile))
+    if entropy_mask is not None:
+        factors.append(entropy_mask)
     if trainer.off_policy_mask_threshold is not None:
         old = logps.detach() if old_logps is None else old_logps
         rows_advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
@@ -217,10 +226,8 @@ def _update_entropy_control(trainer: trl.GRPOTrainer, mode: str, entropy_sum: Te
 
 
 def fused_refusal(trainer: trl.GRPOTrainer) -> str | None:
-    """Why this trainer's settings keep the loss off the fused path (None: fused), before any forward runs."""
-    if trainer.top_entropy_quantile < 1.0 and trainer._entropy_bonus_enabled:
-        return (f"top_entropy_quantile={trainer.top_entropy_quantile} with the entropy bonus: TRL's bonus then "
-                "averages over the high-entropy tokens only, a mask the fused bonus does not take")  # fmt: skip
+    """Why this trainer's settings keep the loss off the fused path (None: fused), before any forward runs: no TRL
+    option does (the models the fused head cannot score fall back inside the forward, with a reason)."""
     return None
 
 
@@ -276,8 +283,13 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
         if reason is None:
             token_weights = None
             if _needs_token_values(trainer):  # weights from a no-grad pass inside the forward, before the loss
-                def token_weights(logps: Tensor, entropies: Tensor) -> Tensor | None:
-                    return _is_weights(trainer, inputs, logps, old_logps, entropies, mask, advantages)
+                def token_weights(logps: Tensor, entropies: Tensor) -> dict[str, Tensor | None]:
+                    entropy_mask = _high_entropy_mask(trainer, entropies, mask)
+                    weights = {"is_weights": _is_weights(trainer, inputs, logps, old_logps, entropy_mask, mask,
+                                                         advantages)}  # fmt: skip
+                    if bonus_coef is not None:  # TRL's bonus averages over the tokens its policy term keeps
+                        weights["entropy_weights"] = entropy_mask
+                    return weights
 
                 is_weights = None
             else:
@@ -313,15 +325,20 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
         loss = out.loss
         # The fused loss has the bonus in it (with its gradient); TRL's policy_loss metric is the loss without it.
         bonus_sum, bonus_count = entropy_sum, mask.sum()
+        bonus_weights = request.loss_options.get("entropy_weights")
+        if bonus_weights is not None:  # the high-entropy tokens' mean
+            bonus_weights = mask.to(request.token_entropy.dtype) * bonus_weights.to(request.token_entropy.dtype)
+            bonus_sum, bonus_count = (request.token_entropy * bonus_weights).sum(), bonus_weights.sum()
         policy_loss = out.loss.detach()
         if bonus_coef is not None:
-            policy_loss = policy_loss + bonus_coef * out.metrics["entropy"] / accumulation
+            policy_loss = policy_loss + bonus_coef * (bonus_sum / bonus_count.clamp(min=1.0)) / accumulation
     else:
         if request is not None:
             _warn_fallback(trainer, request.refusal)
+        entropy_mask = _high_entropy_mask(trainer, entropies, mask)
         out = ops.grpo_loss(
             logps, advantages, mask,
-            is_weights=_is_weights(trainer, inputs, logps, old_logps, entropies, mask, advantages), **options,
+            is_weights=_is_weights(trainer, inputs, logps, old_logps, entropy_mask, mask, advantages), **options,
         )  # fmt: skip
         entropy_sum = (entropies.detach() * mask).sum()
         loss = out.loss
@@ -330,9 +347,8 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
             # TRL's bonus acts on the tokens its policy term keeps (the high-entropy ones with top_entropy_quantile),
             # differentiated through the log-prob pass' entropy output.
             bonus_mask = mask.to(entropies.dtype)
-            if trainer.top_entropy_quantile < 1.0:
-                bonus_mask = bonus_mask * trainer.get_high_entropy_mask(entropies.detach(), mask,
-                                                                        1 - trainer.top_entropy_quantile)  # fmt: skip
+            if entropy_mask is not None:
+                bonus_mask = bonus_mask * entropy_mask
             bonus_sum, bonus_count = (entropies * bonus_mask).sum(), bonus_mask.sum()
             loss = loss - bonus_coef * (bonus_sum / bonus_count.clamp(min=1.0)) / accumulation
     if bonus_coef is not None:
