@@ -29,6 +29,12 @@ Usage::
     python benchmarks/bench_trainer.py           # V in {32000, 151936} x T in {256, 1024}
     python benchmarks/bench_trainer.py --quick   # smoke run (CI): V=512, T=16, hidden 32
     python benchmarks/bench_trainer.py --vocabs 151936 --lengths 1024 --contenders grpo_ext/fused,trl
+    python benchmarks/bench_trainer.py --contenders trl,trl+grpo_ext/fused --options top_entropy_quantile=0.2
+
+``--options KEY=VALUE,...`` sets loss options of every contender's config (TRL's names: ``entropy_coef``,
+``top_entropy_quantile``, ``off_policy_mask_threshold``, ...); a grpo_ext trainer contender whose GRPOConfig lacks
+one is reported n/a. The fixed batch has no old log-probs, so ``off_policy_mask_threshold`` keeps every row (the
+sampling log-probs are the current ones) while still computing its mask.
 """
 
 from __future__ import annotations
@@ -124,7 +130,7 @@ def grpo_ext_runner(case: dict[str, Any], backend: str, model, tokenizer, device
         output_dir=out_dir, logps_backend=backend, per_device_train_batch_size=case["batch"],
         num_generations=NUM_GENERATIONS, max_completion_length=case["length"], max_prompt_length=None,
         gradient_accumulation_steps=1, beta=0.0, loss_type="dapo", learning_rate=1e-5, report_to="none",
-        bf16=False, save_steps=0, plot=False, log_completions=False,
+        bf16=False, save_steps=0, plot=False, log_completions=False, **case["options"],
     )  # fmt: skip
     dataset = [{"prompt": p} for p in prompts_of(case)]
     trainer = GRPOTrainer(model, reward, dataset, config=config, tokenizer=tokenizer)
@@ -152,7 +158,7 @@ def trl_runner(case: dict[str, Any], backend: str | None, model, tokenizer, devi
         output_dir=out_dir, report_to="none", use_cpu=device.type == "cpu", bf16=False, seed=case["seed"],
         per_device_train_batch_size=case["batch"], num_generations=NUM_GENERATIONS,
         max_completion_length=case["length"], gradient_accumulation_steps=1, steps_per_generation=1, beta=0.0,
-        loss_type="dapo", learning_rate=1e-5, save_strategy="no", disable_tqdm=True,
+        loss_type="dapo", learning_rate=1e-5, save_strategy="no", disable_tqdm=True, **case["options"],
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": prompts_of(case)})
     kwargs = dict(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
@@ -263,9 +269,29 @@ def accepted_backends() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(v for v in BACKENDS if accepts(v)), tuple(v for v in ("torch", "grpo_ext") if accepts(v))
 
 
-def select_contenders(requested: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The contenders to run, and those that cannot run in this checkout with the reason (GRPOConfig's backends)."""
+def parse_options(text: str | None) -> dict[str, Any]:
+    """``KEY=VALUE,...`` as config overrides: numbers as numbers, ``true``/``false`` as bools, the rest as text."""
+    options: dict[str, Any] = {}
+    for item in cli.parse_list(text or ""):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--options takes KEY=VALUE items, got {item!r}")
+        try:
+            options[key] = json.loads(value.lower() if value.lower() in ("true", "false") else value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def select_contenders(requested: list[str], options: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """The contenders to run, and those that cannot run in this checkout with the reason (GRPOConfig's backends and
+    fields)."""
+    import dataclasses
+
+    from grpo_ext.trainer import GRPOConfig
+
     found, others = accepted_backends()
+    lacking = sorted(set(options) - {field.name for field in dataclasses.fields(GRPOConfig)})
     run: list[str] = []
     missing: dict[str, str] = {}
     for name in requested:
@@ -274,9 +300,11 @@ def select_contenders(requested: list[str]) -> tuple[list[str], dict[str, str]]:
         backend = name.removeprefix("grpo_ext/")
         if name.startswith("grpo_ext/") and backend not in found:
             missing[name] = f"grpo_ext's GRPOConfig does not accept logps_backend={backend!r} in this checkout"
+        elif name.startswith("grpo_ext/") and lacking:
+            missing[name] = f"grpo_ext's GRPOConfig has no {', '.join(lacking)}"
         else:
             run.append(name)
-    if missing:  # measure what exists instead: the backends the installed GRPOConfig has
+    if missing and not lacking:  # measure what exists instead: the backends the installed GRPOConfig has
         run += [f"grpo_ext/{value}" for value in others]
     return run, missing
 
@@ -330,6 +358,8 @@ def main() -> None:
                         help="skip a contender holding [B, P+T, V] float32 logits above this (default: none)")
     parser.add_argument("--no-generation", action="store_true", help="skip the gen+step figure (reported n/a)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per contender and case")
+    parser.add_argument("--options", default=None,
+                        help="KEY=VALUE,... loss options of every contender's config (e.g. entropy_coef=0.01)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON of one case: run it in this process
     args = parser.parse_args()
     if args.child is not None:
@@ -345,11 +375,11 @@ def main() -> None:
     shape = dict(
         batch=args.batch or (4 if quick else 8), prompt_length=args.prompt_length or (4 if quick else 32),
         hidden=args.hidden or (32 if quick else 256), layers=args.layers, steps=args.steps or (1 if quick else 3),
-        seed=args.seed, device=str(device), generation=not args.no_generation,
+        seed=args.seed, device=str(device), generation=not args.no_generation, options=parse_options(args.options),
     )  # fmt: skip
     if shape["batch"] % NUM_GENERATIONS:
         raise SystemExit(f"--batch must be a multiple of num_generations={NUM_GENERATIONS}")
-    contenders, missing = select_contenders(cli.parse_list(args.contenders))
+    contenders, missing = select_contenders(cli.parse_list(args.contenders), shape["options"])
     for name, reason in missing.items():
         print(f"note: {name} not run: {reason}")
 
@@ -357,6 +387,8 @@ def main() -> None:
     for vocab in vocabs:
         for length in lengths:
             case_name = f"V={vocab} T={length} B={shape['batch']} P={shape['prompt_length']} H={shape['hidden']}"
+            if shape["options"]:
+                case_name += " " + " ".join(f"{key}={value}" for key, value in shape["options"].items())
             logits_gib = shape["batch"] * (shape["prompt_length"] + length) * vocab * 4 / 2**30
             for contender in contenders:
                 full_logits = contender in ("grpo_ext/plain", "grpo_ext/torch", "grpo_ext/grpo_ext")

@@ -60,6 +60,7 @@ struct LossParams {
 // The loss op's inputs as strided views; absent optional inputs have data == nullptr.
 struct LossInputs {
   StridedMatrix logps, old_logps, ref_logps, advantages, is_weights, mask, sample_mask;
+  StridedMatrix policy_weights;  // multiply the policy term only, never vespo's w_i (docs/math.md section 3)
   int64_t batch = 0;
   int64_t seq_len = 0;
 

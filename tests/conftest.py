@@ -37,6 +37,7 @@ class LossBatch:
     mask: torch.Tensor
     is_weights: torch.Tensor
     sample_mask: torch.Tensor
+    policy_weights: torch.Tensor
 
     def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> LossBatch:
         def conv(t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,10 @@ def make_loss_batch(
     is_weights = 0.5 + torch.rand(batch, seq_len, generator=g, dtype=dtype)
     sample_mask = torch.ones(batch, dtype=torch.bool)
     sample_mask[-1] = False
-    return LossBatch(logps, old, ref, adv, mask, is_weights, sample_mask)
+    # drawn last, so that the other tensors are those of the seed as before: a quarter 0, the rest in [0.5, 1.5)
+    policy_weights = torch.rand(batch, seq_len, generator=g, dtype=dtype)
+    policy_weights = torch.where(policy_weights < 0.25, 0.0, 0.5 + policy_weights)
+    return LossBatch(logps, old, ref, adv, mask, is_weights, sample_mask, policy_weights)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, msg: str = "") -> None:

@@ -53,6 +53,22 @@ def test_trainer_benchmark_quick_run(tmp_path):
         assert "note" not in row or "does not accept logps_backend" in row["note"], row
 
 
+def test_trainer_benchmark_with_trl_loss_options(tmp_path):
+    """--options: TRL's entropy bonus and both token masks on TRL and on GRPOExtTrainer's fused path; the first-step
+    gradient norms agree (the same step), and grpo_ext's trainer, without these options, says so."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_trainer.py"), "--quick", "--device", "cpu", "--out", str(out),
+           "--no-generation", "--contenders", "grpo_ext/fused,trl,trl+grpo_ext/fused",
+           "--options", "entropy_coef=0.01,top_entropy_quantile=0.2,off_policy_mask_threshold=0.5"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "(ok, " in result.stdout and "MISMATCH" not in result.stdout
+    rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["trl"]["step_ms"] > 0 and rows["trl+grpo_ext/fused"]["step_ms"] > 0
+    assert "has no off_policy_mask_threshold, top_entropy_quantile" in rows["grpo_ext/fused"]["note"]
+    assert "top_entropy_quantile=0.2" in rows["trl"]["case"]
+
+
 # Not smoke-run here: it trains a real model (SmolLM2-135M from a 98 MB package) for minutes; run by hand (README).
 REAL_MODEL_SCRIPTS = ["bench_trl_real.py"]
 

@@ -18,12 +18,13 @@ COEF = 0.37
 
 
 def problem_kwargs(loss_type: str, level: str, old, ref, *, seed: int = 5) -> dict:
-    """Every option that shapes the loss or the kept tokens: old/ref log-probs, KL, IS weights, a dropped row, the
-    logits options and a loss scale."""
+    """Every option that shapes the loss or the kept tokens: old/ref log-probs, KL, IS and policy weights, a dropped
+    row, the logits options and a loss scale."""
     g = torch.Generator().manual_seed(seed)
     return dict(
         old_logps=old, ref_logps=ref, beta=0.05, loss_type=loss_type, importance_sampling_level=level,
         is_weights=0.5 + torch.rand(4, 6, generator=g, dtype=torch.float64),
+        policy_weights=(torch.rand(4, 6, generator=g) > 0.3).to(torch.float64),
         sample_mask=torch.tensor([True, True, False, True]), temperature=0.9, logit_scale=1.3, loss_scale=0.5,
         epsilon_high=1.2 if loss_type == "cispo" else 0.28,
     )  # fmt: skip

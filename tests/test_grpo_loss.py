@@ -28,7 +28,7 @@ KL_CONFIGS = {
     "k3+_bias": (0.05, "k3+", None, True),
     "low_var_kl_clamp": (0.1, "low_var_kl", 20.0, False),
 }
-EXTRAS = ["plain", "delta", "is_weights_sample_mask", "token_advantages", "denominators"]
+EXTRAS = ["plain", "delta", "is_weights_sample_mask", "token_advantages", "denominators", "policy_weights"]
 
 
 def run_both(batch, device: str, dtype: torch.dtype, **kwargs):
@@ -71,6 +71,9 @@ def case_kwargs(loss_type: str, level: str, kl: str, extra: str) -> dict:
     elif extra == "is_weights_sample_mask":
         kwargs["is_weights"] = "is_weights"
         kwargs["sample_mask"] = "sample_mask"
+    elif extra == "policy_weights":  # with is_weights: for vespo the two act on different things
+        kwargs["is_weights"] = "is_weights"
+        kwargs["policy_weights"] = "policy_weights"
     elif extra == "denominators":
         kwargs.update(max_completion_length=16, num_items_in_batch=37, loss_scale=0.25, epsilon=0.1,
                       skip_empty_rows=True)  # fmt: skip

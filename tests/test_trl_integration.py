@@ -353,6 +353,13 @@ CASES = {
         config=dict(loss_type="bnpo", top_entropy_quantile=0.5, off_policy_mask_threshold=0.02),
         model_config=dict(final_logit_softcapping=0.5),
     ),
+    # vespo: the masks multiply its term after phi (policy_weights), the vLLM ratio enters phi (is_weights)
+    "vespo_off_policy_mask": Case(config=dict(loss_type="vespo", beta=0.04, off_policy_mask_threshold=0.02)),
+    "vespo_masks_vllm_is": Case(
+        config=dict(loss_type="vespo", top_entropy_quantile=0.5, off_policy_mask_threshold=0.02, entropy_coef=0.1),
+        attrs=dict(use_vllm=True, vllm_importance_sampling_correction=True),
+        inputs=dict(is_ratio_shape=(B, T)),
+    ),
     "off_policy_mask_entropy_coef": Case(
         config=dict(loss_type="cispo", off_policy_mask_threshold=0.02, entropy_coef=0.1)
     ),
@@ -621,13 +628,11 @@ def test_patch_is_idempotent_and_unpatch_restores_trl(llama_dir, tokenizer, tmp_
 
 
 def test_unsupported_settings_raise_naming_them(llama_dir, tokenizer, tmp_path):
-    with pytest.raises(ValueError, match=r"GRPOConfig\.loss_type='vespo' with off_policy_mask_threshold=0\.1"):
+    config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    config.loss_type = "ppo_made_up"  # a later TRL's loss type, say
+    with pytest.raises(ValueError, match=r"GRPOConfig\.loss_type='ppo_made_up' is not supported"):
         # raised before TRL loads anything: the model path does not even exist
-        grpo_trl.GRPOExtTrainer(
-            model=str(tmp_path / "missing"), reward_funcs=digit_reward,
-            args=trl.GRPOConfig(output_dir=str(tmp_path), loss_type="vespo", off_policy_mask_threshold=0.1,
-                                use_cpu=True, report_to="none"),
-        )  # fmt: skip
+        grpo_trl.GRPOExtTrainer(model=str(tmp_path / "missing"), reward_funcs=digit_reward, args=config)
     with pytest.raises(ValueError, match=r"logps_backend must be one of \('fused', 'plain'\), got 'fast'"):
         grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path), logps_backend="fast")
     with pytest.raises(ValueError, match=r"logps_backend must be one of \('fused', 'plain'\), got 'logits'"):

@@ -18,7 +18,7 @@ using cpu::row_values;
 // Per-thread scratch: rows of inputs that need converting, and the per-token contributions that are summed.
 template <typename T>
 struct RowScratch {
-  std::vector<T> mask, logps, old_logps, ref_logps, advantages, is_weights;
+  std::vector<T> mask, logps, old_logps, ref_logps, advantages, is_weights, policy_weights;
   std::vector<T> contributions;  // kNumRowSlots + 1 rows of n: loss, mask, kl, low, high, region, cispo, phi, dP/drho
   std::vector<T> grad;           // the gradient's destination when none is wanted
   int64_t n;
@@ -29,6 +29,7 @@ struct RowScratch {
         ref_logps(n_cols),
         advantages(n_cols),
         is_weights(n_cols),
+        policy_weights(n_cols),
         contributions((kNumRowSlots + 1) * n_cols),
         grad(n_cols),
         n(n_cols) {}
@@ -134,6 +135,13 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
       for (int64_t t = 0; t < n_cols; ++t) terms[t] = mask[t] * phi[t];
       phi_partial = lane_sum(terms, n_cols);
     }
+  }
+
+  if (in.policy_weights.present()) {  // on the policy term's weight (is_weights or phi), after phi's metric
+    const T* policy_weights = clean(in.policy_weights, scratch.policy_weights);
+    T* weights = scratch.is_weights.data();  // is_weights points here in every case above
+    for (int64_t t = 0; t < n_cols; ++t) weights[t] = is_weights[t] * policy_weights[t];
+    is_weights = weights;
   }
 
   const bool need_count = per_row_normalized(p.loss_type) || p.sequence_level;

@@ -118,7 +118,8 @@ void logits_pass_impl(LogitsPassPlan& plan) {
       } else {
         const T l_old = p.has_old ? in.old_logps.load<T>(b, t) : logp;
         const T l_ref = want_kl ? in.ref_logps.load<T>(b, t) : T(0);
-        const T isw = in.is_weights.present() ? in.is_weights.load<T>(b, t) : T(1);
+        const T isw = (in.is_weights.present() ? in.is_weights.load<T>(b, t) : T(1)) *
+                      (in.policy_weights.present() ? in.policy_weights.load<T>(b, t) : T(1));
         g = weights.rows[b] * m *
             token_logp_grad<T>(consts, family, kl, p.bias_correction, p.has_old, logp, l_old, l_ref,
                                in.advantages.load<T>(b, t), isw);

@@ -30,7 +30,8 @@ __device__ __forceinline__ bool loss_row_vectorizable(const LossInputs& in, int6
                                                       const T* grad_row) {
   bool ok =
       in.logps.col_stride == 1 && (!grad_row || reinterpret_cast<uintptr_t>(grad_row + head) % sizeof(Pack<T, K>) == 0);
-  for (const StridedMatrix* m : {&in.logps, &in.old_logps, &in.ref_logps, &in.advantages, &in.is_weights, &in.mask}) {
+  for (const StridedMatrix* m :
+       {&in.logps, &in.old_logps, &in.ref_logps, &in.advantages, &in.is_weights, &in.policy_weights, &in.mask}) {
     const bool is_mask = m == &in.mask;
     ok = ok && chunk_aligned<K>(*m, row, head) && (!m->present() || m->col_stride == 0 || chunk_dtype<T>(*m, is_mask));
   }
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(256)
       for (int k = 0; k < K; ++k) g[k] = T(0);  // masked tokens' gradient
       const bool kept = load_mask(c, m);
       if (kept) {
-        T l[K], l_old[K], adv[K], l_ref[K], isw[K];
+        T l[K], l_old[K], adv[K], l_ref[K], isw[K], pw[K];
         load_tokens<T, K>(in.logps, row, n_cols, c, l, &m);
         const bool per_token_old = p.has_old && !p.sequence_level;
         if (per_token_old) load_tokens<T, K>(in.old_logps, row, n_cols, c, l_old, &m);
@@ -116,6 +117,8 @@ __global__ void __launch_bounds__(256)
         if (want_kl) load_tokens<T, K>(in.ref_logps, row, n_cols, c, l_ref, &m);
         const bool given_isw = !vespo && in.is_weights.present();
         if (given_isw) load_tokens<T, K>(in.is_weights, row, n_cols, c, isw, &m);
+        const bool given_pw = in.policy_weights.present();
+        if (given_pw) load_tokens<T, K>(in.policy_weights, row, n_cols, c, pw, &m);
         // One token at a time through the run-time dispatch (one copy of its code: unrolled K times it was not
         // inlined and took a 700-byte stack frame), picking the token's values out of the chunk's registers.
 #pragma unroll 1
@@ -124,8 +127,9 @@ __global__ void __launch_bounds__(256)
           if (mk == T(0)) continue;
           const T lk = pick(l, k), adv_k = pick(adv, k);
           const T rho = p.sequence_level ? seq_ratio : math_exp(log_ratio_of(lk, per_token_old ? pick(l_old, k) : lk));
-          // vespo: the token's phi in place of its is_weight (docs/math.md section 3)
-          const T w_is = vespo ? vespo_phi(consts, vespo_log_w, adv_k) : (given_isw ? pick(isw, k) : T(1));
+          // vespo: the token's phi in place of its is_weight (docs/math.md section 3); the policy weights on either
+          const T phi = vespo ? vespo_phi(consts, vespo_log_w, adv_k) : T(1);
+          const T w_is = (vespo ? phi : (given_isw ? pick(isw, k) : T(1))) * (given_pw ? pick(pw, k) : T(1));
           const TokenTerms<T> tt = token_terms<T>(consts, family, kl, p.bias_correction, lk,
                                                   want_kl ? pick(l_ref, k) : T(0), adv_k, w_is, rho);
           const T w = mk * row_factor;
@@ -136,7 +140,7 @@ __global__ void __launch_bounds__(256)
           acc[kSlotHigh] += tt.high * mk;
           acc[kSlotRegion] += (tt.low + tt.high) * mk;  // low and high never hold together
           acc[kSlotCispo] += tt.cispo_clipped * mk;
-          if (vespo) acc[kSlotPhi] += w_is * mk;
+          if (vespo) acc[kSlotPhi] += phi * mk;
           if (p.sequence_level) {
             acc[kNumRowSlots] += w * tt.dloss_drho;
             put(g, k, w * tt.dloss_dl);

@@ -139,7 +139,8 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const T* row
     } else {
       const T l_old = p.has_old ? in.old_logps.load<T>(row.b, row.t) : logp;
       const T l_ref = p.beta != 0.0 ? in.ref_logps.load<T>(row.b, row.t) : T(0);
-      const T isw = in.is_weights.present() ? in.is_weights.load<T>(row.b, row.t) : T(1);
+      const T isw = (in.is_weights.present() ? in.is_weights.load<T>(row.b, row.t) : T(1)) *
+                    (in.policy_weights.present() ? in.policy_weights.load<T>(row.b, row.t) : T(1));
       g = row_weight[row.b] * row.m *
           token_logp_grad<T>(TokenConsts<T>(p), policy_family(p.loss_type), kl_kind(p), p.bias_correction, p.has_old,
                              logp, l_old, l_ref, in.advantages.load<T>(row.b, row.t), isw);

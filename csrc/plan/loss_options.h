@@ -43,7 +43,8 @@
   X("float", double, vespo_k_neg)                              \
   X("float", double, vespo_lambda_neg)                         \
   X("float", double, loss_scale)                               \
-  X("bool", bool, skip_empty_rows)
+  X("bool", bool, skip_empty_rows)                             \
+  X("Tensor?", const std::optional<Tensor>&, policy_weights)
 
 #define GRPO_OPTION_SCHEMA(schema_type, cpp_type, name) schema_type " " #name ", "
 #define GRPO_OPTION_PARAM(schema_type, cpp_type, name) cpp_type name,
@@ -128,6 +129,11 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const Te
     check_float(*o.is_weights, "is_weights");
     check_same_device(*o.is_weights, like, "is_weights", like_name);
     in.is_weights = matrix_view(*o.is_weights, batch, seq_len, "is_weights", true);
+  }
+  if (o.policy_weights.has_value()) {
+    check_float(*o.policy_weights, "policy_weights");
+    check_same_device(*o.policy_weights, like, "policy_weights", like_name);
+    in.policy_weights = matrix_view(*o.policy_weights, batch, seq_len, "policy_weights", true);
   }
   if (o.sample_mask.has_value()) {
     const Tensor& s = *o.sample_mask;

@@ -423,9 +423,10 @@ def validate_grpo_loss_args(
             check_tensor(name, t)
             check_floating(name, t)
             check_shape(name, t, [(batch, length)], bt)
-    if options.is_weights is not None:
-        check_tensor("is_weights", options.is_weights)
-        check_per_row("is_weights", options.is_weights, batch, length)
+    for name, t in (("is_weights", options.is_weights), ("policy_weights", options.policy_weights)):
+        if t is not None:
+            check_tensor(name, t)
+            check_per_row(name, t, batch, length)
     if options.sample_mask is not None:
         check_tensor("sample_mask", options.sample_mask)
         check_shape("sample_mask", options.sample_mask, [(batch,)], f"[B]=({batch},)")
@@ -438,6 +439,7 @@ def validate_grpo_loss_args(
         ref_logps=options.ref_logps,
         is_weights=options.is_weights,
         sample_mask=options.sample_mask,
+        policy_weights=options.policy_weights,
     )
     if isinstance(options.loss_scale, Tensor):
         check_scalar_tensor_device("loss_scale", options.loss_scale, "logps", logps)

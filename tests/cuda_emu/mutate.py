@@ -64,7 +64,7 @@ MUTATIONS = [
     Mutation("wrong row offset", "logits pass: logits row r scores token r, not row_offset + r",
              "cuda/grpo_loss_from_logits.cuh", "const int64_t n = a.row_offset + r,", "const int64_t n = r,"),
     Mutation("dropped mask factor", "row weights: tokens counted without the sample mask",
-             "cuda/grpo_loss_from_logits.cuh", "count += in.mask_at<T>(b, t);", "count += in.mask.load<T>(b, t);"),
+             "cuda/grpo_loss_from_logits.cuh", "T m = in.mask_at<T>(b, t);", "T m = in.mask.load<T>(b, t);"),
     Mutation("over-sized launch", "loss rows: up to 1024 threads per row, over __launch_bounds__(256)",
              "cuda/grpo_loss.cuh", "want > 256 ? 256 : want", "want > 1024 ? 1024 : want"),
     Mutation("missing write", "loss rows: a chunk of masked tokens gets no gradient (the output keeps garbage)",

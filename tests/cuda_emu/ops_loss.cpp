@@ -71,6 +71,8 @@ LossPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const std::optional<Te
   p.vespo_lambda_neg = a.number();
   plan.loss_scale = a.number();
   p.skip_empty_rows = a.boolean();
+  const std::optional<Tensor> policy_weights = a.optional_tensor();
+  if (policy_weights) in.policy_weights = matrix_view(*policy_weights, batch, seq_len, true);
   if (num_items) {
     plan.has_num_items = true;
     plan.num_items = *num_items;
@@ -78,7 +80,7 @@ LossPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const std::optional<Te
     plan.has_num_items = true;
     plan.num_items_device = scalar_tensor(num_items_tensor->item(), acc);
   }
-  for (const std::optional<Tensor>& t : {logps, old_logps, ref_logps, is_weights, sample_mask}) {
+  for (const std::optional<Tensor>& t : {logps, old_logps, ref_logps, is_weights, sample_mask, policy_weights}) {
     if (t) plan.keep.push_back(*t);
   }
   plan.keep.push_back(advantages);

@@ -98,8 +98,9 @@ PASS_NAMES = ("logps", "entropy", "grad_logits")
 
 
 def loss_options(loss_type: str, level: str, old, ref, is_weights, sample_mask) -> dict:
-    """The options of tests/test_grpo_loss_from_logits.py's test_matches_reference."""
+    """The options of tests/test_grpo_loss_from_logits.py's test_matches_reference, and policy weights (a mask)."""
     return dict(
+        policy_weights=(torch.arange(is_weights.numel()).reshape(is_weights.shape) % 5 != 2).to(is_weights.dtype),
         old_logps=old,
         ref_logps=ref,
         beta=0.05,

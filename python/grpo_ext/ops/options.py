@@ -89,6 +89,9 @@ class LossOptions(NamedTuple):
             or a loss scaler).
         skip_empty_rows: the per-row means (``grpo``, ``sapo``, ``luspo``, ``dr_grpo``) divide by the rows that have a
             kept token instead of ``B`` (verl's ``seq-mean-*`` aggregation).
+        policy_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` weights (detached) that multiply the policy term of every
+            loss type and nothing else, and never enter vespo's row weight (TRL's token masks on vespo's term); for
+            the other loss types the same as ``is_weights``.
     """
 
     old_logps: Tensor | None = None
@@ -114,6 +117,7 @@ class LossOptions(NamedTuple):
     vespo_lambda_neg: float = 2.0
     loss_scale: float | Tensor = 1.0
     skip_empty_rows: bool = False
+    policy_weights: Tensor | None = None
 
     @property
     def gradient_needs_whole_rows(self) -> bool:

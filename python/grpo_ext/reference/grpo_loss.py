@@ -146,6 +146,10 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
 
     if is_w is not None and o.loss_type != "vespo":
         per_token = per_token * is_w
+    if o.policy_weights is not None:  # on every loss type's policy term, vespo's included (after phi)
+        policy_w = torch.where(keep, per_row(o.policy_weights, dtype), zero)
+        token_bad = token_bad | ~torch.isfinite(policy_w)
+        per_token = per_token * policy_w
 
     # ------------------------------------------------------------------ section 4: KL penalty
     kl = None

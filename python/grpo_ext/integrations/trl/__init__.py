@@ -25,7 +25,8 @@ What changes, and what does not:
   bonus (``entropy_coef``, fused into the kernels' pass on the fused path, and its adaptive control
   ``use_adaptive_entropy``, TRL's update between optimizer steps), the vLLM importance-sampling correction,
   ``off_policy_mask_threshold`` and ``top_entropy_quantile`` (all three as ``is_weights``; for vespo the vLLM ratio
-  enters its sequence weight, as in TRL), tool masks and the MoE router auxiliary loss;
+  enters its sequence weight, as in TRL, and the two masks are ``policy_weights``), tool masks and the MoE router
+  auxiliary loss;
 - **the log-prob passes** (policy, old policy and reference): TRL 1.16 computes them inside the model's forward
   (``add_fused_lm_head``), projecting the hidden states through the LM head in tiles. The patched trainer keeps that
   forward (PEFT, multimodal inputs, FSDP, ``cast_lm_head_to_fp32``, logit scaling and soft-capping all stay TRL's)
@@ -34,9 +35,8 @@ What changes, and what does not:
 - **the metrics** keep TRL's names and reductions (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
   ``vespo/phi_seq_mean``).
 
-Not supported (a clear error when the trainer is built or patched): ``loss_type="vespo"`` together with
-``off_policy_mask_threshold`` or ``top_entropy_quantile < 1`` (TRL multiplies vespo's term by those masks;
-grpo_ext's vespo has no such weight).
+Every TRL 1.16 loss option is supported; a loss type TRL does not have is refused when the trainer is built or
+patched.
 The differences from TRL are listed in the README ("Using grpo_ext from TRL").
 """
 
@@ -130,13 +130,6 @@ def _check_config(args: Any) -> None:
             f"GRPOConfig.loss_type={args.loss_type!r} is not supported by grpo_ext.integrations.trl (supported: "
             f"{', '.join(SUPPORTED_LOSS_TYPES)}); train with the unpatched trl.GRPOTrainer for it"
         )
-    if args.loss_type == "vespo" and (args.off_policy_mask_threshold is not None or args.top_entropy_quantile < 1.0):
-        raise ValueError(
-            f"GRPOConfig.loss_type='vespo' with off_policy_mask_threshold={args.off_policy_mask_threshold} / "
-            f"top_entropy_quantile={args.top_entropy_quantile} is not supported by grpo_ext.integrations.trl (its "
-            "vespo takes no per-token weight besides the vLLM ratio); drop those options or train with the unpatched "
-            "trl.GRPOTrainer"
-        )
 
 
 class GRPOExtTrainer(trl.GRPOTrainer):
@@ -147,8 +140,8 @@ class GRPOExtTrainer(trl.GRPOTrainer):
 
     Raises:
         RuntimeError: the installed TRL is not a supported release (see :func:`check_trl_version`).
-        ValueError: ``args`` asks for something grpo_ext does not compute (vespo with the off-policy or entropy
-            masks), before the model is loaded when ``args`` is given.
+        ValueError: ``args`` asks for a loss type grpo_ext does not compute, before the model is loaded when
+            ``args`` is given.
     """
 
     def __init__(self, *args: Any, logps_backend: str = "fused", **kwargs: Any) -> None:
@@ -190,7 +183,7 @@ def patch(trainer: trl.GRPOTrainer, logps_backend: str = "fused") -> trl.GRPOTra
     Raises:
         TypeError: ``trainer`` is not a ``trl.GRPOTrainer``.
         RuntimeError: the installed TRL is not a supported release.
-        ValueError: its config asks for something grpo_ext does not compute (vespo with masks), or
+        ValueError: its config asks for a loss type grpo_ext does not compute, or
             ``logps_backend`` is not one of :data:`LOGPS_BACKENDS`.
     """
     if not isinstance(trainer, trl.GRPOTrainer):

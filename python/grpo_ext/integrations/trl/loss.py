@@ -56,26 +56,26 @@ def _high_entropy_mask(trainer: trl.GRPOTrainer, entropies: Tensor | None, mask:
     return trainer.get_high_entropy_mask(entropies.detach(), mask, 1 - trainer.top_entropy_quantile)
 
 
-def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor | None, old_logps: Tensor | None,
-                entropy_mask: Tensor | None, mask: Tensor, advantages: Tensor) -> Tensor | None:  # fmt: skip
-    """TRL's factors on the policy term only, multiplied into grpo_ext's ``is_weights`` (``[B, T]`` or ``[B, 1]``).
+def _policy_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor | None, old_logps: Tensor | None,
+                    entropy_mask: Tensor | None, mask: Tensor,
+                    advantages: Tensor) -> dict[str, Tensor | None]:  # fmt: skip
+    """TRL's factors on the policy term only, as grpo_ext's ``is_weights`` and ``policy_weights`` options.
 
     TRL multiplies its per-token policy loss, before adding the KL, by the high-entropy token mask
     (``top_entropy_quantile``), the DeepSeek-V3.2 off-policy sequence mask (``off_policy_mask_threshold``) and the
-    vLLM importance-sampling ratio; none of them is differentiated, which is what ``is_weights`` means in docs/math.md.
-    The first two need the current ``logps`` / entropies (``entropy_mask``, :func:`_high_entropy_mask`): on the fused
-    path they come from a no-grad chunked pass
-    over the completion rows inside the forward, before the loss (:class:`.fused.FusedLossRequest`'s
-    ``token_weights``). For vespo only the vLLM ratio can be there (the masks are refused): it enters the sequence
-    weight, as in TRL.
+    vLLM importance-sampling ratio; none of them is differentiated. Their product is ``is_weights`` (docs/math.md
+    section 3), except for vespo, where the vLLM ratio enters the sequence weight (``is_weights``) and the two masks
+    multiply the term after it (``policy_weights``), as in TRL. The masks need the current ``logps`` / entropies
+    (``entropy_mask``, :func:`_high_entropy_mask`): on the fused path they come from a no-grad chunked pass over the
+    completion rows inside the forward, before the loss (:class:`.fused.FusedLossRequest`'s ``token_weights``).
     """
-    factors: list[Tensor] = []
+    masks: list[Tensor] = []
     if entropy_mask is not None:
-        factors.append(entropy_mask)
+        masks.append(entropy_mask)
     if trainer.off_policy_mask_threshold is not None:
         old = logps.detach() if old_logps is None else old_logps
         rows_advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
-        factors.append(
+        masks.append(
             trainer.get_off_policy_mask(
                 advantages=rows_advantages,
                 per_token_logps=logps,
@@ -84,8 +84,16 @@ def _is_weights(trainer: trl.GRPOTrainer, inputs: dict, logps: Tensor | None, ol
                 off_policy_threshold=trainer.off_policy_mask_threshold,
             )
         )
+    ratios = []
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-        factors.append(inputs["importance_sampling_ratio"])
+        ratios.append(inputs["importance_sampling_ratio"])
+    if trainer.loss_type == "vespo":
+        return {"is_weights": _product(ratios), "policy_weights": _product(masks)}
+    return {"is_weights": _product(masks + ratios), "policy_weights": None}
+
+
+def _product(factors: list[Tensor]) -> Tensor | None:
+    """The detached float32 product of ``factors`` (broadcast), or None for none."""
     weights = None
     for factor in factors:
         factor = factor.detach().to(torch.float32)
@@ -285,18 +293,17 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
             if _needs_token_values(trainer):  # weights from a no-grad pass inside the forward, before the loss
                 def token_weights(logps: Tensor, entropies: Tensor) -> dict[str, Tensor | None]:
                     entropy_mask = _high_entropy_mask(trainer, entropies, mask)
-                    weights = {"is_weights": _is_weights(trainer, inputs, logps, old_logps, entropy_mask, mask,
-                                                         advantages)}  # fmt: skip
+                    weights = _policy_weights(trainer, inputs, logps, old_logps, entropy_mask, mask, advantages)
                     if bonus_coef is not None:  # TRL's bonus averages over the tokens its policy term keeps
                         weights["entropy_weights"] = entropy_mask
                     return weights
 
-                is_weights = None
+                weights = {}  # set by token_weights inside the forward
             else:
-                is_weights = _is_weights(trainer, inputs, None, old_logps, None, mask, advantages)
+                weights = _policy_weights(trainer, inputs, None, old_logps, None, mask, advantages)
             request = FusedLossRequest(
                 completion_ids, completion_mask, prompt_ids.size(1) + completion_ids.size(1),
-                dict(advantages=advantages, completion_mask=mask, is_weights=is_weights, **options,
+                dict(advantages=advantages, completion_mask=mask, **weights, **options,
                      entropy_coef=0.0 if bonus_coef is None else bonus_coef / (accumulation * options["loss_scale"])),
                 want_logps=old_logps is not None and trainer.loss_type in CLIP_FAMILY_LOSS_TYPES,
                 token_weights=token_weights,
@@ -338,7 +345,7 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
         entropy_mask = _high_entropy_mask(trainer, entropies, mask)
         out = ops.grpo_loss(
             logps, advantages, mask,
-            is_weights=_is_weights(trainer, inputs, logps, old_logps, entropy_mask, mask, advantages), **options,
+            **_policy_weights(trainer, inputs, logps, old_logps, entropy_mask, mask, advantages), **options,
         )  # fmt: skip
         entropy_sum = (entropies.detach() * mask).sum()
         loss = out.loss
