@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(256)
       for (int k = 0; k < K; ++k) g[k] = T(0);  // masked tokens' gradient
       const bool kept = load_mask(c, m);
       if (kept) {
-        T l[K], l_old[K], adv[K], l_ref[K], isw[K], pw[K];
+        T l[K], l_old[K], adv[K], l_ref[K], isw[K];
         load_tokens<T, K>(in.logps, row, n_cols, c, l, &m);
         const bool per_token_old = p.has_old && !p.sequence_level;
         if (per_token_old) load_tokens<T, K>(in.old_logps, row, n_cols, c, l_old, &m);
@@ -117,8 +117,15 @@ __global__ void __launch_bounds__(256)
         if (want_kl) load_tokens<T, K>(in.ref_logps, row, n_cols, c, l_ref, &m);
         const bool given_isw = !vespo && in.is_weights.present();
         if (given_isw) load_tokens<T, K>(in.is_weights, row, n_cols, c, isw, &m);
+        // The policy weights folded into isw right away (vespo reads no is_weights here): one K-array stays live.
         const bool given_pw = in.policy_weights.present();
-        if (given_pw) load_tokens<T, K>(in.policy_weights, row, n_cols, c, pw, &m);
+        if (given_pw) {
+          T pw[K];
+          load_tokens<T, K>(in.policy_weights, row, n_cols, c, pw, &m);
+#pragma unroll
+          for (int k = 0; k < K; ++k) isw[k] = given_isw ? isw[k] * pw[k] : pw[k];
+        }
+        const bool given_w = given_isw || given_pw;
         // One token at a time through the run-time dispatch (one copy of its code: unrolled K times it was not
         // inlined and took a 700-byte stack frame), picking the token's values out of the chunk's registers.
 #pragma unroll 1
@@ -129,7 +136,7 @@ __global__ void __launch_bounds__(256)
           const T rho = p.sequence_level ? seq_ratio : math_exp(log_ratio_of(lk, per_token_old ? pick(l_old, k) : lk));
           // vespo: the token's phi in place of its is_weight (docs/math.md section 3); the policy weights on either
           const T phi = vespo ? vespo_phi(consts, vespo_log_w, adv_k) : T(1);
-          const T w_is = (vespo ? phi : (given_isw ? pick(isw, k) : T(1))) * (given_pw ? pick(pw, k) : T(1));
+          const T w_is = phi * (given_w ? pick(isw, k) : T(1));
           const TokenTerms<T> tt = token_terms<T>(consts, family, kl, p.bias_correction, lk,
                                                   want_kl ? pick(l_ref, k) : T(0), adv_k, w_is, rho);
           const T w = mk * row_factor;
