@@ -34,7 +34,7 @@ from grpo_ext.trainer.demo import build_tokenizer
 
 # Skips (or, with GRPO_EXT_REQUIRE_TRL=1, fails) as the single-process tests do when trl is missing or unsupported;
 # grpo_trl (grpo_ext.integrations.trl, which imports trl) comes from there, after that check.
-from test_trl_integration import (
+from trl_utils import (
     T,
     assert_same,
     assert_same_entropy_control,

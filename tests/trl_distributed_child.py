@@ -26,8 +26,8 @@ import grpo_ext  # noqa: E402
 from grpo_ext.integrations import trl as grpo_trl  # noqa: E402
 from grpo_ext.trainer.demo import build_tokenizer  # noqa: E402
 
-# The script's folder (tests/) is sys.path[0]: the single-process test's helpers are importable.
-from test_trl_integration import entropy_control_state, make_trainer, restore_entropy_control_state  # noqa: E402
+# The script's folder (tests/) is sys.path[0]: the TRL tests' helpers (tests/trl_utils.py) are importable.
+from trl_utils import entropy_control_state, make_trainer, restore_entropy_control_state  # noqa: E402
 
 # GRPOConfig options asking accelerate for FSDP2 (what a TRL user sets; accelerate ignores them on CPU, see wrap_fsdp2)
 FSDP2_CONFIG = dict(fsdp=True, fsdp_config={"fsdp_version": 2})

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..ops.options import SCALE_REWARDS, LossOptions  # the loss options' defaults, defined once
-from ..validation import validate_loss_option_values  # and their ranges
+from ..validation import check_finite, validate_loss_option_values  # and their ranges
 
 _LOSS_DEFAULTS = LossOptions._field_defaults
 
@@ -221,10 +221,6 @@ class GRPOConfig:
         if not 0 <= number("warmup_ratio") < 1:
             _fail("warmup_ratio", "must be in [0, 1)", self.warmup_ratio)
         self._validate_loss_options()
-        if isinstance(self.entropy_coef, bool) or not isinstance(self.entropy_coef, (int, float)) or not math.isfinite(
-            self.entropy_coef
-        ):
-            _fail("entropy_coef", "must be a finite number", self.entropy_coef)
         if self.max_grad_norm is not None and number("max_grad_norm") <= 0:
             _fail("max_grad_norm", "must be None or > 0", self.max_grad_norm)
         if self.kl_target is not None:
@@ -257,6 +253,7 @@ class GRPOConfig:
         before a model loads, and the ranges stay defined once (``validation.validate_loss_option_values``)."""
         try:
             validate_loss_option_values(LossOptions(**{name: getattr(self, name) for name in LOSS_OPTION_FIELDS}))
+            check_finite("entropy_coef", self.entropy_coef)  # the fused losses' own check of it
         except ValueError as err:  # each message starts with the option's name, which is the field's
             raise ValueError(f"GRPOConfig.{err}") from None
 

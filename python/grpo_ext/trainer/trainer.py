@@ -330,12 +330,10 @@ class GRPOTrainer:
                     logps, token_entropy = self.token_logps(self._train_model, mb, with_entropy=True,
                                                             entropy_grad=cfg.entropy_coef != 0)  # fmt: skip
                     out = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options)
-                    entropy = masked_mean_entropy(token_entropy.detach(), mb["completion_mask"], options["sample_mask"])
-                    if cfg.entropy_coef:
-                        kept = mb["completion_mask"].to(token_entropy.dtype)
-                        if options["sample_mask"] is not None:
-                            kept = kept * options["sample_mask"].to(kept.dtype).unsqueeze(1)
-                        out = out._replace(loss=out.loss - bonus_per_token * (token_entropy * kept).sum())
+                    entropy = masked_mean_entropy(token_entropy, mb["completion_mask"], options["sample_mask"])
+                    if cfg.entropy_coef:  # the micro-batch's entropy sum, differentiated: its mean times its tokens
+                        out = out._replace(loss=out.loss - bonus_per_token * counts_list[k] * entropy)
+                    entropy = entropy.detach()
                 out.loss.backward()
             sums.add(out, entropy, mb["completion_mask"].shape[0], counts_list[k])
         row_total = world * num_micro * micro[0]["completion_mask"].shape[0]

@@ -233,12 +233,6 @@ def _update_entropy_control(trainer: trl.GRPOTrainer, mode: str, entropy_sum: Te
         trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
 
 
-def fused_refusal(trainer: trl.GRPOTrainer) -> str | None:
-    """Why this trainer's settings keep the loss off the fused path (None: fused), before any forward runs: no TRL
-    option does (the models the fused head cannot score fall back inside the forward, with a reason)."""
-    return None
-
-
 def _needs_token_values(trainer: trl.GRPOTrainer) -> bool:
     """Whether the loss' weights need the current per-token log-probs or entropies (TRL's two masks)."""
     return trainer.top_entropy_quantile < 1.0 or trainer.off_policy_mask_threshold is not None
@@ -286,30 +280,26 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
     bonus_coef = _entropy_bonus_coef(trainer)
 
     request = None
-    if getattr(trainer, "logps_backend", "fused") == "fused":
-        reason = fused_refusal(trainer)
-        if reason is None:
-            token_weights = None
-            if _needs_token_values(trainer):  # weights from a no-grad pass inside the forward, before the loss
-                def token_weights(logps: Tensor, entropies: Tensor) -> dict[str, Tensor | None]:
-                    entropy_mask = _high_entropy_mask(trainer, entropies, mask)
-                    weights = _policy_weights(trainer, inputs, logps, old_logps, entropy_mask, mask, advantages)
-                    if bonus_coef is not None:  # TRL's bonus averages over the tokens its policy term keeps
-                        weights["entropy_weights"] = entropy_mask
-                    return weights
+    if getattr(trainer, "logps_backend", "fused") == "fused":  # no TRL option keeps the loss off the fused path
+        token_weights = None
+        if _needs_token_values(trainer):  # weights from a no-grad pass inside the forward, before the loss
+            def token_weights(logps: Tensor, entropies: Tensor) -> dict[str, Tensor | None]:
+                entropy_mask = _high_entropy_mask(trainer, entropies, mask)
+                weights = _policy_weights(trainer, inputs, logps, old_logps, entropy_mask, mask, advantages)
+                if bonus_coef is not None:  # TRL's bonus averages over the tokens its policy term keeps
+                    weights["entropy_weights"] = entropy_mask
+                return weights
 
-                weights = {}  # set by token_weights inside the forward
-            else:
-                weights = _policy_weights(trainer, inputs, None, old_logps, None, mask, advantages)
-            request = FusedLossRequest(
-                completion_ids, completion_mask, prompt_ids.size(1) + completion_ids.size(1),
-                dict(advantages=advantages, completion_mask=mask, **weights, **options,
-                     entropy_coef=0.0 if bonus_coef is None else bonus_coef / (accumulation * options["loss_scale"])),
-                want_logps=old_logps is not None and trainer.loss_type in CLIP_FAMILY_LOSS_TYPES,
-                token_weights=token_weights,
-            )  # fmt: skip
+            weights = {}  # set by token_weights inside the forward
         else:
-            _warn_fallback(trainer, reason)
+            weights = _policy_weights(trainer, inputs, None, old_logps, None, mask, advantages)
+        request = FusedLossRequest(
+            completion_ids, completion_mask, prompt_ids.size(1) + completion_ids.size(1),
+            dict(advantages=advantages, completion_mask=mask, **weights, **options,
+                 entropy_coef=0.0 if bonus_coef is None else bonus_coef / (accumulation * options["loss_scale"])),
+            want_logps=old_logps is not None and trainer.loss_type in CLIP_FAMILY_LOSS_TYPES,
+            token_weights=token_weights,
+        )  # fmt: skip
     with fused_loss_request(request) if request is not None else contextlib.nullcontext():
         logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
             model,
