@@ -290,7 +290,7 @@ def test_a_second_run_into_the_folder_is_refused_unless_resumed_or_overwritten(t
     (out / "notes.txt").write_text("the user's own file\n")
     before = (out / "metrics.jsonl").read_text()
     with pytest.raises(OutputFolderError, match=r"holds the outputs of a previous run \(checkpoint-1, checkpoint-2, "
-                                                r"metrics\.jsonl\).*--resume.*--overwrite"):  # fmt: skip
+                                                r"final_model, metrics\.jsonl\).*--resume.*--overwrite"):  # fmt: skip
         make_trainer(small_config(tmp_path, max_steps=3)).train()
     assert (out / "metrics.jsonl").read_text() == before and (out / "checkpoint-2").is_dir()
 
@@ -298,7 +298,7 @@ def test_a_second_run_into_the_folder_is_refused_unless_resumed_or_overwritten(t
     assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
 
     make_trainer(small_config(tmp_path, max_steps=1, overwrite_output_dir=True)).train()
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt"]  # old checkpoints gone
+    assert sorted(p.name for p in out.iterdir()) == ["final_model", "metrics.jsonl", "notes.txt"]  # no checkpoints
     assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1]
 
 

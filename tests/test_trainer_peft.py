@@ -176,3 +176,31 @@ def test_lora_checkpoint_saves_the_adapter_and_resumes_exactly(tmp_path):
     with pytest.raises(ValueError, match=r"adapter does not match the model's .*missing \[\] \(0\), unexpected "
                                          r"\['base_model\.model\.model\.layers\.0\.mlp\.down_proj"):  # fmt: skip
         other.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_a_lora_run_leaves_its_adapter_alone_as_the_final_model(tmp_path):
+    """The final model of a LoRA run is peft's adapter (no base weights); the base model plus that adapter gives the
+    trained model's LoRA weights and logits exactly."""
+    from safetensors.torch import load_file
+
+    trainer = lora_trainer(tmp_path, lora_model(moved_b=False), "fused", learning_rate=1e-2)
+    initial = trainable(lora_model(moved_b=False))
+    trainer.train()
+    final = tmp_path / "run" / "final_model"
+    assert trainer.final_model_path == final
+    saved = load_file(final / "adapter_model.safetensors")
+    assert len(saved) == len(initial) and all("lora_" in name for name in saved)  # the adapter alone
+    assert not [p.name for p in final.iterdir() if p.name.startswith(("model", "pytorch_model"))]
+    assert (final / "tokenizer.json").is_file()
+
+    loaded = peft.PeftModel.from_pretrained(base_model(), final)
+    trained = trainable(trainer.model)
+    assert any(not torch.equal(value, initial[name]) for name, value in trained.items())  # it did train
+    loaded_lora = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert loaded_lora.keys() == trained.keys()
+    for name, value in trained.items():
+        assert torch.equal(loaded_lora[name], value), name
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7, 12, 2]])
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, trainer.model(ids).logits)

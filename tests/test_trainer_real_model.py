@@ -302,6 +302,8 @@ def test_cli_trains_lora_with_a_held_out_set_and_a_reward_file(gguf_folder, tmp_
     saved = tmp_path / "out" / "checkpoint-2"
     assert (saved / "adapter_config.json").is_file()  # a LoRA run saves its adapter
     assert json.loads((saved / "adapter_config.json").read_text())["r"] == 4
+    final = tmp_path / "out" / "final_model"  # the run's end: the same adapter
+    assert (final / "adapter_model.safetensors").read_bytes() == (saved / "adapter_model.safetensors").read_bytes()
 
     # The adapters' random init follows the run's seed: a second run repeats the first, whatever the global RNG
     # held before (model loading and other libraries draw from it).
@@ -309,3 +311,45 @@ def test_cli_trains_lora_with_a_held_out_set_and_a_reward_file(gguf_folder, tmp_
     assert cli.main(["train", "--config", "run.yaml", "--output_dir", "again"]) == 0, capsys.readouterr().err
     again = [json.loads(line) for line in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()]
     assert [without_timing(r) for r in again] == [without_timing(r) for r in logged]
+
+
+def test_the_readmes_way_to_load_a_lora_runs_final_model(gguf_folder, tmp_path):
+    """README "Training a real model": the GGUF base model, then ``peft.PeftModel.from_pretrained`` of the run's
+    ``final_model``, gives the trained model's logits and greedy answer."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from grpo_ext.trainer.trainer import GRPOTrainer
+
+    folder, _ = gguf_folder
+    base, tokenizer = cli.load_model_and_tokenizer(str(folder), gguf_file="tiny-llama.gguf")
+    torch.manual_seed(0)
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(base, lora)
+    with torch.no_grad():  # B away from peft's zero init: the adapter changes the logits before and after training
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    rows = [{"prompt": [{"role": "user", "content": f"what is {a}?"}]} for a in range(8)]
+    config = small_config(tmp_path, max_steps=2, per_device_train_batch_size=8, learning_rate=1e-2)
+    def length(prompts, completions, **_):
+        return [float(len(c[-1]["content"])) for c in completions]
+
+    trainer = GRPOTrainer(model, [length], rows, config, tokenizer=tokenizer)
+    trainer.train()
+    trainer.model.eval()
+
+    # The README's lines, on the tiny GGUF file.
+    base, tokenizer = cli.load_model_and_tokenizer(str(folder), gguf_file="tiny-llama.gguf")
+    loaded = PeftModel.from_pretrained(base, tmp_path / "run" / "final_model").eval()
+    messages = [{"role": "user", "content": "what is 42?"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = loaded.generate(**inputs, max_new_tokens=6, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, trainer.model(**inputs).logits)
+        with loaded.disable_adapter():  # the adapter matters: the base alone gives other logits
+            assert not torch.allclose(loaded(**inputs).logits, trainer.model(**inputs).logits)
+    expected = trainer.model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert torch.equal(output, expected)
+    assert answer == tokenizer.decode(expected[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -24,6 +24,7 @@ import torch
 
 from . import distributed as dist_utils
 from .config import GRPOConfig, check_resume_config
+from .model_files import full_model_state_dict, full_state_options, write_pretrained
 from .policy_logps import is_peft_model
 from .rollout import _concat_rollouts, _map_tensors
 from .run_folder import CHECKPOINT_RE, TEMP_CHECKPOINT_PREFIX, remove_temp_checkpoints
@@ -143,12 +144,7 @@ class CheckpointManager:
         saved_state, adapter_only = self._saved_model_state(model_state)
         torch.save({"model": saved_state, "adapter_only": adapter_only}, tmp / "model_state.pt")
         if hasattr(self.model, "save_pretrained"):
-            # A copy: save_pretrained takes entries out of the dict it is given (a PeftModel picks its adapter's).
-            self.model.save_pretrained(tmp, state_dict=dict(model_state))
-            if self.config.fsdp:
-                _fix_saved_architecture(tmp, self.model_class_name)
-            if hasattr(self.tokenizer, "save_pretrained"):
-                self.tokenizer.save_pretrained(tmp)
+            write_pretrained(tmp, self.model, self.tokenizer, model_state, self.config.fsdp, self.model_class_name)
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / "config.grpo.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         if final.exists():
@@ -171,22 +167,17 @@ class CheckpointManager:
         The optimizer's is in ``torch.optim``'s own format (parameters by index), whatever the wrapping, so a
         checkpoint can be resumed with or without FSDP.
         """
+        model_state = full_model_state_dict(self.model, self.config.fsdp)
         if self.config.fsdp:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-                get_optimizer_state_dict,
-            )
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0 only
-            model_state = get_model_state_dict(self.model, options=options)
-            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=full_state_options())
             if not self.is_main_process:
                 return None, None
             return model_state, _optimizer_state_by_index(optimizer_state, self.param_names)
         if not self.is_main_process:
             return None, None
-        return self.model.state_dict(), self.optimizer.state_dict()
+        return model_state, self.optimizer.state_dict()
 
     def _prune(self) -> None:
         """Delete the oldest ``checkpoint-N`` folders beyond ``save_total_limit``."""
@@ -444,16 +435,6 @@ def _adapter_state_problem(state: dict[str, Any], model: torch.nn.Module, names:
         return (f"{path}'s adapter does not match the model's (another LoRA config?): missing {missing[:3]} "
                 f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})")  # fmt: skip
     return None
-
-
-def _fix_saved_architecture(folder: Path, class_name: str) -> None:
-    """save_pretrained records the model's class; under FSDP2 that is the generated ``FSDP<Class>`` subclass,
-    which ``from_pretrained`` would not know: write the original name back."""
-    config_path = folder / "config.json"
-    if config_path.exists():
-        config = json.loads(config_path.read_text())
-        config["architectures"] = [class_name]
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _reshard_queues(

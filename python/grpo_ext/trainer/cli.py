@@ -14,8 +14,9 @@ Under ``torchrun`` (``torchrun --nproc_per_node=N -m grpo_ext.trainer.cli train 
 default process group (NCCL on GPUs, gloo on CPUs) and trains its share with DDP, or FSDP2 with ``--fsdp``;
 ``per_device_train_batch_size`` is per process.
 
-Errors are one line naming the file, line or field and what to do (exit status 1; ``--debug`` shows the
-traceback); SIGINT/SIGTERM save a checkpoint and exit with 130/143 (README "Failure behaviour").
+A finished run leaves the trained model (a LoRA run: its adapter) and the tokenizer in ``output_dir/final_model``,
+named by the last line it prints. Errors are one line naming the file, line or field and what to do (exit status 1;
+``--debug`` shows the traceback); SIGINT/SIGTERM save a checkpoint and exit with 130/143 (README "Failure behaviour").
 """
 
 from __future__ import annotations
@@ -367,7 +368,8 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
         trainer = GRPOTrainer(model, reward_funcs, rows, config, tokenizer=tokenizer, eval_dataset=eval_rows)
         history = trainer.train(resume_from_checkpoint=resume)
         if trainer.is_main_process:
-            print(f"metrics: {trainer.metrics_path}\ncurves: {trainer.plot_path if config.plot else '(plot off)'}")
+            print(f"metrics: {trainer.metrics_path}\ncurves: {trainer.plot_path if config.plot else '(plot off)'}\n"
+                  f"model: {trainer.final_model_path}")  # fmt: skip
     finally:
         if created_group:
             distributed.destroy()

@@ -111,6 +111,7 @@ class DemoResult:
     wall_time_s: float
     metrics_path: str
     plot_path: str
+    model_path: str  # the trained model (save_pretrained), output_dir/final_model
 
     @property
     def learned(self) -> bool:
@@ -128,7 +129,8 @@ def run_demo(num_threads: int | None = None, verbose: bool = True, **overrides: 
         **overrides: GRPOConfig fields replacing the demo's defaults (e.g. ``max_steps``, ``output_dir``).
 
     Returns:
-        DemoResult with the reward and accuracy before/after, the wall time and the paths of the metrics and PNG.
+        DemoResult with the reward and accuracy before/after, the wall time and the paths of the metrics, the PNG
+        and the trained model.
     """
     from .trainer import GRPOTrainer
 
@@ -152,7 +154,7 @@ def run_demo(num_threads: int | None = None, verbose: bool = True, **overrides: 
     result = DemoResult(
         steps=trainer.global_step, reward_first=sum(first) / len(first), reward_last=sum(last) / len(last),
         accuracy_before=accuracy_before, accuracy_after=accuracy_after, wall_time_s=time.perf_counter() - start,
-        metrics_path=str(metrics_path), plot_path=str(trainer.plot_path),
+        metrics_path=str(metrics_path), plot_path=str(trainer.plot_path), model_path=str(trainer.final_model_path),
     )  # fmt: skip
     if verbose:
         print(
@@ -161,6 +163,6 @@ def run_demo(num_threads: int | None = None, verbose: bool = True, **overrides: 
             f"held-out greedy exact accuracy: before {100 * result.accuracy_before:.1f}% -> "
             f"after {100 * result.accuracy_after:.1f}%\n"
             f"learned: {'yes' if result.learned else 'NO'}\n"
-            f"curves: {result.plot_path}\nmetrics: {result.metrics_path}"
+            f"curves: {result.plot_path}\nmetrics: {result.metrics_path}\nmodel: {result.model_path}"
         )
     return result

@@ -1,8 +1,9 @@
 """The output folder of a run: one run at a time (a lock file), no silent overwrite, no leftovers of killed saves.
 
-A run's outputs are ``checkpoint-N/``, ``metrics.jsonl``, ``metrics.png`` and TensorBoard's ``runs/``; other files
-in the folder (a run file, notes) are the user's and are never touched. ``.tmp-checkpoint-*`` folders are saves that
-a kill interrupted: never read, removed when a run starts and after each save.
+A run's outputs are ``checkpoint-N/``, ``final_model/`` (and ``final_model.previous/``, see
+:func:`recover_final_model`), ``metrics.jsonl``, ``metrics.png`` and TensorBoard's ``runs/``; other files in the folder
+(a run file, notes) are the user's and are never touched. ``.tmp-checkpoint-*`` and ``.tmp-final_model-*`` folders
+are saves that a kill interrupted: never read, removed when a run starts and after each save.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LOCK_NAME = ".grpo-ext.lock"
-_OUTPUT_FILES = ("metrics.jsonl", "metrics.png", "runs")
+FINAL_MODEL_NAME = "final_model"  # the model at the end of a run (grpo_ext.trainer.final_model)
+PREVIOUS_FINAL_MODEL_NAME = FINAL_MODEL_NAME + ".previous"  # the one it replaces, until the new one is in place
+_OUTPUT_FILES = ("metrics.jsonl", "metrics.png", "runs", FINAL_MODEL_NAME, PREVIOUS_FINAL_MODEL_NAME)
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 TEMP_CHECKPOINT_PREFIX = ".tmp-checkpoint-"
+TEMP_FINAL_MODEL_PREFIX = f".tmp-{FINAL_MODEL_NAME}-"
 
 
 class OutputFolderError(RuntimeError):
@@ -34,11 +38,30 @@ def previous_outputs(folder: Path) -> list[Path]:
 
 
 def remove_temp_checkpoints(folder: Path) -> list[Path]:
-    """Delete the ``.tmp-checkpoint-*`` folders that killed saves left; returns them."""
-    found = sorted(folder.glob(TEMP_CHECKPOINT_PREFIX + "*")) if folder.is_dir() else []
+    """Delete the ``.tmp-checkpoint-*`` and ``.tmp-final_model-*`` folders that killed saves left; returns them."""
+    if not folder.is_dir():
+        return []
+    found = sorted(p for prefix in (TEMP_CHECKPOINT_PREFIX, TEMP_FINAL_MODEL_PREFIX) for p in folder.glob(prefix + "*"))
     for path in found:
         shutil.rmtree(path, ignore_errors=True)
     return found
+
+
+def recover_final_model(folder: Path) -> None:
+    """Finish a replacement of ``final_model`` that a kill interrupted.
+
+    A new final model replaces the old one in two renames (:func:`.final_model.save_final_model`): the old folder to
+    ``final_model.previous``, then the new one to ``final_model``; ``final_model.previous`` is deleted last. Killed
+    between the renames, only ``final_model.previous`` (a complete model) is left: it is renamed back. Killed after
+    them, both are there: the previous one is deleted.
+    """
+    previous, final = folder / PREVIOUS_FINAL_MODEL_NAME, folder / FINAL_MODEL_NAME
+    if not previous.is_dir():
+        return
+    if final.is_dir():
+        shutil.rmtree(previous)
+    else:
+        os.replace(previous, final)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -150,6 +173,7 @@ def prepare_output_dir(folder: Path, resume: bool, overwrite: bool) -> RunFolder
                 else:
                     path.unlink()
         remove_temp_checkpoints(folder)
+        recover_final_model(folder)
     except BaseException:
         lock.release()
         raise

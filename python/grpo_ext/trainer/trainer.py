@@ -1,17 +1,19 @@
 """GRPOTrainer: rollouts with ``model.generate``, rewards, grpo_ext advantages and loss, AdamW, checkpoints.
 
-The training loop and the GRPO-specific steps live here; sampling is in :mod:`.rollout`, checkpoints in
-:mod:`.checkpoint`, and the logged metrics and their files in :mod:`.metrics`.
+This module is the outline of the GRPO-specific parts: the trainer's arguments and setup, rollouts and their rewards,
+the per-token log-probs, the GRPO loss of a micro-batch with its options and entropy bonus, the adaptive KL
+coefficient, and the held-out evaluation. The rest comes from mixins: one optimizer step (gradient accumulation,
+loss scaling across ranks, clipping, the update) in :mod:`.step`, ``train()`` and its loop (progress, logging, the
+stops on ``max_time_s``, signals and non-finite steps) in :mod:`.loop`, checkpoints and the final model in
+:mod:`.run_state`. Sampling is in :mod:`.rollout`, the checkpoint files in :mod:`.checkpoint`, the model saved at the
+end in :mod:`.final_model`, and the logged metrics and their files in :mod:`.metrics`.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import sys
-import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +24,18 @@ from tqdm.auto import tqdm
 import grpo_ext
 
 from ..ops.grpo_loss_from_logits import masked_mean_entropy
-from ..ops.options import TOKEN_LEVEL_LOSS_TYPES
 from . import distributed as dist_utils
-from .checkpoint import CheckpointManager, build_optimizer, scheduler_step, seed_everything
+from .checkpoint import CheckpointManager, build_optimizer, seed_everything
 from .config import GRPOConfig
 from .evaluation import EVAL_REWARD, evaluate_greedy
-from .guards import NonFiniteSteps, StopSignals, TrainingInterrupted, is_finite_step
-from .metrics import MetricsLogger, StepMetrics
+from .guards import NonFiniteSteps
+from .loop import TrainingLoopMixin
+from .metrics import MetricsLogger
 from .policy_logps import fused_policy_loss, fused_token_logps, plain_token_logps, use_fused
 from .rewards import score_completions
 from .rollout import RolloutGenerator, bf16_autocast
-from .run_folder import claim_output_dir
+from .run_state import RunStateMixin
+from .step import OptimizerStepMixin
 
 RewardFunc = Callable[..., list]
 
@@ -42,7 +45,7 @@ def _reward_name(func: RewardFunc) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainingLoopMixin, RunStateMixin, OptimizerStepMixin):
     """GRPO on a causal LM from ``transformers`` (or any module with the same ``generate``/``forward``).
 
     Args:
@@ -75,6 +78,9 @@ class GRPOTrainer:
     (``per_device_train_batch_size * world_size``) and the seed, not on the number of processes (see
     :mod:`grpo_ext.trainer.distributed`). ``model`` must be on this rank's device; rank 0's weights are copied to
     every rank.
+
+    :meth:`train` and its loop come from :class:`.loop.TrainingLoopMixin`, the checkpoint and final-model methods
+    from :class:`.run_state.RunStateMixin`, one optimizer step from :class:`.step.OptimizerStepMixin`.
     """
 
     def __init__(
@@ -237,7 +243,7 @@ class GRPOTrainer:
         self._micro_batches.extend(mb for _ in range(self.config.num_iterations) for mb in micro)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Optimization
+    # The loss (the optimizer step around it: .step)
     # ------------------------------------------------------------------------------------------------------------
 
     def _next_micro_batch(self) -> dict[str, Any]:
@@ -246,118 +252,65 @@ class GRPOTrainer:
             self._generate_and_score()
         return self._micro_batches.pop(0)
 
-    def _grad_sync(self, enabled: bool) -> AbstractContextManager:
-        """Context of one micro-batch's forward and backward: gradients are reduced across ranks only if enabled."""
-        if self.use_fsdp:
-            self.model.set_requires_gradient_sync(enabled)
-            return nullcontext()
-        if enabled or self._train_model is self.model:
-            return nullcontext()
-        return self._train_model.no_sync()  # DDP: accumulate locally, all-reduce with the last micro-batch
+    def _loss_options(self, mb: dict[str, Any], sample_mask: Tensor | None, num_items_in_batch: int | None,
+                      loss_scale: float) -> dict[str, Any]:  # fmt: skip
+        """The keyword options of the GRPO loss for micro-batch ``mb``, from the config and the current ``beta``.
 
-    def _training_step(self) -> dict[str, float]:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns its metrics.
-
-        The metrics are those of the global step: summed over ranks, token-weighted (``kl``, clip ratios: each
-        micro-batch's share weighted by its tokens, or rows for sequence-level ratios), the same on every rank.
+        ``sample_mask``, ``num_items_in_batch`` and ``loss_scale`` come from the step (:mod:`.step`): the rows
+        entering the loss, the step's token count for the token-level losses, and this micro-batch's share.
         """
         cfg = self.config
-        micro = [self._next_micro_batch() for _ in range(cfg.gradient_accumulation_steps)]
-        use_sample_mask = cfg.beta != 0 and cfg.mask_zero_std_groups
+        return dict(
+            old_logps=mb["old_logps"], ref_logps=mb["ref_logps"], sample_mask=sample_mask,
+            loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+            beta=self.beta, kl_estimator=cfg.kl_estimator, importance_sampling_level=cfg.importance_sampling_level,
+            max_completion_length=cfg.max_completion_length,
+            num_items_in_batch=num_items_in_batch, loss_scale=loss_scale,
+            sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+            vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+            vespo_lambda_neg=cfg.vespo_lambda_neg,
+        )  # fmt: skip
 
-        def kept_rows(mb: dict[str, Any]) -> Tensor | None:
-            """``[B]`` bool: the rows of ``mb`` entering the loss, or None when zero-std rows are not masked."""
-            return ~mb["zero_std"] if use_sample_mask else None
+    def _micro_batch_loss(self, mb: dict[str, Any], options: dict[str, Any], entropy_weight: float):
+        """The GRPO loss of one micro-batch with its entropy bonus, before ``backward`` (called by :mod:`.step`).
 
-        def loss_tokens(mb: dict[str, Any]) -> Tensor:
-            """The number of ``mb``'s tokens entering the loss (int64 scalar)."""
-            mask = mb["completion_mask"]
-            return (mask & kept_rows(mb).unsqueeze(1) if use_sample_mask else mask).sum()
+        Args:
+            mb: a queued micro-batch (:meth:`_generate_and_score`).
+            options: the loss options (:meth:`_loss_options`).
+            entropy_weight: the weight of the micro-batch's mean entropy in the step's loss (its tokens times
+                ``world_size * entropy_coef / step_tokens``).
 
-        # Tokens entering the loss (masked zero-std rows excluded): this rank's per micro-batch, [M] int64, and the
-        # whole step's on all ranks (one all-reduce, one host sync per step).
-        counts = torch.stack([loss_tokens(mb) for mb in micro]).long()
-        total_tokens = dist_utils.all_reduce_sum(counts.sum().reshape(1))
-        counts_list = counts.tolist()
-        step_tokens = max(int(total_tokens.item()), 1)
+        Returns:
+            ``(out, entropy)``: the loss op's result (``out.loss`` minus the bonus) and the micro-batch's mean entropy,
+            detached.
+        """
+        cfg = self.config
+        if self.policy_fused:  # the loss from hidden states: no [B, T, V] logits
+            # the kernels' bonus is entropy_coef * loss_scale * (the micro-batch's mean entropy)
+            scale = options["loss_scale"]
+            coef = entropy_weight / scale if cfg.entropy_coef and scale else 0.0
+            with bf16_autocast(self.use_bf16, self.device):
+                out = fused_policy_loss(self._train_model, self.model, mb, cfg.temperature, entropy_coef=coef,
+                                        **options)  # fmt: skip
+            entropy = out.metrics["entropy"]
+        else:
+            logps, token_entropy = self.token_logps(self._train_model, mb, with_entropy=True,
+                                                    entropy_grad=cfg.entropy_coef != 0)  # fmt: skip
+            out = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options)
+            entropy = masked_mean_entropy(token_entropy, mb["completion_mask"], options["sample_mask"])
+            if cfg.entropy_coef:  # the micro-batch's entropy sum, differentiated: its mean times its tokens
+                out = out._replace(loss=out.loss - entropy_weight * entropy)
+            entropy = entropy.detach()
+        return out, entropy
 
-        # Loss scaling. DDP and FSDP average the gradients of the W ranks, so each rank's loss is W times its
-        # share of the loss of the global step (M micro-batches on each of W ranks):
-        # - grpo, sapo, luspo, dr_grpo: the op divides by the micro-batch's rows B (dr_grpo: B * max_completion_length),
-        #   the same on every rank; the global denominator is M * W * B, so loss_scale = W / (M * W) = 1 / M.
-        # - dapo, cispo: num_items_in_batch is the step's token count over all ranks and micro-batches; loss_scale = W.
-        # - bnpo: the op divides by the micro-batch's own tokens n_k; loss_scale = W * n_k / N turns that into / N.
-        num_micro, world = len(micro), self.world_size
-        token_level = cfg.loss_type in TOKEN_LEVEL_LOSS_TYPES
+    def _update_beta(self, kl: float) -> None:
+        """Adaptive KL control: scale beta by ``1 + clip(kl / target - 1, +-0.2) / horizon`` after each step."""
+        error = min(max(kl / self.config.kl_target - 1.0, -0.2), 0.2)
+        self.beta *= 1.0 + error / self.config.kl_horizon
 
-        def scale_of(k: int) -> float:
-            """``loss_scale`` of micro-batch ``k``."""
-            if token_level:
-                return float(world)
-            if cfg.loss_type == "bnpo":
-                return world * counts_list[k] / step_tokens
-            return 1.0 / num_micro
-
-        # The entropy bonus: entropy_coef times the mean entropy over the step's N kept tokens, so each token's entropy
-        # weighs W * entropy_coef / N on its rank (the ranks' gradients are averaged, as for the loss).
-        bonus_per_token = world * cfg.entropy_coef / step_tokens
-
-        self._train_model.train()
-        # sequence level: the clip ratios are shares of rows (docs/math.md section 7)
-        per_row_ratios = cfg.importance_sampling_level == "sequence"
-        sums = StepMetrics(per_row_ratios, self.device)
-        for k, mb in enumerate(micro):
-            options = dict(
-                old_logps=mb["old_logps"], ref_logps=mb["ref_logps"], sample_mask=kept_rows(mb),
-                loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
-                beta=self.beta, kl_estimator=cfg.kl_estimator, importance_sampling_level=cfg.importance_sampling_level,
-                max_completion_length=cfg.max_completion_length,
-                num_items_in_batch=step_tokens if token_level else None, loss_scale=scale_of(k),
-                sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
-                vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
-                vespo_lambda_neg=cfg.vespo_lambda_neg,
-            )  # fmt: skip
-            with self._grad_sync(k == num_micro - 1):
-                if self.policy_fused:  # the loss from hidden states: no [B, T, V] logits
-                    # the kernels' bonus is entropy_coef * loss_scale * (the micro-batch's mean entropy)
-                    scale = options["loss_scale"]
-                    coef = bonus_per_token * counts_list[k] / scale if cfg.entropy_coef and scale else 0.0
-                    with bf16_autocast(self.use_bf16, self.device):
-                        out = fused_policy_loss(self._train_model, self.model, mb, cfg.temperature, entropy_coef=coef,
-                                                **options)  # fmt: skip
-                    entropy = out.metrics["entropy"]
-                else:
-                    logps, token_entropy = self.token_logps(self._train_model, mb, with_entropy=True,
-                                                            entropy_grad=cfg.entropy_coef != 0)  # fmt: skip
-                    out = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options)
-                    entropy = masked_mean_entropy(token_entropy, mb["completion_mask"], options["sample_mask"])
-                    if cfg.entropy_coef:  # the micro-batch's entropy sum, differentiated: its mean times its tokens
-                        out = out._replace(loss=out.loss - bonus_per_token * counts_list[k] * entropy)
-                    entropy = entropy.detach()
-                out.loss.backward()
-            sums.add(out, entropy, mb["completion_mask"].shape[0], counts_list[k])
-        row_total = world * num_micro * micro[0]["completion_mask"].shape[0]
-        metrics, loss_sum, entropy_mean = sums.reduce(step_tokens, row_total)
-
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grad_norm = dist_utils.clip_grad_norm(params, cfg.max_grad_norm, self.use_fsdp)
-        learning_rate = self.lr_scheduler.get_last_lr()[0]
-        loss = loss_sum / world
-        # A non-finite loss or gradient norm (global numbers: every rank decides alike) skips the update, never a
-        # NaN model; the schedule still follows the step.
-        skipped = not is_finite_step(loss, grad_norm)
-        if not skipped:
-            self.optimizer.step()
-        scheduler_step(self.lr_scheduler)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite.record(self.global_step + 1, loss, grad_norm, skipped)
-
-        if self.beta != 0:
-            metrics["beta"] = self.beta
-        if cfg.kl_target is not None and not skipped:
-            self._update_beta(metrics["kl"])  # a global kl: beta stays the same on every rank
-        metrics.update(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate, entropy=entropy_mean)
-        return metrics
+    # ------------------------------------------------------------------------------------------------------------
+    # Evaluation
+    # ------------------------------------------------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of ``eval_dataset`` scored by the reward functions: :func:`.evaluation.evaluate_greedy`.
@@ -380,139 +333,3 @@ class GRPOTrainer:
                        f"({len(self.eval_dataset)} prompts, greedy)")  # fmt: skip
             sys.stdout.flush()  # a log file sees it now, beside the progress bar (stderr, unbuffered)
         return metrics
-
-    def _update_beta(self, kl: float) -> None:
-        """Adaptive KL control: scale beta by ``1 + clip(kl / target - 1, +-0.2) / horizon`` after each step."""
-        error = min(max(kl / self.config.kl_target - 1.0, -0.2), 0.2)
-        self.beta *= 1.0 + error / self.config.kl_horizon
-
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> list[dict[str, float]]:
-        """Run until ``config.max_steps`` optimizer steps (or ``config.max_time_s``).
-
-        Args:
-            resume_from_checkpoint: a checkpoint folder, or True for the latest ``checkpoint-N`` in ``output_dir``.
-
-        Returns:
-            The logged metrics, one dict per logged step (also in ``output_dir/metrics.jsonl``). Under
-            torch.distributed every rank returns them; only rank 0 writes files, TensorBoard events and progress.
-
-        Raises:
-            OutputFolderError: another run holds ``output_dir``, or a fresh run finds a previous run's outputs there
-                (without ``config.overwrite_output_dir``).
-            TrainingInterrupted: SIGINT or SIGTERM, after a checkpoint of the last finished step was saved.
-            NonFiniteStepsError: ``config.max_consecutive_nonfinite_steps`` skipped steps in a row.
-        """
-        cfg = self.config
-        resume = bool(resume_from_checkpoint)
-        with claim_output_dir(self.output_dir, resume, cfg.overwrite_output_dir, self.is_main_process):
-            if resume:
-                self.load_checkpoint(self.checkpoints.resume_path(resume_from_checkpoint))
-            if self.is_main_process:
-                self.metrics_logger.open(self.global_step)
-            with StopSignals(verbose=self.is_main_process) as stop:
-                history = self._run_steps(stop)
-            if cfg.plot and self.is_main_process:
-                self.metrics_logger.plot()
-            dist_utils.barrier()  # rank 0's files are complete when train() returns on any rank
-        return history
-
-    def _run_steps(self, stop: StopSignals) -> list[dict[str, float]]:
-        """The loop of :meth:`train`: steps, logging, checkpoints, and the stops (time, signals, non-finite steps)."""
-        cfg = self.config
-        history: list[dict[str, float]] = []
-        start = time.perf_counter()
-        bar = tqdm(
-            total=cfg.max_steps, initial=self.global_step, disable=cfg.disable_tqdm or not self.is_main_process,
-            desc="GRPO", unit="step",
-            mininterval=0.1 if sys.stderr.isatty() else 10.0,  # a log file gets a line every 10 s, not 10 a second
-        )  # fmt: skip
-        try:
-            if self.eval_dataset is not None and self.global_step == 0:  # where the model starts
-                metrics = {"step": 0, **self.evaluate()}
-                if self.is_main_process:
-                    self.metrics_logger.log(metrics, 0)
-                history.append(metrics)
-            while self.global_step < cfg.max_steps:
-                step_start = time.perf_counter()
-                metrics = self._training_step()
-                self.global_step += 1
-                metrics.update(self._rollout_metrics)
-                metrics["step_time"] = time.perf_counter() - step_start
-                metrics["tokens_per_second"] = self._rollout_metrics["num_tokens"] / metrics["step_time"]
-                metrics["nonfinite_steps"] = float(self.nonfinite.total)
-                metrics["step"] = self.global_step
-                bar.update(1)
-                out_of_time = cfg.max_time_s is not None and self._out_of_time(start)
-                last = self.global_step == cfg.max_steps or out_of_time
-                evaluated = self.eval_dataset is not None and (
-                    last or (cfg.eval_steps > 0 and self.global_step % cfg.eval_steps == 0)
-                )
-                if evaluated:
-                    metrics.update(self.evaluate())
-                if self.global_step % cfg.logging_steps == 0 or last or evaluated:
-                    if self.is_main_process:
-                        self.metrics_logger.log(metrics, self.global_step)
-                    history.append(metrics)
-                    postfix = {"reward": f"{metrics['reward']:.3f}", "loss": f"{metrics['loss']:.4f}"}
-                    if self.last_eval_reward is not None:
-                        postfix["eval"] = f"{self.last_eval_reward:.3f}"
-                    bar.set_postfix(postfix)
-                if cfg.log_completions and self.global_step % cfg.log_completions_steps == 0 and self.is_main_process:
-                    self.metrics_logger.print_completions(self.global_step, self._sample_completions)
-                saved = None
-                if cfg.save_steps and self.global_step % cfg.save_steps == 0:
-                    saved = self.save_checkpoint()
-                self.nonfinite.raise_if_exceeded(self.global_step)
-                signal_number = stop.requested(self.device)  # the same on every rank
-                if signal_number and self.global_step < cfg.max_steps:
-                    raise TrainingInterrupted(signal_number, self.global_step, saved or self.save_checkpoint())
-                if out_of_time:
-                    if self.is_main_process:
-                        tqdm.write(f"stopping at step {self.global_step}: max_time_s={cfg.max_time_s} reached")
-                    break
-        finally:
-            bar.close()
-            self.metrics_logger.close()
-        return history
-
-    def _out_of_time(self, start: float) -> bool:
-        """Whether ``max_time_s`` has passed, by rank 0's clock: every rank must stop at the same step."""
-        return dist_utils.broadcast_flag(time.perf_counter() - start > self.config.max_time_s, self.device)
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints
-    # ------------------------------------------------------------------------------------------------------------
-
-    def latest_checkpoint(self) -> Path | None:
-        """The ``checkpoint-N`` folder of ``output_dir`` with the largest N, or None."""
-        return self.checkpoints.latest()
-
-    def save_checkpoint(self) -> Path:
-        """Write ``output_dir/checkpoint-<step>`` atomically (a temp folder renamed into place) and return it.
-
-        Under torch.distributed every rank must call it: the full (unsharded) state and every rank's queued
-        micro-batches are gathered, rank 0 alone writes, and no rank returns before the folder is in place.
-        """
-        state = {"rollout_metrics": self._rollout_metrics, **self.rollouts.state_dict(), "beta": self.beta,
-                 "nonfinite_steps": self.nonfinite.total}  # fmt: skip
-        return self.checkpoints.save(self.global_step, self._micro_batches, state)
-
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore model, optimizer, scheduler, RNG states, queued rollouts and step from a checkpoint folder.
-
-        Under torch.distributed every rank calls it; rank 0 reads the folder and sends the state to the others
-        (they need not see the files). The checkpoint may come from another number of processes if the global batch
-        is the same: ``per_device_train_batch_size * world_size`` must equal the saving run's. Queued micro-batches
-        are then re-cut into this run's per-rank slices (the same rows per global micro-batch, so the same updates
-        up to float rounding; with the saving run's world size they are restored bit for bit).
-
-        Raises:
-            ValueError: naming ``per_device_train_batch_size`` when the global batch differs or this world size
-                does not divide it.
-        """
-        state, self._micro_batches = self.checkpoints.load(path)
-        self.global_step = state["step"]
-        self._rollout_metrics = state["rollout_metrics"]
-        self.rollouts.load_state_dict(state)
-        self.beta = state["beta"]
-        self.nonfinite.total = state.get("nonfinite_steps", 0)

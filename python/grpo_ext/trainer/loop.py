@@ -1,0 +1,126 @@
+"""The run lifecycle of :class:`~grpo_ext.trainer.trainer.GRPOTrainer`: ``train()`` and its loop of steps.
+
+:class:`TrainingLoopMixin` holds ``train`` (claim the output folder, resume from a checkpoint, open the metrics files,
+run the steps under the SIGINT/SIGTERM handlers, save the final model, print where it went and plot the metrics) and
+``_run_steps``, the loop itself: the evaluation before the first step, each step's timing and counters, the progress
+bar and its postfix, the logging and completion samples (written by :mod:`.metrics`), the periodic evaluations and
+checkpoints, and the stops: ``max_steps``, ``max_time_s`` (``_out_of_time``, by rank 0's clock), a signal (a
+checkpoint, then :class:`~.guards.TrainingInterrupted`) and too many non-finite steps in a row.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm.auto import tqdm
+
+from . import distributed as dist_utils
+from .guards import StopSignals, TrainingInterrupted
+from .run_folder import claim_output_dir
+
+
+class TrainingLoopMixin:
+    """The run lifecycle of :class:`~grpo_ext.trainer.trainer.GRPOTrainer` (see the module docstring)."""
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> list[dict[str, float]]:
+        """Run until ``config.max_steps`` optimizer steps (or ``config.max_time_s``), then save the model.
+
+        The trained model and the tokenizer are written to ``output_dir/final_model`` (:attr:`final_model_path`) with
+        ``save_pretrained`` when the run ends, a ``max_time_s`` stop included (a peft model: its adapter alone); a run
+        stopped by a signal or by non-finite steps leaves its last checkpoint instead.
+
+        Args:
+            resume_from_checkpoint: a checkpoint folder, or True for the latest ``checkpoint-N`` in ``output_dir``.
+
+        Returns:
+            The logged metrics, one dict per logged step (also in ``output_dir/metrics.jsonl``). Under
+            torch.distributed every rank returns them; only rank 0 writes files, TensorBoard events and progress.
+
+        Raises:
+            OutputFolderError: another run holds ``output_dir``, or a fresh run finds a previous run's outputs there
+                (without ``config.overwrite_output_dir``).
+            TrainingInterrupted: SIGINT or SIGTERM, after a checkpoint of the last finished step was saved.
+            NonFiniteStepsError: ``config.max_consecutive_nonfinite_steps`` skipped steps in a row.
+            FinalModelWriteError: the final model could not be written (a full disk).
+        """
+        cfg = self.config
+        resume = bool(resume_from_checkpoint)
+        with claim_output_dir(self.output_dir, resume, cfg.overwrite_output_dir, self.is_main_process):
+            if resume:
+                self.load_checkpoint(self.checkpoints.resume_path(resume_from_checkpoint))
+            if self.is_main_process:
+                self.metrics_logger.open(self.global_step)
+            with StopSignals(verbose=self.is_main_process) as stop:
+                history = self._run_steps(stop)
+                # Still under the signal handlers: a first Ctrl-C waits for the model to be on disk.
+                saved_model = self.save_final_model()
+            if self.is_main_process:
+                tqdm.write(f"final model (step {self.global_step}): {saved_model}")
+            if cfg.plot and self.is_main_process:
+                self.metrics_logger.plot()
+            dist_utils.barrier()  # rank 0's files are complete when train() returns on any rank
+        return history
+
+    def _run_steps(self, stop: StopSignals) -> list[dict[str, float]]:
+        """The loop of :meth:`train`: steps, logging, checkpoints, and the stops (time, signals, non-finite steps)."""
+        cfg = self.config
+        history: list[dict[str, float]] = []
+        start = time.perf_counter()
+        bar = tqdm(
+            total=cfg.max_steps, initial=self.global_step, disable=cfg.disable_tqdm or not self.is_main_process,
+            desc="GRPO", unit="step",
+            mininterval=0.1 if sys.stderr.isatty() else 10.0,  # a log file gets a line every 10 s, not 10 a second
+        )  # fmt: skip
+        try:
+            if self.eval_dataset is not None and self.global_step == 0:  # where the model starts
+                metrics = {"step": 0, **self.evaluate()}
+                if self.is_main_process:
+                    self.metrics_logger.log(metrics, 0)
+                history.append(metrics)
+            while self.global_step < cfg.max_steps:
+                step_start = time.perf_counter()
+                metrics = self._training_step()
+                self.global_step += 1
+                metrics.update(self._rollout_metrics)
+                metrics["step_time"] = time.perf_counter() - step_start
+                metrics["tokens_per_second"] = self._rollout_metrics["num_tokens"] / metrics["step_time"]
+                metrics["nonfinite_steps"] = float(self.nonfinite.total)
+                metrics["step"] = self.global_step
+                bar.update(1)
+                out_of_time = cfg.max_time_s is not None and self._out_of_time(start)
+                last = self.global_step == cfg.max_steps or out_of_time
+                evaluated = self.eval_dataset is not None and (
+                    last or (cfg.eval_steps > 0 and self.global_step % cfg.eval_steps == 0)
+                )
+                if evaluated:
+                    metrics.update(self.evaluate())
+                if self.global_step % cfg.logging_steps == 0 or last or evaluated:
+                    if self.is_main_process:
+                        self.metrics_logger.log(metrics, self.global_step)
+                    history.append(metrics)
+                    postfix = {"reward": f"{metrics['reward']:.3f}", "loss": f"{metrics['loss']:.4f}"}
+                    if self.last_eval_reward is not None:
+                        postfix["eval"] = f"{self.last_eval_reward:.3f}"
+                    bar.set_postfix(postfix)
+                if cfg.log_completions and self.global_step % cfg.log_completions_steps == 0 and self.is_main_process:
+                    self.metrics_logger.print_completions(self.global_step, self._sample_completions)
+                saved = None
+                if cfg.save_steps and self.global_step % cfg.save_steps == 0:
+                    saved = self.save_checkpoint()
+                self.nonfinite.raise_if_exceeded(self.global_step)
+                signal_number = stop.requested(self.device)  # the same on every rank
+                if signal_number and self.global_step < cfg.max_steps:
+                    raise TrainingInterrupted(signal_number, self.global_step, saved or self.save_checkpoint())
+                if out_of_time:
+                    if self.is_main_process:
+                        tqdm.write(f"stopping at step {self.global_step}: max_time_s={cfg.max_time_s} reached")
+                    break
+        finally:
+            bar.close()
+            self.metrics_logger.close()
+        return history
+
+    def _out_of_time(self, start: float) -> bool:
+        """Whether ``max_time_s`` has passed, by rank 0's clock: every rank must stop at the same step."""
+        return dist_utils.broadcast_flag(time.perf_counter() - start > self.config.max_time_s, self.device)
