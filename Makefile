@@ -138,6 +138,7 @@ bench: build
 	$(PY) benchmarks/bench_selective_log_softmax.py
 	$(PY) benchmarks/bench_grpo_loss_from_logits.py
 	$(PY) benchmarks/bench_grpo_loss_from_hidden.py
+	$(PY) benchmarks/bench_overhead.py
 	$(PY) benchmarks/bench_trainer.py
 
 # The compiler's view of every CUDA kernel on every architecture of the wheel (no GPU needed): a library built for

@@ -6,8 +6,10 @@ Peers, timed side by side on the same rewards:
       ``(rewards - mean) / (std + 1e-4)``, and ``is_std_zero = isclose(std, 0)``.
     * ``compile``: ``torch.compile(grpo_ext.reference.group_advantages)``, compilation excluded from the timing;
       "n/a" with the reason when compiling fails on the machine.
-    * ``grpo_ext``: ``grpo_ext.group_advantages`` (one kernel), and on CUDA the same call captured in a CUDA graph
-      and replayed (``grpo_ext+graph``).
+    * ``grpo_ext``: ``grpo_ext.group_advantages(rewards, G)`` (one kernel launch), and on CUDA the same call
+      captured in a CUDA graph and replayed (``grpo_ext+graph``).
+    * ``grpo_ext+group_ids``: the same groups given as ``group_ids`` with the rows shuffled (a random permutation),
+      the path of ragged or interleaved groups (a memset and three launches: count, place, then the advantages).
 
 Before timing, every peer's advantages, group means and group stds (and zero-std flags) are checked against
 ``grpo_ext.reference.group_advantages`` run in float64 on the same rewards; a mismatch is an error.
@@ -28,7 +30,7 @@ Peak memory (CUDA) is the allocator's peak during one call above what was alloca
 
 Usage::
 
-    python benchmarks/bench_group_advantages.py           # 1024 groups of 16 and 64 groups of 8
+    python benchmarks/bench_group_advantages.py           # CPU: 1024 groups of 16 and 64 of 8; CUDA: the six below
     python benchmarks/bench_group_advantages.py --quick   # smoke run (CI)
     python benchmarks/bench_group_advantages.py --groups 4096x16
 """
@@ -105,12 +107,21 @@ def run_case(
     def ext() -> Outputs:
         return tuple(grpo_ext.group_advantages(rewards, group_size, eps=EPS))
 
+    # The same groups as group_ids, rows shuffled: row perm[i] of the batch is row i here.
+    perm = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(args.seed)).to(device)
+    shuffled_rewards = rewards[perm]
+    group_ids = (torch.arange(rewards.numel(), device=device) // group_size)[perm]
+
+    def ext_group_ids() -> Outputs:
+        return tuple(grpo_ext.group_advantages(shuffled_rewards, group_ids=group_ids, num_groups=num_groups, eps=EPS))
+
     def make_compiled() -> Callable[[], Outputs]:
         torch._dynamo.reset()  # a fresh, static-shape compile per case (and no recompile limit across cases)
         compiled = torch.compile(reference.group_advantages, dynamic=False)
         return lambda: tuple(compiled(rewards, group_size, eps=EPS))
 
-    steps: dict[str, Callable[[], Outputs] | None] = {"eager": eager, "grpo_ext": ext}
+    steps: dict[str, Callable[[], Outputs] | None] = {"eager": eager, "grpo_ext": ext,
+                                                      "grpo_ext+group_ids": ext_group_ids}  # fmt: skip
     notes, graph_outputs, compile_s = peers.add_optional_peers(case, steps, make_compiled, device, args)
 
     # agreement with the float64 reference, before any timing: a mismatch stops the run
@@ -118,6 +129,8 @@ def run_case(
     outputs = peers.outputs_of(steps, graph_outputs)
     max_err = 0.0
     for name, (adv, mean, std, zero_std) in outputs.items():
+        if name == "grpo_ext+group_ids":  # back to the batch's row order
+            adv = torch.empty_like(adv).index_copy_(0, perm, adv)
         for what, actual, expected in (
             ("advantages", adv, truth.advantages),
             ("group_mean", mean, truth.group_mean),
@@ -156,7 +169,9 @@ def main() -> None:
     args = parse_args()
     device, env, copy, flusher = environment.start(args)
     if args.groups is None:
-        args.groups = "8x4" if args.quick else "1024x16,64x8"
+        # CUDA: the H100 findings' shapes (8 to 524,288 rewards); the CPU keeps to the two usual ones
+        full = "8x8,64x16,1024x16,4096x16,8192x64,65536x8" if device.type == "cuda" else "1024x16,64x8"
+        args.groups = "8x4" if args.quick else full
     if args.target_s is None:
         args.target_s = 0.02 if args.quick else 0.25
 

@@ -18,6 +18,10 @@ checked against ``grpo_ext.reference.grpo_loss_from_hidden`` in float64 on the f
 case's dtype, random ids, ``old_logps`` and ``ref_logps`` near the policy's own log-probs, prefix masks of random
 length, ``dapo``, temperature 0.9.
 
+Padding case (after the others, on the first size and dtype): ``grpo_ext`` on the same inputs with every token
+kept and with the second half of each row masked, timed in the same run, alternating round by round; the ratio of
+the two times (best of the repetitions, and medians) shows that masked tokens cost no GEMM work (target: at most 0.6).
+
 Yardstick: the time of the three GEMMs the path cannot avoid (``hidden @ W.T``, ``g @ W``, ``g.T @ hidden``) is
 measured in the same run, and ``x gemm`` is that time over the row's. Peak memory (CUDA): the allocator's peak above
 what was allocated before the call.
@@ -31,6 +35,8 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,8 +49,8 @@ from torch import Tensor
 import fused_loss
 import grpo_ext
 from fused_loss import LOSS_TYPE, Step
-from harness import peers, timing
-from logits_inputs import TEMPERATURE
+from harness import cli, peers, timing
+from logits_inputs import TEMPERATURE, make_inputs
 from trl_style import EPSILON
 
 
@@ -101,5 +107,44 @@ def gemm_time(inputs: dict[str, Any], device: torch.device, target_s: float, flu
     return total
 
 
+#: The padding case's target: half the tokens masked take at most this share of the all-kept time.
+PADDING_TARGET = 0.6
+#: Rounds of the padding case: each times both calls, one after the other.
+PADDING_ROUNDS = 5
+
+
+def padding_case(args: argparse.Namespace, device: torch.device, flusher) -> list[dict[str, Any]]:
+    """grpo_ext with every token kept, then with the second half of each row masked (same hidden states, weight,
+    ids and loss inputs), timed in this run: one row each, and the ratio of their times printed."""
+    rows, vocab, size = cli.parse_sizes(args.sizes, 3)[0]
+    dtype = cli.parse_dtype(cli.parse_list(args.dtypes)[0])
+    inputs = make_inputs(rows, vocab, size, dtype, device, args.seed)
+    length = inputs["length"]
+    half = (torch.arange(length, device=device) < length // 2).expand(inputs["batch"], length)
+    leaves = (inputs["hidden"].detach().requires_grad_(True), inputs["weight"].detach().requires_grad_(True))
+    case = f"hidden N={rows} V={vocab} H={size} {cli.dtype_name(dtype)}"
+    out, steps = [], []
+    for label, mask in (("all kept", torch.ones_like(inputs["mask"])), ("half masked", half.to(inputs["mask"].dtype))):
+        steps.append(fused_loss.loss_step(grpo_ext.grpo_loss_from_hidden, leaves, {**inputs, "mask": mask}, args.beta))
+        out.append({"case": f"{case} {label}", "op": "grpo_loss_from_hidden fwd+bwd", "impl": "grpo_ext", "N": rows,
+                    "V": vocab, "H": size, "dtype": cli.dtype_name(dtype), "kept_tokens": int((mask != 0).sum()),
+                    "bytes": 0})  # fmt: skip
+    # the two alternate, round by round, so that a change of load on the machine hits both alike
+    rounds = [[timing.time_call(step, device, target_s=args.target_s / PADDING_ROUNDS, flusher=flusher)
+               for step in steps] for _ in range(PADDING_ROUNDS)]  # fmt: skip
+    for index, row in enumerate(out):
+        row["min_ms"] = min(timed[index]["min_ms"] for timed in rounds)
+        row["median_ms"] = statistics.median(timed[index]["median_ms"] for timed in rounds)
+        row["reps"] = sum(timed[index]["reps"] for timed in rounds)
+    full, masked = out
+    best, median = masked["min_ms"] / full["min_ms"], masked["median_ms"] / full["median_ms"]
+    masked["ratio_to_all_kept"] = best
+    verdict = "meets" if best <= PADDING_TARGET else "MISSES"
+    print(f"padding {case}: all kept {full['min_ms']:.3g} ms, half masked {masked['min_ms']:.3g} ms (best of "
+          f"{masked['reps']}, alternating): ratio {best:.2f} (medians {median:.2f}); {verdict} the target <= "
+          f"{PADDING_TARGET}")  # fmt: skip
+    return out
+
+
 if __name__ == "__main__":
-    fused_loss.main(__file__, __doc__, "hidden", make_steps, gemm_time)
+    fused_loss.main(__file__, __doc__, "hidden", make_steps, gemm_time, padding_case)

@@ -24,6 +24,7 @@ LOSS_TYPE = "dapo"  # masked token mean: the normalization Liger's kernels and T
 Step = Callable[[], Any]
 MakeSteps = Callable[[dict[str, Any], float, torch.device], tuple[dict[str, Step | None], dict[str, str]]]
 GemmTime = Callable[[dict[str, Any], torch.device, float, L2Flusher | None], float]
+ExtraCases = Callable[[argparse.Namespace, torch.device, L2Flusher | None], list[dict[str, Any]]]
 
 
 class LossPath(NamedTuple):
@@ -84,7 +85,7 @@ def check_peers(steps: dict[str, Step | None], notes: dict[str, str], inputs: di
     """Runs every peer on the first rows and compares loss and gradients with the float64 reference.
 
     The peers are built again on those rows by ``make_steps`` (the compile peer is not: it would compile again).
-    A Liger peer that disagrees becomes n/a with the reason; any other disagreement stops the run.
+    A peer that disagrees becomes n/a with the reason (``checks.check_peer``); the run goes on.
     """
     small = first_rows(inputs, check_rows)
     small_steps, _ = make_steps(small, beta, small["ids"].device)
@@ -100,16 +101,16 @@ def check_peers(steps: dict[str, Step | None], notes: dict[str, str], inputs: di
         if step is None or steps.get(name) is None:
             continue
         loss, *grads = step()
-        try:
+
+        def compare(name=name, loss=loss, grads=grads) -> float:
             err = checks.assert_matches(f"{case} {name} loss", loss, truth, dtype, 1.0)
             for g, t in zip(grads, truth_grads, strict=True):
                 err = max(err, checks.assert_matches(f"{case} {name} grad", g, t, dtype))
-        except AssertionError as exc:
-            if name != "liger":
-                raise
-            steps[name], notes[name] = None, f"disagrees with the reference: {peers.short_reason(exc)}"
-            continue
-        errors.append(f"{name} {err:.1e}")
+            return err
+
+        err = checks.check_peer(name, steps, notes, compare, case)
+        if err is not None:
+            errors.append(f"{name} {err:.1e}")
     print(f"check {case} on {small['batch'] * small['length']} rows: " + ", ".join(errors))
 
 
@@ -143,7 +144,8 @@ def run_case(path: str, rows: int, vocab: int, size: int | None, dtype: torch.dt
     return out
 
 
-def main(script_file: str, doc: str, path: str, make_steps: MakeSteps, gemm_time: GemmTime | None = None) -> None:
+def main(script_file: str, doc: str, path: str, make_steps: MakeSteps, gemm_time: GemmTime | None = None,
+         extra_cases: ExtraCases | None = None) -> None:  # fmt: skip
     """A fused-loss script's main: command line, every case, the table and the JSON record.
 
     Args:
@@ -152,6 +154,7 @@ def main(script_file: str, doc: str, path: str, make_steps: MakeSteps, gemm_time
         path: ``"logits"`` or ``"hidden"``.
         make_steps: builds the script's peers (all but compile) on given inputs: ``(steps, notes)``.
         gemm_time: see :func:`run_case`.
+        extra_cases: the script's own cases, run after the others: ``(args, device, flusher) -> rows``.
     """
     parser = make_parser(doc, PATHS[path].sizes_help)
     parser.add_argument("--beta", type=float, default=0.04)
@@ -163,6 +166,8 @@ def main(script_file: str, doc: str, path: str, make_steps: MakeSteps, gemm_time
         for n, v, *h in cli.parse_sizes(args.sizes, PATHS[path].arity):
             size = h[0] if h else None
             rows.extend(run_case(path, n, v, size, dtype, args, device, flusher, make_steps, gemm_time))
+    if extra_cases is not None:
+        rows.extend(extra_cases(args, device, flusher))
     title = f"grpo_loss_from_{path} forward + backward"
     reporting.report(script_file, title, rows, env, copy, args, device, flusher)
     for row in rows:

@@ -47,5 +47,6 @@ if [[ "$what" == all || "$what" == bench ]]; then
   python3 benchmarks/bench_selective_log_softmax.py 2>&1 | tee "$OUT/bench_selective_log_softmax.txt"
   python3 benchmarks/bench_grpo_loss_from_logits.py 2>&1 | tee "$OUT/bench_grpo_loss_from_logits.txt"
   python3 benchmarks/bench_grpo_loss_from_hidden.py 2>&1 | tee "$OUT/bench_grpo_loss_from_hidden.txt"
+  python3 benchmarks/bench_overhead.py --sizes 64x1024x64 2>&1 | tee "$OUT/bench_overhead.txt"
   cp benchmarks/out/*.json "$OUT/" 2>/dev/null
 fi

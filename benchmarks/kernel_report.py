@@ -194,8 +194,9 @@ ENUM_ARGUMENTS = {"(grpo_ext::SoftCap)0": "no cap", "(grpo_ext::SoftCap)1": "sof
 
 
 def short_name(plain: str) -> str:
-    """``void grpo_ext::k<float, (grpo_ext::SoftCap)0>(args)`` -> ``k<float, no cap>``."""
-    plain = re.sub(r"^void grpo_ext::", "", plain)
+    """``void grpo_ext::k<float, (grpo_ext::SoftCap)0>(args)`` -> ``k<float, no cap>``; a kernel that is no template
+    demangles without its return type (``grpo_ext::k(args)`` -> ``k``)."""
+    plain = re.sub(r"^(void )?grpo_ext::", "", plain)
     if plain.endswith(")"):  # drop the parameter list: from its matching "(" on
         depth = 0
         for i in range(len(plain) - 1, -1, -1):
@@ -325,6 +326,7 @@ def main() -> int:
         import traffic_report
 
         report += "\n" + traffic_report.markdown(traffic_report.measure())
+        report += "\n" + traffic_report.advantage_grids()
     print(report)
     if args.out:
         args.out.write_text(report)

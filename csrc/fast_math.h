@@ -32,6 +32,41 @@ inline float host_expf(float x) {
   memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+// exp for the softmax rows of the logits ops (cpu::row_softmax and the CPU backward of selective_log_softmax), in
+// float, within 2 ulp of the correctly rounded exp (tests/test_cpu_exp.py) and branch-free, so that the row loops
+// vectorize: x = n ln2 + r with n = round(x / ln2) and ln2 in two parts (the first of few bits, so that n times it is
+// exact), |r| <= ln2 / 2; exp(r) by its Taylor polynomial of degree 7 (truncation below 1e-8 relative); the result
+// scaled by 2^n through exponent bits, in two halves 2^(n/2) * 2^(n - n/2), so that a subnormal result (x below
+// -87.34) is rounded once, as IEEE gradual underflow does. Unlike host_expf, which clamps x to [-87, 88]: 0 below
+// -103.97 and at -inf, inf above 88.72, NaN for NaN. No FMA (none is enabled), so that the baseline and the AVX2
+// copies of a loop give the same bits.
+inline float host_expf_rows(float x) {
+  x = x < -104.0f ? -104.0f : x;      // exp(-104) < 2^-150 rounds to 0; NaN passes both clamps (comparisons are false)
+  x = x > 89.0f ? 89.0f : x;          // exp(89) > FLT_MAX: inf
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: x * log2(e) + shifter holds round(x * log2(e)) in its low bits
+  const float shifted = x * 1.44269504088896341f + shifter;
+  const float n = shifted - shifter;
+  uint32_t shifted_bits;
+  memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
+  const int32_t k = static_cast<int32_t>(shifted_bits - 0x4B400000u);  // n as an integer, in [-150, 128]
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t k_low = k >> 1, k_high = k - k_low;  // each in [-75, 64]: both halves are normal floats
+  const uint32_t low_bits = (static_cast<uint32_t>(k_low) + 127u) << 23;
+  const uint32_t high_bits = (static_cast<uint32_t>(k_high) + 127u) << 23;
+  float low, high;
+  memcpy(&low, &low_bits, sizeof(low));
+  memcpy(&high, &high_bits, sizeof(high));
+  return (p * low) * high;  // p * 2^k_low is exact; the second product rounds once (to inf, or to a subnormal)
+}
 #endif
 
 template <typename T>
@@ -44,7 +79,16 @@ GRPO_HD T math_expm1(T x) {
   using std::expm1;
   return expm1(x);
 }
+// The exp of the softmax rows: host_expf_rows in host float code, std::exp in double.
+template <typename T>
+inline T math_exp_rows(T x) {
+  return std::exp(x);
+}
 #if !defined(__CUDA_ARCH__)
+template <>
+inline float math_exp_rows<float>(float x) {
+  return host_expf_rows(x);
+}
 template <>
 inline float math_exp<float>(float x) {
   return host_expf(x);

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -20,6 +21,7 @@ SCRIPTS = [
     "bench_selective_log_softmax.py",
     "bench_grpo_loss_from_logits.py",
     "bench_grpo_loss_from_hidden.py",
+    "bench_overhead.py",  # the Python layer's per-call cost (issue 31), beside eager in one run
 ]
 
 
@@ -67,6 +69,29 @@ def test_trainer_benchmark_with_trl_loss_options(tmp_path):
     assert rows["trl"]["step_ms"] > 0 and rows["trl+grpo_ext/fused"]["step_ms"] > 0
     assert "has no off_policy_mask_threshold, top_entropy_quantile" in rows["grpo_ext/fused"]["note"]
     assert "top_entropy_quantile=0.2" in rows["trl"]["case"]
+
+
+def test_a_peer_that_disagrees_is_an_na_row_not_a_crash(monkeypatch):
+    """harness.checks.check_peer: a peer whose agreement check fails is taken out of the timing with the reason (the
+    GPU session's eager bf16 and compile peers stopped two scripts with an AssertionError); one that agrees stays."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from harness import checks, peers
+
+    truth = torch.arange(4, dtype=torch.float64)
+    steps = {"eager": lambda: truth.float() + 1.0, "grpo_ext": lambda: truth.float()}
+    notes: dict[str, str] = {}
+    errors = {
+        name: checks.check_peer(name, steps, notes,
+                                lambda name=name, step=step: checks.assert_matches(name, step(), truth, torch.float32))
+        for name, step in list(steps.items())
+    }  # fmt: skip
+    assert errors["grpo_ext"] == 0.0 and errors["eager"] is None
+    assert steps["eager"] is None and steps["grpo_ext"] is not None
+    assert notes["eager"].startswith("disagrees with the float64 reference: AssertionError") and "grpo_ext" not in notes
+    rows = peers.time_peers(steps, notes, {"case": "c"}, torch.device("cpu"), target_s=0.001, flusher=None)
+    by_impl = {row["impl"]: row for row in rows}
+    assert by_impl["eager"]["median_ms"] is None and by_impl["eager"]["note"] == notes["eager"]
+    assert by_impl["grpo_ext"]["median_ms"] > 0
 
 
 # Not smoke-run here: it trains a real model (SmolLM2-135M from a 98 MB package) for minutes; run by hand (README).

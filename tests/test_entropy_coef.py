@@ -192,8 +192,9 @@ def test_fused_linear_module(device):
     """FusedLinearGRPOLoss(entropy_coef=...) is the hidden-state loss with the bonus."""
     _, ids, adv, mask, _, _ = make_problem(vocab=23, seed=9)
     g = torch.Generator().manual_seed(10)
-    hidden = torch.randn(4, 6, 8, generator=g, dtype=torch.float64, device=device).requires_grad_(True)
-    weight = torch.randn(23, 8, generator=g, dtype=torch.float64, device=device).requires_grad_(True)
+    # Drawn on the CPU (the generator's device), then moved: the same numbers on every device.
+    hidden = torch.randn(4, 6, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    weight = torch.randn(23, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
     module = FusedLinearGRPOLoss(beta=0.0, loss_type="bnpo", temperature=0.8, entropy_coef=COEF)
     loss, _ = module(hidden, weight, ids.to(device), mask.to(device), adv.to(device))
     loss.backward()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import zlib
 
@@ -158,6 +159,52 @@ def test_cuda_float32_matches_reference(device, loss_type, level):
         assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6, msg=f"{kl} {extra}")
         for name in ref.metrics:
             assert_close(out.metrics[name], ref.metrics[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# The float32 precision rule (below and tests/cuda_emu/test_loss.py): rows of 300 tokens whose partial sums are
+# hundreds while luspo's batch total is 1e-3, so that a reduction rounding its row sums to float32 shows.
+PRECISION_BATCH = dict(seed=7, batch=16, seq_len=300)
+PRECISION_FLOOR = 1e-9  # per summed output: an error sum of 0 on the CPU must not demand 0 of the CUDA kernel
+
+
+def float32_errors(loss: torch.Tensor, metrics: torch.Tensor, grad: torch.Tensor | None, truth: tuple) -> dict:
+    """Absolute errors of a float32 kernel's outputs against float64 ones ``truth`` = (loss, metrics, grad): the
+    loss', the metrics' summed, the gradient's largest."""
+    errors = {
+        "loss": (loss.double().cpu() - truth[0].cpu()).abs().item(),
+        "metrics": (metrics.double().cpu() - truth[1].cpu()).abs().sum().item(),
+    }
+    if grad is not None:
+        errors["grad"] = (grad.double().cpu() - truth[2].cpu()).abs().max().item()
+    return errors
+
+
+def assert_error_at_most_twice_cpu(kernel: dict, cpu: dict, what: str) -> None:
+    """The CUDA kernel's float32 errors at most twice the CPU kernel's on the same inputs, each summed over the cases
+    of one loss type and level (summed, because two float32 kernels that round alike still differ case by case by
+    factors of 2 or 3 either way: which rows' sums round up is chance)."""
+    for name, cpu_error in cpu.items():
+        assert kernel[name] <= 2 * cpu_error + PRECISION_FLOOR, (
+            f"{what} {name}: the CUDA kernel's error {kernel[name]:.3g}, the CPU kernel's {cpu_error:.3g}"
+        )
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_cuda_float32_error_at_most_twice_cpu_kernel(device, loss_type, level):
+    """Every KL configuration and extra: the CUDA kernel in float32 is as accurate as the CPU kernel in float32
+    (issue 31: luspo's sequence-level loss was 10x less accurate on an H100)."""
+    totals = {device: collections.Counter(), "cpu": collections.Counter()}
+    for kl, extra in itertools.product(KL_CONFIGS, EXTRAS):
+        batch = make_loss_batch(**PRECISION_BATCH, per_token_advantages=extra == "token_advantages")
+        kwargs = case_kwargs(loss_type, level, kl, extra)
+        for dev in totals:
+            out, grad, ref, ref_grad = run_both(batch, dev, torch.float32, **kwargs)
+            stack = torch.stack([out.metrics[name] for name in ref.metrics])
+            truth = (ref.loss.detach(), torch.stack([ref.metrics[name] for name in ref.metrics]).detach(), ref_grad)
+            totals[dev].update(float32_errors(out.loss.detach(), stack.detach(), grad, truth))
+    assert_error_at_most_twice_cpu(totals[device], totals["cpu"], f"{loss_type} {level}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -128,3 +128,102 @@ def test_grpo_loss_from_logits_nan_logit_or_uncapped_inf_makes_the_loss_nan(valu
         loss, entropy, grad = loss_run(impl, bad.float(), ids, mask, logit_scale=SCALE, logit_softcap=cap)
         assert torch.isnan(loss) and torch.isnan(entropy), impl.__name__
         assert torch.isnan(grad[1, 1]).all(), impl.__name__
+
+
+def weighted_loss_run(impl, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, way: str, **options):
+    """grpo_loss_from_logits without a KL term, the kept token ``[1, 1]`` weighted 0 in the loss by ``way``: its
+    policy weight, its importance weight or its advantage (per token), and its entropy-bonus weight."""
+    x = logits.detach().clone().requires_grad_(True)
+    dtype = logits.dtype
+    adv = torch.tensor([[0.7, -0.4, 0.3], [-1.2, 0.9, 0.5]], dtype=dtype)
+    weights = torch.ones(2, 3, dtype=dtype)
+    weights[1, 1] = 0.0
+    if way == "advantage":
+        adv[1, 1] = 0.0
+    kwargs = {way: weights} if way != "advantage" else {}
+    out = impl.grpo_loss_from_logits(x, ids, adv, mask, temperature=TEMPERATURE, entropy_coef=0.3,
+                                     entropy_weights=weights, old_logps=torch.full((2, 3), -2.3, dtype=dtype),
+                                     **kwargs, **options)  # fmt: skip
+    out.loss.backward()
+    return out.loss.detach(), x.grad
+
+
+ZERO_WEIGHT_WAYS = ["policy_weights", "is_weights", "advantage"]
+
+
+@pytest.mark.parametrize("way", ZERO_WEIGHT_WAYS)
+@pytest.mark.parametrize(("value", "positions", "cap"), [(float("-inf"), (2,), None), (float("-inf"), (2, 4), CAP),
+                                                         (float("inf"), (2, 4), CAP)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grpo_loss_from_logits_zero_weight_token_gets_exactly_zero_gradient(way, value, positions, cap, dtype):
+    # A kept token weighted 0 whose logits hold what the softmax sees as finite or -inf (a -inf that is not the
+    # chosen token, a capped +-inf): its log-prob is finite, and with nothing upstream its gradient is exactly 0.
+    logits, ids, mask = make_logits(seed=6)
+    bad = poison(logits, value, positions)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    loss, grad = weighted_loss_run(grpo_ext, bad.to(dtype), ids, mask, way, logit_scale=SCALE, logit_softcap=cap)
+    ref_loss, ref_grad = weighted_loss_run(reference, bad, ids, mask, way, logit_scale=SCALE, logit_softcap=cap)
+    assert torch.isfinite(ref_loss) and torch.equal(ref_grad[1, 1], torch.zeros(11, dtype=torch.float64))
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert torch.equal(grad[1, 1], torch.zeros(11, dtype=dtype))
+    assert_close(loss, ref_loss, rtol=tol, atol=tol, msg="loss")
+    assert_close(grad, ref_grad, rtol=tol, atol=tol, msg="grad")
+
+
+#: A NaN logit (capped or not), an uncapped +inf, an uncapped -inf at the chosen token (4): a non-finite log-prob.
+NON_FINITE_LOG_PROB = [(float("nan"), (2,), CAP), (float("nan"), (4,), None), (float("inf"), (2,), None),
+                       (float("-inf"), (4,), None)]  # fmt: skip
+
+
+@pytest.mark.parametrize("way", ZERO_WEIGHT_WAYS)
+@pytest.mark.parametrize(("value", "positions", "cap"), NON_FINITE_LOG_PROB)
+def test_grpo_loss_from_logits_zero_weight_does_not_hide_a_non_finite_log_prob(way, value, positions, cap):
+    # A weight of 0 does not mask a token out: a kept token whose log-prob is NaN or -inf (a NaN logit, an uncapped
+    # +inf, a chosen token at -inf) is the caller's error, and the loss and that row's gradient stay NaN
+    # (docs/math.md, "Non-finite inputs"), in the reference too.
+    logits, ids, mask = make_logits(seed=7)
+    bad = poison(logits, value, positions)
+    for impl in (grpo_ext, reference):
+        loss, grad = weighted_loss_run(impl, bad.float(), ids, mask, way, logit_scale=SCALE, logit_softcap=cap)
+        assert torch.isnan(loss), impl.__name__
+        assert torch.isnan(grad[1, 1]).all(), impl.__name__
+
+
+@pytest.mark.parametrize("way", ZERO_WEIGHT_WAYS)
+@pytest.mark.parametrize("cap", [None, CAP])
+def test_grpo_loss_from_hidden_zero_weight_token_with_banned_vocabulary_entries(way, cap):
+    # Through the LM head: a bias of -inf bans vocabulary entries (logits -inf in every row); the kept token [1, 1]
+    # weighted 0 gets an exactly zero hidden-state gradient, and the weight and bias gradients are the reference's.
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    weight = torch.randn(11, 5, generator=g, dtype=torch.float64)
+    bias = torch.randn(11, generator=g, dtype=torch.float64)
+    bias[[2, 7]] = float("-inf")
+    _, ids, mask = make_logits(seed=8)
+    ids[ids == 2] = 3  # the sampled tokens are not banned
+    ids[ids == 7] = 3
+    adv = torch.tensor([[0.7, -0.4, 0.3], [-1.2, 0.9, 0.5]], dtype=torch.float64)
+    weights = torch.ones(2, 3, dtype=torch.float64)
+    weights[1, 1] = 0.0
+    if way == "advantage":
+        adv[1, 1] = 0.0
+    kwargs = {way: weights} if way != "advantage" else {}
+
+    def run(impl, dtype):
+        leaves = [t.detach().to(dtype).clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        out = impl.grpo_loss_from_hidden(leaves[0], leaves[1], ids, adv.to(dtype), mask, lm_head_bias=leaves[2],
+                                         temperature=TEMPERATURE, logit_scale=SCALE, logit_softcap=cap,
+                                         entropy_coef=0.3, entropy_weights=weights.to(dtype),
+                                         old_logps=torch.full((2, 3), -2.3, dtype=dtype),
+                                         **{k: v.to(dtype) for k, v in kwargs.items()})  # fmt: skip
+        out.loss.backward()
+        return (out.loss.detach(), *(t.grad for t in leaves))
+
+    expected = run(reference, torch.float64)
+    assert torch.equal(expected[1][1, 1], torch.zeros(5, dtype=torch.float64))
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        got = run(grpo_ext, dtype)
+        assert all(torch.isfinite(t).all() for t in got), dtype
+        assert torch.equal(got[1][1, 1], torch.zeros(5, dtype=dtype)), dtype
+        for name, a, b in zip(("loss", "hidden", "weight", "bias"), got, expected, strict=True):
+            assert_close(a, b, rtol=tol, atol=tol, msg=f"{name} {dtype}")

@@ -199,3 +199,117 @@ def test_logit_scale_and_softcap_match_reference(device, logit_scale, logit_soft
             err = (a.double().cpu() - t).abs().max().item()
             ref_err = (r.double() - t).abs().max().item()
             assert err <= 2 * ref_err + 1e-6, (name, low_precision, err, ref_err)
+
+
+def test_issue_31_zero_upstream_row_with_minus_inf_target_gets_zero_gradient():
+    # issue 31, item 5: a token sampled under another policy has logit -inf here; weighting its row out must not
+    # leave a NaN in the gradient
+    logits, ids = make_logits(3, 7, seed=31)
+    logits[1, ids[1]] = float("-inf")
+    weights = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    x = logits.float().requires_grad_(True)
+    (grpo_ext.selective_log_softmax(x, ids).logps * weights.float()).sum().backward()
+    y = logits.clone().requires_grad_(True)
+    (reference.selective_log_softmax(y, ids).logps * weights).sum().backward()
+    assert torch.equal(y.grad[1], torch.zeros(7, dtype=torch.float64))
+    assert torch.equal(x.grad[1], torch.zeros(7))
+    assert_close(x.grad, y.grad, rtol=2e-5, atol=2e-5)
+
+
+#: (row, vocabulary entries, value) written into the logits of ZERO_UPSTREAM_ROWS' test: every kind of non-finite
+#: logit, at the chosen token (the row's id is set to entry 3) and elsewhere.
+POISONED_ROWS = [
+    (0, (3,), float("-inf")),
+    (1, (0, 5), float("-inf")),
+    (2, (3,), float("nan")),
+    (3, (5,), float("nan")),
+    (4, (3,), float("inf")),
+    (5, (0,), float("inf")),
+    (6, (3, 5), float("inf")),
+]
+
+
+def poisoned_logits(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[9, vocab]`` logits whose rows 0-6 hold POISONED_ROWS (rows 7 and 8 are finite), and their ids (no
+    confident token: only the non-finite entries are under test)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(9, vocab, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (9,), generator=g)
+    for row, entries, value in POISONED_ROWS:
+        ids[row] = 3
+        logits[row, list(entries)] = value
+    return logits, ids
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("logit_scale,logit_softcap", [(1.0, None), *LOGIT_OPTION_CASES])
+@pytest.mark.parametrize("entropy_grad", ["none", "zero", "nonzero"])
+def test_zero_upstream_rows_get_exactly_zero_gradient_whatever_their_logits(device, logit_scale, logit_softcap,
+                                                                            entropy_grad):  # fmt: skip
+    # docs/math.md, "Non-finite inputs": a row whose upstream gradients (of its log-prob and of its entropy) are both
+    # exactly 0 gets an exactly zero gradient, whatever its logits hold; the other rows are the reference's.
+    logits, ids = poisoned_logits(11, seed=17)
+    g = torch.Generator().manual_seed(3)
+    grad_logps = torch.randn(9, generator=g, dtype=torch.float64)
+    grad_logps[:7] = 0.0
+    grad_logps[2] = -0.0
+    grad_entropy = torch.randn(9, generator=g, dtype=torch.float64)
+    grad_entropy[:7] = 0.0
+    if entropy_grad == "nonzero":  # rows 0 and 1 (-inf only) get an entropy gradient: finite, the reference's
+        grad_entropy[:2] = torch.tensor([0.7, -1.3], dtype=torch.float64)
+    weights = (grad_logps, grad_entropy if entropy_grad != "none" else None)
+    options = dict(temperature=0.8, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                   return_entropy=entropy_grad != "none")  # fmt: skip
+
+    def grad_of(impl, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_(True)
+        out = impl.selective_log_softmax(x, ids.to(x.device), **options)
+        total = (out.logps * weights[0].to(x.device, out.logps.dtype)).sum()
+        if weights[1] is not None:
+            total = total + (out.entropy * weights[1].to(x.device, out.entropy.dtype)).sum()
+        total.backward()
+        return x.grad
+
+    expected = grad_of(reference, logits)
+    inert = slice(2 if entropy_grad == "nonzero" else 0, 7)
+    assert torch.equal(expected[inert], torch.zeros_like(expected[inert]))
+    assert (expected[7:] != 0).any()
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        got = grad_of(grpo_ext, logits.to(device, dtype)).cpu()
+        assert torch.isfinite(got).all(), dtype
+        assert torch.equal(got[inert], torch.zeros_like(got[inert])), dtype
+        assert_close(got, expected, rtol=tol, atol=tol, msg=str(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("logit_scale,logit_softcap", [(1.0, None), (1.7, 2.5)])
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_minus_inf_chosen_logit_gets_the_one_hot_gradient(device, logit_scale, logit_softcap, return_entropy):
+    # A chosen token the model cannot emit (its logit is -inf, p = 0): log-prob -inf, and d logp / dz = 1 - p = 1 at
+    # that entry, not 0 * inf; with the entropy's gradient too (p * z -> 0 at z = -inf).
+    logits, ids = make_logits(4, 13, seed=23)
+    logits[[1, 2], ids[[1, 2]]] = float("-inf")
+    logits[2, (ids[2] + 1) % 13] = float("-inf")
+    g = torch.Generator().manual_seed(5)
+    weights = (torch.randn(4, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64))
+    options = dict(logit_scale=logit_scale, logit_softcap=logit_softcap)
+    if return_entropy:
+        expected = run(logits, ids, reference, 0.9, weights, **options)
+    else:
+        x = logits.clone().requires_grad_(True)
+        (reference.selective_log_softmax(x, ids, temperature=0.9, **options).logps * weights[0]).sum().backward()
+        expected = (None, None, x.grad)
+    assert torch.isfinite(expected[2]).all()
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        if return_entropy:
+            got = run(logits.to(device, dtype), ids.to(device), grpo_ext, 0.9, tuple(w.to(device) for w in weights),
+                      **options)  # fmt: skip
+            assert_close(got[1], expected[1], rtol=tol, atol=tol, msg="entropy")
+        else:
+            x = logits.to(device, dtype).clone().requires_grad_(True)
+            out = grpo_ext.selective_log_softmax(x, ids.to(device), temperature=0.9, **options)
+            (out.logps * weights[0].to(device, out.logps.dtype)).sum().backward()
+            got = (out.logps.detach(), None, x.grad)
+        if logit_softcap is None:
+            assert torch.equal(got[0][[1, 2]].cpu(), torch.full((2,), float("-inf"), dtype=got[0].dtype))
+        assert_close(got[2], expected[2], rtol=tol, atol=tol, msg=f"grad {dtype}")

@@ -7,7 +7,8 @@
   copy-bandwidth yardstick and the peak-memory probe.
 * :mod:`harness.peers`: the optional peers (torch.compile, CUDA-graph replay), their warm-up, and the timing of every
   peer of a case.
-* :mod:`harness.checks`: the agreement check against a float64 reference and its tolerances.
+* :mod:`harness.checks`: the agreement check against a float64 reference and its tolerances; a peer that
+  disagrees becomes an n/a row with the reason, the run goes on.
 * :mod:`harness.reporting`: the derived columns, the printed table and the JSON record.
 
 The scripts put their own folder (``benchmarks/``) on ``sys.path`` first, so they import ``harness`` whether they are

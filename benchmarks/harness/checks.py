@@ -1,8 +1,14 @@
-"""The agreement check: a peer's result against the float64 reference, before any timing."""
+"""The agreement check: a peer's result against the float64 reference, before any timing; a peer that disagrees
+becomes an n/a row with the reason (:func:`check_peer`), the run goes on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+
+from .peers import short_reason
 
 # Tolerances of the agreement checks, against a float64 reference run on the same (upcast) inputs. bf16 is loose
 # because the eager "TRL way" does its arithmetic in bf16 (exp, min, the masked sums and their autograd).
@@ -49,3 +55,28 @@ def assert_matches(
         actual, expected, rtol=tol["rtol"], atol=tol["atol_rel"] * scale, msg=lambda m: f"{name}: {m}"
     )
     return (actual - expected).abs().max().item() if actual.numel() else 0.0
+
+
+def check_peer(
+    name: str, steps: dict[str, Any], notes: dict[str, str], compare: Callable[[], float], case: str = ""
+) -> float | None:
+    """Runs one peer's agreement checks; a peer that disagrees is never timed and never stops the run.
+
+    Args:
+        name: the peer (a key of ``steps``).
+        steps: name -> call, or None when unavailable. On a mismatch ``steps[name]`` becomes None (not timed).
+        notes: name -> why it is unavailable. On a mismatch ``notes[name]`` says which check failed and by how much.
+        compare: the peer's comparisons (e.g. :func:`assert_matches` calls), returning the largest error and raising
+            AssertionError on a mismatch.
+        case: the case's label, for the printed line.
+
+    Returns:
+        What ``compare`` returned, or None when the peer disagrees (its row is then n/a with the reason).
+    """
+    try:
+        return compare()
+    except AssertionError as exc:
+        steps[name] = None
+        notes[name] = f"disagrees with the float64 reference: {short_reason(exc, limit=300)}"
+        print(f"  [{case}] {name} n/a: {notes[name]}")
+        return None

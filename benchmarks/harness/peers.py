@@ -72,7 +72,7 @@ def capture_cuda_graph(fn: Callable[[], Any]) -> tuple[Callable[[], None] | None
     return graph.replay, static_out, None
 
 
-PEER_ORDER = ("eager", "compile", "liger", "grpo_ext", "grpo_ext+inplace", "grpo_ext+graph")
+PEER_ORDER = ("eager", "compile", "liger", "grpo_ext", "grpo_ext+group_ids", "grpo_ext+inplace", "grpo_ext+graph")
 
 
 def add_compile_peer(

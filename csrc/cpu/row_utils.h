@@ -3,8 +3,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "../common.h"
+#include "../fast_math.h"
 #include "../grpo_loss_math.h"
 
 namespace grpo_ext {
@@ -61,16 +64,27 @@ double lane_sum(const T* x, int64_t n) {
   return total;
 }
 
-// Max of x[0..n) in 16 lanes (vectorizes without -ffast-math); n >= 1.
+// Max of x[0..n) in 16 lanes; n >= 1. The lanes are 16-byte GCC vectors (SSE registers): written as an array of 16
+// scalars, GCC (12) keeps them as 16 scalar chains of a select it does not vectorize without -ffast-math. Each lane is
+// x > lane ? x : lane, elementwise, so NaN is skipped and the result is that of the scalar loop, bit for bit.
 template <typename T>
 T lane_max(const T* x, int64_t n) {
-  constexpr int kLanes = 16;
-  T lanes[kLanes];
-  for (int j = 0; j < kLanes; ++j) lanes[j] = x[0];
+  constexpr int kLanes = 16, kPerVector = 16 / sizeof(T), kVectors = kLanes / kPerVector;
+  typedef T Vector __attribute__((vector_size(16)));
+  Vector vectors[kVectors];
+  for (int i = 0; i < kVectors; ++i) {
+    for (int j = 0; j < kPerVector; ++j) vectors[i][j] = x[0];
+  }
   int64_t t = 0;
   for (; t + kLanes <= n; t += kLanes) {
-    for (int j = 0; j < kLanes; ++j) lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
+    for (int i = 0; i < kVectors; ++i) {
+      Vector v;
+      memcpy(&v, x + t + i * kPerVector, sizeof(v));
+      vectors[i] = v > vectors[i] ? v : vectors[i];
+    }
   }
+  T lanes[kLanes];
+  memcpy(lanes, vectors, sizeof(lanes));
   T best = lanes[0];
   for (int j = 1; j < kLanes; ++j) best = lanes[j] > best ? lanes[j] : best;
   for (; t < n; ++t) best = x[t] > best ? x[t] : best;
@@ -84,21 +98,62 @@ struct RowSoftmax {
   double mean_z;  // E_p[z]; the entropy is lse - mean_z
 };
 
+// exps[v] = exp(d_v) and weighted[v] = exp(d_v) * d_v for d_v = z_v - z_max: the softmax row's one loop with an
+// exp, straight-line code that the compiler vectorizes (math_exp_rows is branch-free).
+template <typename T>
+__attribute__((always_inline)) inline void softmax_exps_loop(const T* __restrict__ z, int64_t n, T z_max,
+                                                             T* __restrict__ exps, T* __restrict__ weighted) {
+  for (int64_t v = 0; v < n; ++v) {
+    const T d = z[v] - z_max;
+    // exp underflows to 0 below -104 in float anyway; a -inf logit adds exactly nothing (not 0 * -inf). The test is
+    // !(d <= -100), not d > -100: a NaN logit must count and make the row NaN, as in torch.log_softmax (lane_max
+    // skips NaN, so nothing else would notice it).
+    const bool counts = !(d <= T(-100));
+    const T e = math_exp_rows(counts ? d : T(-100));
+    exps[v] = counts ? e : T(0);
+    weighted[v] = counts ? e * d : T(0);
+  }
+}
+
+// That loop compiled twice in float, for baseline x86-64 (SSE2, 4 floats a vector) and for AVX2 (8), chosen at run
+// time as grpo_loss.cpp chooses its token loop. Every element is computed alone by the same operations (no FMA in
+// either), so both copies write the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GRPO_EXT_ROW_AVX2 1
+namespace isa_avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2")
+inline void softmax_exps(const float* z, int64_t n, float z_max, float* exps, float* weighted) {
+  softmax_exps_loop(z, n, z_max, exps, weighted);
+}
+#pragma GCC pop_options
+}  // namespace isa_avx2
+#endif
+
+inline bool row_cpu_has_avx2() {
+#ifdef GRPO_EXT_ROW_AVX2
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+#else
+  return false;
+#endif
+}
+
 // Two vectorized passes over z[0..n) (n >= 1): the max, then exps[v] = exp(z_v - max), which the caller may reuse
 // for the gradient (p_v = exps[v] / sum). `weighted` is scratch of n values.
 template <typename T>
 RowSoftmax row_softmax(const T* z, int64_t n, T* exps, T* weighted) {
   const T z_max = lane_max(z, n);
-  for (int64_t v = 0; v < n; ++v) {
-    const T d = z[v] - z_max;
-    // exp underflows to 0 below -88 in float anyway; a -inf logit adds exactly nothing (not 0 * -inf). The test is
-    // !(d <= -100), not d > -100: a NaN logit must count and make the row NaN, as in torch.log_softmax (lane_max
-    // skips NaN, so nothing else would notice it).
-    const bool counts = !(d <= T(-100));
-    const T e = math_exp(counts ? d : T(-100));
-    exps[v] = counts ? e : T(0);
-    weighted[v] = counts ? e * d : T(0);
+  bool done = false;
+#ifdef GRPO_EXT_ROW_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (row_cpu_has_avx2()) {
+      isa_avx2::softmax_exps(z, n, z_max, exps, weighted);
+      done = true;
+    }
   }
+#endif
+  if (!done) softmax_exps_loop(z, n, z_max, exps, weighted);
   const double sum = lane_sum(exps, n);
   return {sum, double(z_max) + std::log(sum), double(z_max) + lane_sum(weighted, n) / sum};
 }

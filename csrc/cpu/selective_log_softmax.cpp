@@ -1,6 +1,7 @@
 // CPU kernels of selective_log_softmax (docs/math.md section 2): rows in parallel, each row read in two vectorized
 // passes (max, then the exponential sums); the backward recomputes the softmax from the saved logsumexp.
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <utility>
@@ -78,25 +79,32 @@ void backward_impl(const Tensor& grad_logps, const std::optional<Tensor>& grad_e
   torch::stable::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> buffer(vocab);
     for (int64_t row = begin; row < end; ++row) {
-      const T* x = row_values(x_view, row, vocab, buffer.data());
-      const T lse = stats[row * kSoftmaxStats], mean_z = stats[row * kSoftmaxStats + 1];
       const T gl = gl_view.load<T>(row, 0);
       const T gh = gh_view.present() ? gh_view.load<T>(row, 0) : T(0);
       Out* out_row = out + row * vocab;
+      if (gl == T(0) && gh == T(0)) {  // no upstream gradient: exactly 0 whatever the row holds (not 0 * NaN)
+        std::fill(out_row, out_row + vocab, Out(0));
+        continue;
+      }
+      const T* x = row_values(x_view, row, vocab, buffer.data());
+      const T lse = stats[row * kSoftmaxStats], mean_z = stats[row * kSoftmaxStats + 1];
       for (int64_t v = 0; v < vocab; ++v) {
         const T z = f.template z_of<kCapped>(x[v]);
         const T d = z - lse;
         // p = 0 for a -inf logit, and so is its gradient (not 0 * -inf); NaN (a NaN row) stays NaN
         const bool counts = !(d <= T(-100));
-        const T p = math_exp(counts ? d : T(-100));
+        const T p = math_exp_rows(counts ? d : T(-100));
         const T g = (-gl * p - gh * p * (z - mean_z)) * f.template slope_of<kCapped>(z);
         out_row[v] = Out(counts ? g : T(0));
       }
       const int64_t id = id_view.load<int64_t>(row, 0);
       if (id >= 0 && id < vocab) {  // the chosen token's entry, computed whole so it is rounded once
         const T z = f.template z_of<kCapped>(x[id]);
-        const T p = math_exp(z - lse);
-        out_row[id] = Out((gl * (T(1) - p) - gh * p * (z - mean_z)) * f.template slope_of<kCapped>(z));
+        // p = 0 as above: a -inf chosen logit gets gl * dz/dx (d logp / dz = 1 - 0), not 0 * -inf from the entropy
+        const bool counts = !(z - lse <= T(-100));
+        const T p = counts ? math_exp_rows(z - lse) : T(0);
+        const T spread = counts ? p * (z - mean_z) : T(0);
+        out_row[id] = Out((gl * (T(1) - p) - gh * spread) * f.template slope_of<kCapped>(z));
       }
     }
   });

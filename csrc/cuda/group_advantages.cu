@@ -14,22 +14,24 @@ GroupAdvantagesResult group_advantages_cuda(GRPO_GROUP_ADVANTAGES_PARAMS) {
   const cudaStream_t stream = call.stream();
   const int64_t* ids = plan.indexed ? plan.group_ids.mutable_data_ptr<int64_t>() : nullptr;
   const int64_t id_stride = plan.indexed ? plan.group_ids.stride(0) : 0;
-  Tensor workspace;  // the group lists of phase 0 (group_advantages.cuh), only with group_ids
-  if (plan.indexed) {
-    workspace = new_empty(rewards, {group_rows_workspace_size(plan.batch, plan.num_groups)}, ScalarType::Int);
-  }
-  int* ws = plan.indexed ? workspace.mutable_data_ptr<int>() : nullptr;
+  const GroupAdvantagesLaunch launch =
+      plan_group_advantages_launch(plan.params, plan.batch, plan.num_groups, plan.indexed);
+  // Group lists, tile moments and counters (group_advantages.cuh); float64 elements keep it 8-byte aligned.
+  const Tensor workspace = new_empty(rewards, {(launch.bytes + 7) / 8}, ScalarType::Double);
+  void* ws = workspace.mutable_data_ptr();
+  cudaError_t status;
   if (plan.advantages.scalar_type() == ScalarType::Double) {
-    launch_group_advantages<double>(
-        plan.params, plan.rewards, plan.weights, plan.batch, ids, id_stride, plan.num_groups, ws,
+    status = launch_group_advantages<double>(
+        plan.params, plan.rewards, plan.weights, plan.batch, ids, id_stride, plan.num_groups, launch, ws,
         plan.advantages.mutable_data_ptr<double>(), plan.group_mean.mutable_data_ptr<double>(),
         plan.group_std.mutable_data_ptr<double>(), plan.zero_std.mutable_data_ptr<bool>(), stream);
   } else {
-    launch_group_advantages<float>(plan.params, plan.rewards, plan.weights, plan.batch, ids, id_stride, plan.num_groups,
-                                   ws, plan.advantages.mutable_data_ptr<float>(),
-                                   plan.group_mean.mutable_data_ptr<float>(), plan.group_std.mutable_data_ptr<float>(),
-                                   plan.zero_std.mutable_data_ptr<bool>(), stream);
+    status = launch_group_advantages<float>(
+        plan.params, plan.rewards, plan.weights, plan.batch, ids, id_stride, plan.num_groups, launch, ws,
+        plan.advantages.mutable_data_ptr<float>(), plan.group_mean.mutable_data_ptr<float>(),
+        plan.group_std.mutable_data_ptr<float>(), plan.zero_std.mutable_data_ptr<bool>(), stream);
   }
+  check_cuda_status(status, "group_advantages workspace memset");
   check_launch();
   return plan.result();
 }

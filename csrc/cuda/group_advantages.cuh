@@ -1,10 +1,22 @@
-// CUDA kernel of group_advantages, on raw pointers and a stream (no torch types).
+// CUDA kernels of group_advantages, on raw pointers and a stream (no torch types).
 //
-// group_advantages is one launch of one block: a warp per group (its combined rewards and statistics), a block-wide
-// reduction for the batch statistics when they are needed ("batch" scale, GDPO), then a warp per group again for
-// the advantages. No host sync; the combined rewards live in the output buffer between the phases. With group_ids,
-// a phase 0 first lists each group's rows in a workspace (a counting sort: integer atomics place the rows, then
-// each group's rows are put in increasing order, so that every sum runs in the same order on every run).
+// A grid that grows with the groups. A group is handled by a team of `team_width` lanes of one warp (a power of two
+// up to 32, chosen from the group size, so that groups of 8 put four groups in a warp); a block's teams take one
+// tile of consecutive groups at a time. The tiles, not the blocks, fix every reduction tree, so the bits do not
+// depend on how many blocks the launcher (or the emulator's grid cap) gives.
+//
+// Launches on the stream, in order (no host sync, deterministic):
+//   group_size, scale "group" or "none":  group_advantages_kernel (1 launch)
+//   + scale "batch" or GDPO:              a memset of 4 bytes, then group_advantages_kernel, whose last block merges
+//                                         the tiles' moments (float64) into the batch mean and std, then
+//                                         group_advantages_scale_kernel (3 launches)
+//   + group_ids:                          a memset of the group counts, group_rows_count_kernel (counts, and its
+//                                         last block's prefix sum), group_rows_place_kernel (each row in its
+//                                         group's list, in any order); group_advantages_kernel's teams then sort
+//                                         their group's rows into increasing order, so that every sum runs in the
+//                                         same order on every run (3 more launches)
+// The combined rewards R live in registers (a lane's first member) and in the advantages buffer (the others, and
+// all of them between the kernels).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,37 +27,51 @@
 
 namespace grpo_ext {
 
-// NaN-aware mean and std over a group's members [base, base + n) of column `col`, a warp cooperating.
+// Sum over a team of `width` lanes (a power of two <= 32; the warp's teams at once); every lane gets its team's sum.
+template <typename T>
+__device__ __forceinline__ T team_sum(T v, int width) {
+  for (int offset = width >> 1; offset > 0; offset >>= 1) v += __shfl_down_sync(kFullWarp, v, offset, width);
+  return __shfl_sync(kFullWarp, v, 0, width);
+}
+
+// NaN-aware moments of a group's members (index 0 .. n), a team cooperating: lane `lane` of `width` takes members
+// lane, lane + width, ...; n may differ between the teams of a warp (0 for a team without a group).
+template <typename T>
+struct TeamMoments {
+  T sum, count, mean, sum_sq_dev, std;
+  T own;  // combine_group: R of the lane's first member (index lane), kept in a register
+};
+
 template <typename T, typename Load>
-__device__ __forceinline__ void warp_nan_moments(Load load, int64_t n, int64_t ddof, T* mean, T* std_out, T* count) {
-  const int lane = threadIdx.x & 31;
+__device__ __forceinline__ TeamMoments<T> team_nan_moments(Load load, int64_t n, int64_t ddof, int width, int lane) {
+  TeamMoments<T> m;
   T sum = T(0), cnt = T(0);
-  for (int64_t i = lane; i < n; i += 32) {
+  for (int64_t i = lane; i < n; i += width) {
     const T r = load(i);
     if (is_scored(r)) {
       sum += r;
       cnt += T(1);
     }
   }
-  sum = warp_sum(sum);
-  cnt = warp_sum(cnt);
-  const T mu = safe_mean(sum, cnt);
+  m.sum = team_sum(sum, width);
+  m.count = team_sum(cnt, width);
+  m.mean = safe_mean(m.sum, m.count);
   T sq = T(0);
-  for (int64_t i = lane; i < n; i += 32) {
+  for (int64_t i = lane; i < n; i += width) {
     const T r = load(i);
-    if (is_scored(r)) sq += (r - mu) * (r - mu);
+    if (is_scored(r)) sq += (r - m.mean) * (r - m.mean);
   }
-  sq = warp_sum(sq);
-  *mean = mu;
-  *std_out = std_from_sum_sq(sq, cnt, ddof);
-  *count = cnt;
+  m.sum_sq_dev = team_sum(sq, width);
+  m.std = std_from_sum_sq(m.sum_sq_dev, m.count, ddof);
+  return m;
 }
 
-// The rows of the groups: contiguous runs of group_size rows, or the lists phase 0 builds from group_ids.
+// The rows of the groups: contiguous runs of group_size rows, or lists built from group_ids.
 struct GroupRows {
   int64_t group_size = 1;        // contiguous groups
   const int* offsets = nullptr;  // [num_groups + 1]: group g is members[offsets[g] .. offsets[g + 1])
-  const int* members = nullptr;  // [B]
+  int* members = nullptr;        // [B], each group's rows in increasing order
+  const int* placed = nullptr;   // [B], each group's rows in any order: the main kernel sorts them into members
   __device__ __forceinline__ int64_t begin(int64_t g) const { return offsets ? offsets[g] : g * group_size; }
   __device__ __forceinline__ int64_t count(int64_t g) const {
     return offsets ? offsets[g + 1] - offsets[g] : group_size;
@@ -53,27 +79,66 @@ struct GroupRows {
   __device__ __forceinline__ int64_t row(int64_t position) const { return members ? members[position] : position; }
 };
 
-// Phase 0 with group_ids: offsets (exclusive prefix sums of the group sizes) and members (each group's rows in
-// increasing order) in the workspace: offsets [num_groups + 1], cursor [num_groups], placed [B], members [B] ints.
-__device__ __forceinline__ void list_group_rows(const int64_t* __restrict__ group_ids, int64_t id_stride, int64_t batch,
-                                                int64_t num_groups, int* __restrict__ workspace, int* scan) {
-  int* offsets = workspace;
-  int* cursor = offsets + num_groups + 1;
-  int* placed = cursor + num_groups;
-  int* members = placed + batch;
-  for (int64_t g = threadIdx.x; g <= num_groups; g += blockDim.x) offsets[g] = 0;
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
+// Everything the kernels of one call share (passed by value).
+template <typename T>
+struct GroupAdvantagesArgs {
+  AdvantageParams p;
+  StridedMatrix rewards, weights;
+  int64_t batch = 0, num_groups = 0;
+  GroupRows groups;
+  int team_width = 32;              // lanes per group
+  int team_shift = 5;               // log2(team_width)
+  int64_t tiles = 0;                // tiles of blockDim.x / team_width groups (the kernels' grid-stride range)
+  T* adv = nullptr;                 // [B]: R after the main kernel, the advantages after the last
+  T* group_mean = nullptr;          // [num_groups]
+  T* group_std = nullptr;           // [num_groups]
+  bool* zero_std = nullptr;         // [num_groups]
+  double* tile_moments = nullptr;   // [3 * tiles]: count, mean, sum of squared deviations; null: no batch statistics
+  double* batch_moments = nullptr;  // [2]: the batch mean and std of R
+  int* blocks_done = nullptr;       // the main kernel's finished blocks (zeroed before it)
+
+  __device__ __forceinline__ bool batch_statistics() const { return tile_moments != nullptr; }
+};
+
+// The teams' layout in a block of the launcher's size (the same in every kernel of a call).
+struct TeamLayout {
+  int width, lane, team, teams;
+  __device__ __forceinline__ TeamLayout(int team_width, int team_shift)
+      : width(team_width),
+        lane(static_cast<int>(threadIdx.x) & (team_width - 1)),
+        team(static_cast<int>(threadIdx.x) >> team_shift),
+        teams(static_cast<int>(blockDim.x) >> team_shift) {}
+};
+
+// The count pass of group_ids: rows per group by integer atomics into offsets[1 ..] (zeroed before), then the
+// last block to finish turns the counts into offsets (an inclusive scan of offsets[1 .. num_groups]) and cursor.
+__global__ void __launch_bounds__(1024)
+    group_rows_count_kernel(const int64_t* __restrict__ group_ids, int64_t id_stride, int64_t batch, int64_t num_groups,
+                            int* __restrict__ offsets, int* __restrict__ cursor, int* __restrict__ blocks_done) {
+  __shared__ int scan[1024];
+  __shared__ bool last_block;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < batch; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t id = group_ids[i * id_stride];
     CUDA_KERNEL_ASSERT(id >= 0 && id < num_groups);
     if (id >= 0 && id < num_groups) atomicAdd(&offsets[id + 1], 1);
   }
   __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's counts before its ticket
+    last_block = atomicAdd(blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  volatile int* counts = offsets;  // written by other blocks' atomics: read past the L1
   // Inclusive scan of offsets[1..num_groups]: each thread scans a contiguous chunk, the chunk totals are scanned.
   const int64_t chunk = (num_groups + blockDim.x - 1) / blockDim.x;
   const int64_t first = 1 + threadIdx.x * chunk, last = first + chunk < num_groups + 1 ? first + chunk : num_groups + 1;
   int total = 0;
-  for (int64_t g = first; g < last; ++g) total = offsets[g] += total;
+  for (int64_t g = first; g < last; ++g) {
+    total += counts[g];
+    counts[g] = total;
+  }
   scan[threadIdx.x] = total;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -85,156 +150,306 @@ __device__ __forceinline__ void list_group_rows(const int64_t* __restrict__ grou
     }
   }
   __syncthreads();
-  for (int64_t g = first; g < last; ++g) offsets[g] += scan[threadIdx.x];
+  for (int64_t g = first; g < last; ++g) counts[g] = counts[g] + scan[threadIdx.x];
   __syncthreads();
-  for (int64_t g = threadIdx.x; g < num_groups; g += blockDim.x) cursor[g] = offsets[g];
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
+  for (int64_t g = threadIdx.x; g < num_groups; g += blockDim.x) cursor[g] = counts[g];
+}
+
+// The place pass of group_ids: each row into its group's list (placed), in whatever order the atomics give.
+__global__ void __launch_bounds__(1024)
+    group_rows_place_kernel(const int64_t* __restrict__ group_ids, int64_t id_stride, int64_t batch, int64_t num_groups,
+                            int* __restrict__ cursor, int* __restrict__ placed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < batch; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t id = group_ids[i * id_stride];
     if (id >= 0 && id < num_groups) placed[atomicAdd(&cursor[id], 1)] = static_cast<int>(i);
   }
-  __syncthreads();
-  // The atomics placed a group's rows in any order: each row's rank among them fixes the order.
-  for (int64_t position = threadIdx.x; position < batch; position += blockDim.x) {
-    const int row = placed[position];
-    const int64_t id = group_ids[row * id_stride];
-    int rank = 0;
-    for (int q = offsets[id]; q < offsets[id + 1]; ++q) rank += placed[q] < row ? 1 : 0;
-    members[offsets[id] + rank] = row;
-  }
-  __syncthreads();
 }
 
-// Launched with up to 1024 threads (one warp per group); without the bound the float64 instantiation uses 72
-// registers per thread and cannot launch 1024 threads (sm_90: at most 896).
-template <typename T>
-__global__ void __launch_bounds__(1024)
-    group_advantages_kernel(AdvantageParams p, StridedMatrix rewards, StridedMatrix weights, int64_t batch,
-                            const int64_t* __restrict__ group_ids, int64_t id_stride, int64_t num_groups,
-                            int* __restrict__ workspace, T* __restrict__ adv, T* __restrict__ group_mean,
-                            T* __restrict__ group_std, bool* __restrict__ zero_std) {
-  __shared__ T scratch[2 * 32];
-  __shared__ int scan[1024];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  const bool gdpo = p.aggregation == Aggregation::kNormalizeThenSum;
-  GroupRows groups;
-  groups.group_size = p.group_size;
-  if (group_ids) {
-    list_group_rows(group_ids, id_stride, batch, num_groups, workspace, scan);
-    groups.offsets = workspace;
-    groups.members = workspace + 2 * num_groups + 1 + batch;
+// A team puts its group's rows (placed, any order) into members in increasing order: each row's rank among them.
+__device__ __forceinline__ void sort_group_rows(const GroupRows& groups, int64_t base, int64_t n, const TeamLayout& t) {
+  for (int64_t i = t.lane; i < n; i += t.width) {
+    const int row = groups.placed[base + i];
+    int64_t rank = 0;
+    for (int64_t q = 0; q < n; ++q) rank += groups.placed[base + q] < row ? 1 : 0;
+    groups.members[base + rank] = row;
   }
+  __syncwarp();  // the team's other lanes read these members next
+}
 
-  // Phase 1: R into adv, and each group's own statistics of R.
-  for (int64_t g = warp; g < num_groups; g += num_warps) {
-    const int64_t base = groups.begin(g), g_size = groups.count(g);
-    if (gdpo) {
-      // R starts NaN and turns 0 + ... at its first scored reward: an unscorable row stays NaN (docs/math.md 1).
-      for (int64_t i = lane; i < g_size; i += 32) adv[groups.row(base + i)] = T(NAN);
-      for (int64_t j = 0; j < p.num_rewards; ++j) {
-        T mu, sigma, cnt;
-        warp_nan_moments<T>([&](int64_t i) { return rewards.load<T>(groups.row(base + i), j); }, g_size, p.std_ddof,
-                            &mu, &sigma, &cnt);
-        const T w = weights.present() ? weights.load<T>(0, j) : T(1);
-        for (int64_t i = lane; i < g_size; i += 32) {
-          const int64_t row = groups.row(base + i);
-          const T r = rewards.load<T>(row, j);
-          if (is_scored(r)) {
-            const T sum = adv[row];
-            adv[row] = (sum == sum ? sum : T(0)) + w * (r - mu) / (sigma + T(p.eps));
-          }
+// R of a group's members (GDPO: the sum of each reward's z-score inside the group), and the moments of R. Each
+// lane keeps R of its first member (index lane) in a register (`own` of the result); the others go to adv (every
+// member's when `store_all`: a later kernel reads them), and each lane reads back only the entries it wrote.
+template <typename T>
+__device__ __forceinline__ TeamMoments<T> combine_group(const GroupAdvantagesArgs<T>& a, int64_t base, int64_t n,
+                                                        bool store_all, const TeamLayout& t) {
+  const AdvantageParams& p = a.p;
+  T own = T(NAN);
+  if (p.aggregation == Aggregation::kNormalizeThenSum) {
+    // R starts NaN and turns 0 + ... at its first scored reward: an unscorable row stays NaN (docs/math.md 1).
+    for (int64_t i = t.lane; i < n; i += t.width) a.adv[a.groups.row(base + i)] = T(NAN);
+    for (int64_t j = 0; j < p.num_rewards; ++j) {
+      const TeamMoments<T> m =
+          team_nan_moments<T>([&](int64_t i) { return a.rewards.template load<T>(a.groups.row(base + i), j); }, n,
+                              p.std_ddof, t.width, t.lane);
+      const T w = a.weights.present() ? a.weights.template load<T>(0, j) : T(1);
+      for (int64_t i = t.lane; i < n; i += t.width) {
+        const int64_t row = a.groups.row(base + i);
+        const T r = a.rewards.template load<T>(row, j);
+        if (is_scored(r)) {
+          const T sum = a.adv[row];
+          a.adv[row] = (sum == sum ? sum : T(0)) + w * (r - m.mean) / (m.std + T(p.eps));
         }
       }
-    } else {
-      for (int64_t i = lane; i < g_size; i += 32) {
-        const int64_t row = groups.row(base + i);
-        adv[row] = combine_rewards<T>(rewards, weights, row, p.num_rewards);
-      }
     }
-    T mu, sigma, cnt;  // each lane reads back only the entries it wrote
-    warp_nan_moments<T>([&](int64_t i) { return adv[groups.row(base + i)]; }, g_size, p.std_ddof, &mu, &sigma, &cnt);
-    if (lane == 0) {
-      group_mean[g] = mu;
-      group_std[g] = sigma;
-      zero_std[g] = cnt >= T(2) && sigma <= T(kZeroStdTolerance);
+    if (t.lane < n) own = a.adv[a.groups.row(base + t.lane)];
+  } else {
+    for (int64_t i = t.lane; i < n; i += t.width) {
+      const int64_t row = a.groups.row(base + i);
+      const T r = combine_rewards<T>(a.rewards, a.weights, row, p.num_rewards);
+      if (i == t.lane) own = r;
+      if (store_all || i != t.lane) a.adv[row] = r;
     }
-    __syncwarp();  // lane 0's group_std is read by the whole warp in phase 3
   }
+  TeamMoments<T> m = team_nan_moments<T>([&](int64_t i) { return i == t.lane ? own : a.adv[a.groups.row(base + i)]; },
+                                         n, p.std_ddof, t.width, t.lane);
+  m.own = own;
+  return m;
+}
 
-  // Phase 2: batch statistics of R.
-  T batch_mean = T(0), batch_std = T(0);
-  if (gdpo || p.scale == ScaleRewards::kBatch) {
-    __syncthreads();
-    T s[2] = {T(0), T(0)};
-    for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
-      const T r = adv[i];
-      if (is_scored(r)) {
-        s[0] += r;
-        s[1] += T(1);
-      }
-    }
-    block_sum<T, 2>(s, scratch);
-    batch_mean = safe_mean(s[0], s[1]);
-    T sq[1] = {T(0)};
-    for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
-      const T r = adv[i];
-      if (is_scored(r)) sq[0] += (r - batch_mean) * (r - batch_mean);
-    }
-    block_sum<T, 1>(sq, scratch);
-    batch_std = std_from_sum_sq(sq[0], s[1], p.std_ddof);
-    __syncthreads();
+// The advantages of a group from R (`own` for the lane's first member, adv for the others), the group's scored sum
+// and count of R, and the scale.
+template <typename T>
+__device__ __forceinline__ void write_advantages(const GroupAdvantagesArgs<T>& a, int64_t base, int64_t n, T sum,
+                                                 T count, T sigma, const TeamLayout& t, T own) {
+  // Not unrolled: the unrolled copies (a division call each) kept a pointer live across the calls that spilled in
+  // float64.
+#pragma unroll 1
+  for (int64_t i = t.lane; i < n; i += t.width) {
+    const int64_t row = a.groups.row(base + i);
+    const T r = i == t.lane ? own : a.adv[row];
+    bool valid;
+    const T b = baseline_for(r, sum, count, a.p, &valid);
+    a.adv[row] = advantage_from(r, b, valid, sigma, n == 1, a.p);
   }
+}
 
-  // Phase 3: advantages, a warp per group (the same groups as phase 1).
-  for (int64_t g = warp; g < num_groups; g += num_warps) {
-    const int64_t base = groups.begin(g), g_size = groups.count(g);
-    if (gdpo) {
-      for (int64_t i = lane; i < g_size; i += 32) {
-        const int64_t row = groups.row(base + i);
-        const T r = adv[row];
-        adv[row] = is_scored(r) ? (r - batch_mean) / (batch_std + T(p.eps)) : T(0);
+// Float64 moments of a set of values: count, mean, sum of squared deviations about the mean.
+struct Moments {
+  double count, mean, sum_sq_dev;
+};
+
+// Block-wide moments from parts given as (count, sum, mean, sum of squared deviations about that mean): Chan's merge
+// as two fixed-order block sums, so every thread gets the same bits. Threads without a part pass count 0.
+__device__ __forceinline__ Moments block_merge_moments(double count, double sum, double mean, double sum_sq_dev,
+                                                       double* scratch) {
+  double totals[2] = {count, sum};
+  block_sum<double, 2>(totals, scratch);
+  const double merged_mean = totals[0] > 0 ? totals[1] / totals[0] : 0.0;
+  double spread[1] = {count > 0 ? sum_sq_dev + count * (mean - merged_mean) * (mean - merged_mean) : 0.0};
+  block_sum<double, 1>(spread, scratch);
+  return {totals[0], merged_mean, spread[0]};
+}
+
+// Phase 1 (and, without batch statistics, the advantages): a team per group, a block per tile of groups.
+template <typename T>
+__global__ void __launch_bounds__(256) group_advantages_kernel(GroupAdvantagesArgs<T> a) {
+  __shared__ double scratch[2 * 32];
+  __shared__ bool last_block;
+  const TeamLayout t(a.team_width, a.team_shift);
+  const int64_t num_tiles = a.tiles;
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int64_t g = tile * t.teams + t.team;
+    const bool real = g < a.num_groups;
+    const int64_t base = real ? a.groups.begin(g) : 0, n = real ? a.groups.count(g) : 0;
+    if (a.groups.placed) sort_group_rows(a.groups, base, n, t);
+    const TeamMoments<T> m = combine_group(a, base, n, a.batch_statistics(), t);
+    if (real && t.lane == 0) {
+      a.group_mean[g] = m.mean;
+      a.group_std[g] = m.std;
+      a.zero_std[g] = m.count >= T(2) && m.std <= T(kZeroStdTolerance);
+    }
+    if (!a.batch_statistics()) {
+      write_advantages(a, base, n, m.sum, m.count, m.std, t, m.own);
+      continue;
+    }
+    // This tile's moments of R (each team's lane 0 brings its group's), for the batch statistics.
+    const bool part = real && t.lane == 0;
+    const Moments merged = block_merge_moments(part ? double(m.count) : 0.0, part ? double(m.sum) : 0.0, double(m.mean),
+                                               double(m.sum_sq_dev), scratch);
+    if (threadIdx.x == 0) {
+      a.tile_moments[3 * tile] = merged.count;
+      a.tile_moments[3 * tile + 1] = merged.mean;
+      a.tile_moments[3 * tile + 2] = merged.sum_sq_dev;
+    }
+  }
+  if (!a.batch_statistics()) return;
+
+  // Phase 2, in the last block to finish: the batch moments of R from the tiles', in tile order.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's tile moments (thread 0 wrote them) before its ticket
+    last_block = atomicAdd(a.blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  const volatile double* tiles = a.tile_moments;  // written by other blocks: read past the L1
+  double count = 0, sum = 0;
+  for (int64_t k = threadIdx.x; k < num_tiles; k += blockDim.x) {
+    count += tiles[3 * k];
+    sum += tiles[3 * k] * tiles[3 * k + 1];
+  }
+  double totals[2] = {count, sum};
+  block_sum<double, 2>(totals, scratch);
+  const double mean = totals[0] > 0 ? totals[1] / totals[0] : 0.0;
+  double spread[1] = {0.0};
+  for (int64_t k = threadIdx.x; k < num_tiles; k += blockDim.x) {
+    const double d = tiles[3 * k + 1] - mean;
+    spread[0] += tiles[3 * k + 2] + tiles[3 * k] * d * d;
+  }
+  block_sum<double, 1>(spread, scratch);
+  if (threadIdx.x == 0) {
+    a.batch_moments[0] = mean;
+    a.batch_moments[1] = std_from_sum_sq(spread[0], totals[0], a.p.std_ddof);
+  }
+}
+
+// Phase 3 with batch statistics: the advantages from R and the batch mean and std (same teams and tiles).
+template <typename T>
+__global__ void __launch_bounds__(256) group_advantages_scale_kernel(GroupAdvantagesArgs<T> a) {
+  const TeamLayout t(a.team_width, a.team_shift);
+  const T batch_mean = T(a.batch_moments[0]), batch_std = T(a.batch_moments[1]);
+  const int64_t num_tiles = a.tiles;
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int64_t g = tile * t.teams + t.team;
+    const bool real = g < a.num_groups;
+    const int64_t base = real ? a.groups.begin(g) : 0, n = real ? a.groups.count(g) : 0;
+    if (a.p.aggregation == Aggregation::kNormalizeThenSum) {
+      for (int64_t i = t.lane; i < n; i += t.width) {
+        const int64_t row = a.groups.row(base + i);
+        const T r = a.adv[row];
+        a.adv[row] = is_scored(r) ? (r - batch_mean) / (batch_std + T(a.p.eps)) : T(0);
       }
       continue;
     }
+    // R of the lane's first member stays in a register for write_advantages: each R is read once.
+    const T own = t.lane < n ? a.adv[a.groups.row(base + t.lane)] : T(0);
     T sum = T(0), cnt = T(0);
-    for (int64_t i = lane; i < g_size; i += 32) {
-      const T r = adv[groups.row(base + i)];
+    for (int64_t i = t.lane; i < n; i += t.width) {
+      const T r = i == t.lane ? own : a.adv[a.groups.row(base + i)];
       if (is_scored(r)) {
         sum += r;
         cnt += T(1);
       }
     }
-    sum = warp_sum(sum);
-    cnt = warp_sum(cnt);
-    const T sigma = p.scale == ScaleRewards::kBatch ? batch_std : group_std[g];
-    // Not unrolled: a group of up to 32 rows is one iteration, and the unrolled copies (a division call each) kept
-    // a pointer live across the calls that spilled in float64 (4 B).
-#pragma unroll 1
-    for (int64_t i = lane; i < g_size; i += 32) {
-      const int64_t row = groups.row(base + i);
-      const T r = adv[row];
-      bool valid;
-      const T b = baseline_for(r, sum, cnt, p, &valid);
-      adv[row] = advantage_from(r, b, valid, sigma, g_size == 1, p);
-    }
+    write_advantages(a, base, n, team_sum(sum, t.width), team_sum(cnt, t.width), batch_std, t, own);
   }
 }
 
-// Ints of workspace group_advantages needs with group_ids (none without).
-inline int64_t group_rows_workspace_size(int64_t batch, int64_t num_groups) {
-  return 2 * num_groups + 1 + 2 * batch;
+// How a call launches: block size, team width, tiles, and the workspace it needs.
+struct GroupAdvantagesLaunch {
+  int threads = 32, team_width = 32, team_shift = 5;
+  int64_t tiles = 0;
+  bool indexed = false, batch_statistics = false;
+  // Workspace, in bytes from its start: float64 tile and batch moments first, then ints: the two kernels' finished
+  // block counters, then (group_ids) offsets [num_groups + 1], cursor [num_groups], placed [B], members [B].
+  int64_t tile_moments_at = 0, batch_moments_at = 0, counters_at = 0, offsets_at = 0, cursor_at = 0, placed_at = 0,
+          members_at = 0, bytes = 0;
+};
+
+inline GroupAdvantagesLaunch plan_group_advantages_launch(const AdvantageParams& p, int64_t batch, int64_t num_groups,
+                                                          bool indexed) {
+  GroupAdvantagesLaunch l;
+  l.indexed = indexed;
+  l.batch_statistics = p.aggregation == Aggregation::kNormalizeThenSum || p.scale == ScaleRewards::kBatch;
+  // A team as wide as the (mean) group, up to a warp: groups of 8 put four groups in a warp.
+  const int64_t group = indexed ? (num_groups > 0 ? (batch + num_groups - 1) / num_groups : 1) : p.group_size;
+  while (l.team_width > 1 && l.team_width / 2 >= group) {
+    l.team_width /= 2;
+    --l.team_shift;
+  }
+  const int64_t want = num_groups * l.team_width;
+  l.threads = want >= 256 ? 256 : round_up_to_warp(want < 32 ? 32 : want);
+  const int64_t teams = l.threads / l.team_width;
+  l.tiles = (num_groups + teams - 1) / teams;
+  int64_t at = 0;
+  l.tile_moments_at = at;
+  at += l.batch_statistics ? 3 * l.tiles * int64_t(sizeof(double)) : 0;
+  l.batch_moments_at = at;
+  at += l.batch_statistics ? 2 * int64_t(sizeof(double)) : 0;
+  l.counters_at = at;
+  at += 2 * int64_t(sizeof(int));
+  l.offsets_at = at;
+  if (indexed) {
+    at += (num_groups + 1) * int64_t(sizeof(int));
+    l.cursor_at = at;
+    at += num_groups * int64_t(sizeof(int));
+    l.placed_at = at;
+    at += batch * int64_t(sizeof(int));
+    l.members_at = at;
+    at += batch * int64_t(sizeof(int));
+  }
+  l.bytes = at;
+  return l;
 }
 
 // Contiguous groups: group_ids null, num_groups = batch / group_size. With group_ids ([B] int64, stride id_stride,
-// values in [0, num_groups)): workspace holds group_rows_workspace_size ints.
+// values in [0, num_groups)). `workspace`: plan.bytes bytes, 8-byte aligned. Returns the first error of the
+// workspace's memset (launch errors stay pending for cudaGetLastError).
 template <typename T>
-void launch_group_advantages(const AdvantageParams& p, const StridedMatrix& rewards, const StridedMatrix& weights,
-                             int64_t batch, const int64_t* group_ids, int64_t id_stride, int64_t num_groups,
-                             int* workspace, T* adv, T* group_mean, T* group_std, bool* zero_std, cudaStream_t stream) {
-  const int64_t want = num_groups * 32;
-  const int threads = want >= 1024 ? 1024 : round_up_to_warp(want < 32 ? 32 : want);
-  GRPO_LAUNCH(1, threads, 0, stream, group_advantages_kernel<T>)(
-      p, rewards, weights, batch, group_ids, id_stride, num_groups, workspace, adv, group_mean, group_std, zero_std);
+cudaError_t launch_group_advantages(const AdvantageParams& p, const StridedMatrix& rewards,
+                                    const StridedMatrix& weights, int64_t batch, const int64_t* group_ids,
+                                    int64_t id_stride, int64_t num_groups, const GroupAdvantagesLaunch& plan,
+                                    void* workspace, T* adv, T* group_mean, T* group_std, bool* zero_std,
+                                    cudaStream_t stream) {
+  char* ws = static_cast<char*>(workspace);
+  int* counters = reinterpret_cast<int*>(ws + plan.counters_at);
+  GroupAdvantagesArgs<T> a;
+  a.p = p;
+  a.rewards = rewards;
+  a.weights = weights;
+  a.batch = batch;
+  a.num_groups = num_groups;
+  a.groups.group_size = p.group_size;
+  a.team_width = plan.team_width;
+  a.team_shift = plan.team_shift;
+  a.tiles = plan.tiles;
+  a.adv = adv;
+  a.group_mean = group_mean;
+  a.group_std = group_std;
+  a.zero_std = zero_std;
+  if (plan.batch_statistics) {
+    a.tile_moments = reinterpret_cast<double*>(ws + plan.tile_moments_at);
+    a.batch_moments = reinterpret_cast<double*>(ws + plan.batch_moments_at);
+    a.blocks_done = counters + 1;
+  }
+  // Zero the finished-block counters and (group_ids) the group counts in one memset: they are contiguous.
+  if (plan.batch_statistics || plan.indexed) {
+    const int64_t end = plan.indexed ? plan.cursor_at : plan.offsets_at;
+    const cudaError_t status = cudaMemsetAsync(counters, 0, size_t(end - plan.counters_at), stream);
+    if (status != cudaSuccess) return status;
+  }
+  const unsigned tiles = static_cast<unsigned>(plan.tiles > 0 ? plan.tiles : 1);
+  if (plan.indexed) {
+    int* offsets = reinterpret_cast<int*>(ws + plan.offsets_at);
+    int* cursor = reinterpret_cast<int*>(ws + plan.cursor_at);
+    int* placed = reinterpret_cast<int*>(ws + plan.placed_at);
+    const int64_t row_blocks = (batch + 1023) / 1024;
+    const unsigned blocks = static_cast<unsigned>(row_blocks > 0 ? row_blocks : 1);
+    GRPO_LAUNCH(blocks, 1024, 0, stream, group_rows_count_kernel)(group_ids, id_stride, batch, num_groups, offsets,
+                                                                  cursor, counters);
+    GRPO_LAUNCH(blocks, 1024, 0, stream, group_rows_place_kernel)(group_ids, id_stride, batch, num_groups, cursor,
+                                                                  placed);
+    a.groups.offsets = offsets;
+    a.groups.members = reinterpret_cast<int*>(ws + plan.members_at);
+    a.groups.placed = placed;
+  }
+  GRPO_LAUNCH(tiles, plan.threads, 0, stream, group_advantages_kernel<T>)(a);
+  if (plan.batch_statistics) {
+    a.groups.placed = nullptr;  // the members are sorted now
+    GRPO_LAUNCH(tiles, plan.threads, 0, stream, group_advantages_scale_kernel<T>)(a);
+  }
+  return cudaSuccess;
 }
 
 }  // namespace grpo_ext

@@ -9,12 +9,13 @@ namespace {
 
 template <typename T>
 void forward_impl(LossForwardPlan& plan, cudaStream_t stream) {
-  Tensor partials = new_empty(plan.loss, {plan.inputs.batch, kNumRowSlots}, plan.loss.scalar_type());
+  // The row partials in float64 whatever T: they are summed as the CPU kernel sums them (grpo_loss.cuh).
+  Tensor partials = new_empty(plan.loss, {plan.inputs.batch, kNumRowSlots}, ScalarType::Double);
   const T* num_items_device = plan.num_items_device.defined() ? plan.num_items_device.const_data_ptr<T>() : nullptr;
-  launch_grpo_loss_forward<T>(plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items,
-                              T(plan.num_items), num_items_device, T(plan.loss_scale),
+  launch_grpo_loss_forward<T>(plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items, plan.num_items,
+                              num_items_device, plan.loss_scale,
                               plan.params.compute_grad ? plan.grad_raw.mutable_data_ptr<T>() : nullptr,
-                              partials.mutable_data_ptr<T>(), plan.loss.mutable_data_ptr<T>(),
+                              partials.mutable_data_ptr<double>(), plan.loss.mutable_data_ptr<T>(),
                               plan.metrics.mutable_data_ptr<T>(), plan.grad_scale.mutable_data_ptr<T>(), stream);
   check_launch();
 }

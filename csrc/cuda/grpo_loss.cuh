@@ -4,6 +4,9 @@
 // + one single-block reduction of the row partials in a fixed order (loss, metrics, that scalar). The global scalar
 // (1/B, 1/sum(mask), 1/num_items, times loss_scale) is only known after every row is seen, so the gradient keeps it
 // apart and the backward kernel applies it together with grad_output: backward is a single scale.
+// Precision as the CPU kernel's: per-token work and each thread's running sums in T, every sum across threads, the
+// row partials and the batch totals in double (a few shuffles per row), which keeps a loss whose rows cancel (luspo's
+// row sums are hundreds, their total 1e-2) as exact as the CPU's float64 row and batch sums do.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,9 +47,9 @@ __device__ __forceinline__ bool loss_row_vectorizable(const LossInputs& in, int6
 // spilling (at 512 the float64 kernel spilled 20 B); either way one SM holds 512 threads of it.
 template <typename T>
 __global__ void __launch_bounds__(256)
-    grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict__ grad, T* __restrict__ partials) {
+    grpo_loss_rows_kernel(LossParams p, LossInputs in, T* __restrict__ grad, double* __restrict__ partials) {
   constexpr int K = kLossChunk<T>;
-  __shared__ T scratch[(kNumRowSlots + 1) * 32];
+  __shared__ double scratch[(kNumRowSlots + 1) * 32];
   const int64_t n_cols = in.seq_len;
   const bool vespo = p.loss_type == LossType::kVESPO;
   const bool need_count = per_row_normalized(p.loss_type) || p.sequence_level || vespo;
@@ -71,8 +74,10 @@ __global__ void __launch_bounds__(256)
       return any;
     };
 
-    T pass1[3] = {T(0), T(0), T(0)};  // sum m, sum m * (l - l_old), vespo's sum of log-weight terms
+    // sum m, sum m * (l - l_old), vespo's sum of log-weight terms: over the block in double, rounded to T once
+    double row1[3] = {0.0, 0.0, 0.0};
     if (need_count) {
+      T pass1[3] = {T(0), T(0), T(0)};  // this thread's part
       for_each_chunk<K>(n_cols, vector, head, [&](const TokenChunk& c) {
         T m[K], l[K], l_old[K], isw[K];
         if (!load_mask(c, m)) return;
@@ -93,12 +98,14 @@ __global__ void __launch_bounds__(256)
           }
         }
       });
-      block_sum<T, 3>(pass1, scratch);
+#pragma unroll
+      for (int i = 0; i < 3; ++i) row1[i] = double(pass1[i]);
+      block_sum<double, 3>(row1, scratch);
     }
-    const T count_clamped = pass1[0] > T(1) ? pass1[0] : T(1);
-    const T seq_ratio = p.sequence_level ? math_exp(pass1[1] / count_clamped) : T(1);
-    const T row_factor = per_row_normalized(p.loss_type) ? T(1) / count_clamped : T(1);
-    const T vespo_log_w = vespo_row_log_weight(pass1[2]);
+    const double count_clamped = row1[0] > 1.0 ? row1[0] : 1.0;
+    const T seq_ratio = p.sequence_level ? math_exp(T(row1[1] / count_clamped)) : T(1);
+    const T row_factor = per_row_normalized(p.loss_type) ? T(1.0 / count_clamped) : T(1);
+    const T vespo_log_w = vespo_row_log_weight(T(row1[2]));
 
     T acc[kNumRowSlots + 1];  // the row slots, then sum_t w * dP/drho (sequence level)
 #pragma unroll
@@ -158,21 +165,29 @@ __global__ void __launch_bounds__(256)
       }
       if (grad_row) store_row_tokens<T, K>(grad_row, n_cols, c, g);
     });
-    block_sum<T, kNumRowSlots + 1>(acc, scratch);
+    double row_sum[kNumRowSlots + 1];  // acc summed over the block in double
+#pragma unroll
+    for (int s = 0; s <= kNumRowSlots; ++s) row_sum[s] = double(acc[s]);
+    block_sum<double, kNumRowSlots + 1>(row_sum, scratch);
     if (threadIdx.x == 0) {
       if (p.row_share_metrics) {  // one condition per row, every row counted
-        clip_flags<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), &acc[kSlotLow], &acc[kSlotHigh],
-                      &acc[kSlotCispo]);
-        acc[kSlotRegion] = acc[kSlotLow] + acc[kSlotHigh];
+        T low, high, cispo;
+        clip_flags<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), &low, &high, &cispo);
+        row_sum[kSlotLow] = low;
+        row_sum[kSlotHigh] = high;
+        row_sum[kSlotRegion] = low + high;
+        row_sum[kSlotCispo] = cispo;
       }
-      acc[kSlotNonEmpty] = acc[kSlotMask] > T(0) ? T(1) : T(0);
-      if (vespo && p.per_row_advantages) acc[kSlotPhi] = vespo_phi(consts, vespo_log_w, in.advantages.load<T>(row, 0));
+      row_sum[kSlotNonEmpty] = row_sum[kSlotMask] > 0.0 ? 1.0 : 0.0;
+      if (vespo && p.per_row_advantages) {
+        row_sum[kSlotPhi] = vespo_phi(consts, vespo_log_w, in.advantages.load<T>(row, 0));
+      }
 #pragma unroll
-      for (int s = 0; s < kNumRowSlots; ++s) partials[row * kNumRowSlots + s] = acc[s];
+      for (int s = 0; s < kNumRowSlots; ++s) partials[row * kNumRowSlots + s] = row_sum[s];
     }
     if (grad_row && p.sequence_level) {
       // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1); each thread revisits only the tokens it wrote above.
-      const T through_ratio = acc[kNumRowSlots] * seq_ratio / count_clamped;
+      const T through_ratio = T(row_sum[kNumRowSlots] * double(seq_ratio) / count_clamped);
       for_each_chunk<K>(n_cols, vector, head, [&](const TokenChunk& c) {
         T m[K], g[K];
         if (!load_mask(c, m)) return;
@@ -185,25 +200,32 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// The batch totals and the loss, metrics and gradient scale from them in double, as the CPU kernel computes them;
+// each output rounded to T once.
 template <typename T>
 __global__ void __launch_bounds__(256)
-    grpo_loss_finalize_kernel(LossParams p, const T* __restrict__ partials, int64_t batch,
-                              int64_t max_completion_length, bool has_num_items, T num_items_value,
-                              const T* __restrict__ num_items_device, T loss_scale, T* loss_out, T* metrics_out,
+    grpo_loss_finalize_kernel(LossParams p, const double* __restrict__ partials, int64_t batch,
+                              int64_t max_completion_length, bool has_num_items, double num_items_value,
+                              const T* __restrict__ num_items_device, double loss_scale, T* loss_out, T* metrics_out,
                               T* grad_scale_out) {
-  __shared__ T scratch[kNumRowSlots * 32];
-  T totals[kNumRowSlots];
+  __shared__ double scratch[kNumRowSlots * 32];
+  double totals[kNumRowSlots];
 #pragma unroll
-  for (int s = 0; s < kNumRowSlots; ++s) totals[s] = T(0);
+  for (int s = 0; s < kNumRowSlots; ++s) totals[s] = 0.0;
   for (int64_t row = threadIdx.x; row < batch; row += blockDim.x) {
 #pragma unroll
     for (int s = 0; s < kNumRowSlots; ++s) totals[s] += partials[row * kNumRowSlots + s];
   }
-  block_sum<T, kNumRowSlots>(totals, scratch);
+  block_sum<double, kNumRowSlots>(totals, scratch);
   if (threadIdx.x == 0) {
-    const T num_items = num_items_device ? num_items_device[0] : num_items_value;
-    finalize_loss<T>(p, totals, batch, max_completion_length, has_num_items, num_items, loss_scale, loss_out,
-                     metrics_out, grad_scale_out);
+    const double num_items = num_items_device ? double(num_items_device[0]) : num_items_value;
+    double loss, metrics[kNumMetrics], grad_scale;
+    finalize_loss<double>(p, totals, batch, max_completion_length, has_num_items, num_items, loss_scale, &loss, metrics,
+                          &grad_scale);
+    *loss_out = T(loss);
+    *grad_scale_out = T(grad_scale);
+#pragma unroll
+    for (int s = 0; s < kNumMetrics; ++s) metrics_out[s] = T(metrics[s]);
   }
 }
 
@@ -239,10 +261,12 @@ inline int loss_threads_per_row(int64_t seq_len) {
   return round_up_to_warp(want < 32 ? 32 : (want > 256 ? 256 : want));
 }
 
+// `partials`: [batch, kNumRowSlots] float64 scratch whatever T (the row partials are summed in double).
 template <typename T>
 void launch_grpo_loss_forward(const LossParams& p, const LossInputs& in, int64_t max_completion_length,
-                              bool has_num_items, T num_items_value, const T* num_items_device, T loss_scale, T* grad,
-                              T* partials, T* loss_out, T* metrics_out, T* grad_scale_out, cudaStream_t stream) {
+                              bool has_num_items, double num_items_value, const T* num_items_device, double loss_scale,
+                              T* grad, double* partials, T* loss_out, T* metrics_out, T* grad_scale_out,
+                              cudaStream_t stream) {
   const int64_t max_blocks = int64_t(1) << 30;
   const unsigned blocks = static_cast<unsigned>(in.batch < max_blocks ? in.batch : max_blocks);
   GRPO_LAUNCH(blocks, loss_threads_per_row(in.seq_len), 0, stream, grpo_loss_rows_kernel<T>)(p, in, grad, partials);

@@ -26,42 +26,43 @@ namespace grpo_ext {
 
 // row_weight[b] = global scale * (1 / max(n_b, 1) for grpo/sapo, else 1), and row_weight[B] = the entropy bonus'
 // entropy_coef * loss_scale / max(sum m * w, 1) (w: entropy_weights, 1 when absent). One block: a warp per row for
-// n_b (a fixed shuffle tree), then a fixed block tree over the rows for the mask totals.
+// n_b (a fixed shuffle tree), then a fixed block tree over the rows for the mask totals. The totals, the scale and
+// each weight in double, rounded to T once, as the CPU kernel does.
 template <typename T>
 __global__ void __launch_bounds__(1024)
     grpo_loss_from_logits_row_weights_kernel(LossParams p, LossInputs in, int64_t max_completion_length,
                                              bool has_num_items, T num_items_value,
                                              const T* __restrict__ num_items_device, T loss_scale, T entropy_coef,
                                              StridedMatrix entropy_weights, T* __restrict__ row_weight) {
-  __shared__ T scratch[3 * 32];
+  __shared__ double scratch[3 * 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  T weighted = T(0);  // this thread's part of sum m * w (only with entropy_weights)
+  double weighted = 0.0;  // this thread's part of sum m * w (only with entropy_weights): tokens of many rows
   for (int64_t b = warp; b < in.batch; b += num_warps) {
     T count = T(0);
     for (int64_t t = lane; t < in.seq_len; t += 32) {
       const T m = in.mask_at<T>(b, t);
       count += m;
-      if (entropy_weights.present()) weighted += m * entropy_weights.load<T>(b, t);
+      if (entropy_weights.present()) weighted += double(m * entropy_weights.load<T>(b, t));
     }
     count = warp_sum(count);
     if (lane == 0) row_weight[b] = count;
   }
-  __syncthreads();                      // the counts are visible to the whole block
-  T total[3] = {T(0), T(0), weighted};  // the kept tokens, the rows with one, sum m * w
+  __syncthreads();                         // the counts are visible to the whole block
+  double total[3] = {0.0, 0.0, weighted};  // the kept tokens, the rows with one, sum m * w
   for (int64_t b = threadIdx.x; b < in.batch; b += blockDim.x) {
     total[0] += row_weight[b];
-    total[1] += row_weight[b] > T(0) ? T(1) : T(0);
+    total[1] += row_weight[b] > T(0) ? 1.0 : 0.0;
   }
-  block_sum<T, 3>(total, scratch);
-  const T num_items = num_items_device ? num_items_device[0] : num_items_value;
-  const T scale = global_loss_scale<T>(p, in.batch, max_completion_length, total[0], total[1], has_num_items, num_items,
-                                       loss_scale);
+  block_sum<double, 3>(total, scratch);
+  const double num_items = num_items_device ? double(num_items_device[0]) : double(num_items_value);
+  const double scale = global_loss_scale<double>(p, in.batch, max_completion_length, total[0], total[1], has_num_items,
+                                                 num_items, double(loss_scale));
+  if (threadIdx.x == 0) {  // before the rows' loop: so ordered, the float kernel fits 32 registers, no spill
+    row_weight[in.batch] = T(entropy_row_weight<double>(double(entropy_coef), double(loss_scale),
+                                                        entropy_weights.present() ? total[2] : total[0]));
+  }
   for (int64_t b = threadIdx.x; b < in.batch; b += blockDim.x) {
-    row_weight[b] = logits_row_weight<T>(p.loss_type, row_weight[b], scale);
-  }
-  if (threadIdx.x == 0) {
-    row_weight[in.batch] =
-        entropy_row_weight<T>(entropy_coef, loss_scale, entropy_weights.present() ? total[2] : total[0]);
+    row_weight[b] = T(logits_row_weight<double>(p.loss_type, double(row_weight[b]), scale));
   }
 }
 

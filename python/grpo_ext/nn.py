@@ -38,7 +38,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     """Fused linear layer + GRPO loss, a drop-in for Liger-Kernel's ``LigerFusedLinearGRPOLoss``.
 
     Differences from Liger, all documented choices: ``chunk_size`` counts sequences as in Liger (a chunk is
-    ``chunk_size * T`` token rows, or grpo_ext's automatic size when None); ``compiled`` is accepted and ignored
+    ``chunk_size * T`` kept token rows, or grpo_ext's automatic size when None); ``compiled`` is accepted and ignored
     (the kernels are native); ``max_completion_length`` defaults to ``T`` for ``dr_grpo`` instead of raising; with
     ``importance_sampling_level="sequence"`` the clip ratio is a share of rows, as TRL logs it (docs/math.md section 7);
     every grpo_ext loss type is taken, ``vespo`` (not in Liger) included, which returns its ``vespo/phi_seq_mean`` in
@@ -49,7 +49,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         compiled: accepted for Liger compatibility; unused.
         use_ref_model: use the reference log-probs (``ref_per_token_logps`` or ``ref_input``/``ref_weight``) for the
             KL term; when False, or when no reference is given, the KL term is zero (as in Liger).
-        chunk_size: sequences per chunk of the LM head (None: grpo_ext's automatic chunk of at most 256 MiB logits).
+        chunk_size: sequences per chunk of the LM head: ``chunk_size * T`` kept token rows (the masked ones cost
+            no GEMM work); None: grpo_ext's automatic chunk (``ops.grpo_loss_from_hidden.default_chunk_size``).
         epsilon_low: lower clip ``1 - epsilon_low`` (grpo_ext's ``epsilon``).
         epsilon_high: upper clip ``1 + epsilon_high``; for ``cispo`` the absolute ratio cap.
         loss_type: one of ``LOSS_TYPES`` (:mod:`grpo_ext.ops.options`), as :func:`grpo_ext.grpo_loss` takes it

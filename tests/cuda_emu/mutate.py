@@ -48,8 +48,15 @@ MUTATIONS = [
              "v <= vocab; v += blockDim.x)\n        out[v] = to_out"),
     Mutation("off-by-one", "group advantages: the member loop runs to i <= group_size",
              "cuda/group_advantages.cuh",
-             "i < g_size; i += 32) {\n        const int64_t row = groups.row(base + i);\n        adv[row] = combine",
-             "i <= g_size; i += 32) {\n        const int64_t row = groups.row(base + i);\n        adv[row] = combine"),
+             "i < n; i += t.width) {\n      const int64_t row = a.groups.row(base + i);\n      const T r = combine",
+             "i <= n; i += t.width) {\n      const int64_t row = a.groups.row(base + i);\n      const T r = combine"),
+    Mutation("early reader", "group advantages: the second-to-last block to finish merges the tiles' batch moments",
+             "cuda/group_advantages.cuh",
+             "last_block = atomicAdd(a.blocks_done, 1) == static_cast<int>(gridDim.x) - 1;",
+             "last_block = atomicAdd(a.blocks_done, 1) == static_cast<int>(gridDim.x) - 2;"),
+    Mutation("unstable order", "group advantages: group_ids rows ranked with <=, so equal ranks collide",
+             "cuda/group_advantages.cuh", "rank += groups.placed[base + q] < row ? 1 : 0;",
+             "rank += groups.placed[base + q] <= row ? 1 : 0;"),
     Mutation("wrong shuffle offset", "warp_sum: the shuffle tree starts at offset 8 (half the warp is lost)",
              "cuda/reduce.cuh", "for (int offset = 16; offset > 0; offset >>= 1) v +=",
              "for (int offset = 8; offset > 0; offset >>= 1) v +="),
@@ -59,8 +66,8 @@ MUTATIONS = [
     Mutation("partial shuffle mask", "kFullWarp leaves lane 31 out of every reduction's mask", "cuda/reduce.cuh",
              "constexpr unsigned kFullWarp = 0xffffffffu;", "constexpr unsigned kFullWarp = 0x7fffffffu;"),
     Mutation("undersized shared array", "loss rows: scratch for 7 sums where block_sum reduces 8",
-             "cuda/grpo_loss.cuh", "__shared__ T scratch[(kNumRowSlots + 1) * 32];",
-             "__shared__ T scratch[kNumRowSlots * 32];"),
+             "cuda/grpo_loss.cuh", "__shared__ double scratch[(kNumRowSlots + 1) * 32];",
+             "__shared__ double scratch[kNumRowSlots * 32];"),
     Mutation("wrong row offset", "logits pass: logits row r scores token r, not row_offset + r",
              "cuda/grpo_loss_from_logits.cuh", "const int64_t n = a.row_offset + r,", "const int64_t n = r,"),
     Mutation("dropped mask factor", "row weights: tokens counted without the sample mask",
@@ -84,6 +91,9 @@ MUTATIONS = [
     Mutation("redundant barrier removed", "logits pass: no barrier at the end of the row loop (the next row's "
              "block_merge barrier already orders every shared access)", "cuda/grpo_loss_from_logits.cuh",
              "    __syncthreads();  // the shared row values are reused by the next row\n", "", expect_caught=False),
+    Mutation("dropped guard", "softmax backward: a row with no upstream gradient gets 0 * its (NaN) gradient",
+             "cuda/selective_log_softmax.cuh", "const bool inert = gl == T(0) && gh == T(0);",
+             "const bool inert = false;"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

@@ -50,16 +50,17 @@ std::vector<Tensor> group_advantages(Args& a) {
   if (batch == 0 && num_groups == 0) return {adv, mean, std, zero_std};
   const int64_t* ids = group_ids ? group_ids->data_as<int64_t>() : nullptr;
   const int64_t id_stride = group_ids ? group_ids->stride(0) : 0;
-  Tensor workspace = empty({group_ids ? grpo_ext::group_rows_workspace_size(batch, num_groups) : 0}, DType::kInt32);
-  int* ws = group_ids ? workspace.data_as<int>() : nullptr;
+  const grpo_ext::GroupAdvantagesLaunch launch =
+      grpo_ext::plan_group_advantages_launch(p, batch, num_groups, group_ids.has_value());
+  Tensor workspace = empty({(launch.bytes + 7) / 8}, DType::kFloat64);
   if (acc == DType::kFloat64) {
-    grpo_ext::launch_group_advantages<double>(p, r, w, batch, ids, id_stride, num_groups, ws, adv.data_as<double>(),
-                                              mean.data_as<double>(), std.data_as<double>(), zero_std.data_as<bool>(),
-                                              nullptr);
+    grpo_ext::launch_group_advantages<double>(p, r, w, batch, ids, id_stride, num_groups, launch, workspace.data(),
+                                              adv.data_as<double>(), mean.data_as<double>(), std.data_as<double>(),
+                                              zero_std.data_as<bool>(), nullptr);
   } else {
-    grpo_ext::launch_group_advantages<float>(p, r, w, batch, ids, id_stride, num_groups, ws, adv.data_as<float>(),
-                                             mean.data_as<float>(), std.data_as<float>(), zero_std.data_as<bool>(),
-                                             nullptr);
+    grpo_ext::launch_group_advantages<float>(p, r, w, batch, ids, id_stride, num_groups, launch, workspace.data(),
+                                             adv.data_as<float>(), mean.data_as<float>(), std.data_as<float>(),
+                                             zero_std.data_as<bool>(), nullptr);
   }
   return {adv, mean, std, zero_std};
 }
@@ -84,7 +85,28 @@ std::vector<Tensor> process_advantages(Args& a) {
   return {out};
 }
 
+// The launch plan of a group_advantages call (not an op of grpo_ext: the launcher's choices, for the tests and the
+// kernel report): int64 [threads per block, lanes per group, tiles (the grid), workspace bytes].
+std::vector<Tensor> group_advantages_launch_plan(Args& a) {
+  grpo_ext::AdvantageParams p;
+  const int64_t batch = a.integer(), num_groups = a.integer();
+  p.group_size = a.integer();
+  p.scale = parse(a.string(), grpo_ext::kScaleRewardsChoices);
+  p.aggregation = parse(a.string(), grpo_ext::kAggregationChoices);
+  const bool indexed = a.integer() != 0;
+  a.done();
+  const grpo_ext::GroupAdvantagesLaunch l = grpo_ext::plan_group_advantages_launch(p, batch, num_groups, indexed);
+  Tensor out = empty({4}, DType::kInt64);
+  int64_t* v = out.data_as<int64_t>();
+  v[0] = l.threads;
+  v[1] = l.team_width;
+  v[2] = l.tiles;
+  v[3] = l.bytes;
+  return {out};
+}
+
 const RegisterOp kGroupAdvantages("group_advantages", group_advantages);
+const RegisterOp kGroupAdvantagesLaunchPlan("group_advantages_launch_plan", group_advantages_launch_plan);
 const RegisterOp kProcessAdvantages("process_advantages", process_advantages);
 
 }  // namespace

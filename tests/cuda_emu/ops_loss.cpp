@@ -93,11 +93,11 @@ namespace {
 template <typename T>
 void forward_impl(const LossPlan& plan, const Tensor& grad_raw, const Tensor& loss, const Tensor& metrics,
                   const Tensor& grad_scale) {
-  const Tensor partials = empty({plan.inputs.batch, grpo_ext::kNumRowSlots}, loss.dtype);
+  const Tensor partials = empty({plan.inputs.batch, grpo_ext::kNumRowSlots}, DType::kFloat64);  // as grpo_loss.cu
   const T* num_items_device = plan.num_items_device ? plan.num_items_device->data_as<T>() : nullptr;
   grpo_ext::launch_grpo_loss_forward<T>(
-      plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items, T(plan.num_items), num_items_device,
-      T(plan.loss_scale), plan.params.compute_grad ? grad_raw.data_as<T>() : nullptr, partials.data_as<T>(),
+      plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items, plan.num_items, num_items_device,
+      plan.loss_scale, plan.params.compute_grad ? grad_raw.data_as<T>() : nullptr, partials.data_as<double>(),
       loss.data_as<T>(), metrics.data_as<T>(), grad_scale.data_as<T>(), nullptr);
 }
 

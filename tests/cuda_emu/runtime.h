@@ -116,6 +116,11 @@ using cudaError_t = cudaError;
 cudaError_t cudaGetLastError();
 cudaError_t cudaPeekAtLastError();
 const char* cudaGetErrorString(cudaError_t error);
+// Launches run to completion when they are made, so a memset on a stream is done at once.
+inline cudaError_t cudaMemsetAsync(void* device_ptr, int value, size_t bytes, cudaStream_t /*stream*/) {
+  memset(device_ptr, value, bytes);
+  return cudaSuccess;
+}
 
 namespace cuda_emu {
 
@@ -312,6 +317,8 @@ inline int atomicAdd(int* address, int value) {
   *address = old + value;
   return old;
 }
+// Threads run one at a time: every write is visible to every later read, so a fence has nothing to order.
+inline void __threadfence() {}
 inline void __syncwarp(unsigned mask = 0xffffffffu,
                        const std::source_location& site = std::source_location::current()) {
   ::cuda_emu::warp_op(::cuda_emu::WarpKind::kSync, mask, 0, 0, warpSize, site);

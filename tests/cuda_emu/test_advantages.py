@@ -89,3 +89,84 @@ def test_process_advantages_strided(emu):
     assert not wide_rewards.is_contiguous() and not wide_ends.is_contiguous()
     for group_size, eps in itertools.product((3, 4), (1e-4, 0.5)):
         check_op(emu, "process_advantages", wide_rewards, wide_ends, group_size, 10, eps, 1)
+
+
+def launch_plan(emu, batch: int, num_groups: int, group_size: int, mode: tuple, indexed: bool) -> tuple[int, ...]:
+    """(threads per block, lanes per group, tiles = blocks of the grid, workspace bytes) the launcher chooses."""
+    scale, _, aggregation = mode
+    plan = emu.call("group_advantages_launch_plan", batch, num_groups, group_size, scale, aggregation, int(indexed))
+    return tuple(int(v) for v in plan)
+
+
+# (groups, group size): teams of 32, 8, 2 and 1 lanes per group, each grid several tiles (blocks) of groups.
+MANY_TILES = [(40, 64), (300, 8), (700, 2), (600, 1)]
+
+
+# Every mode at the wider groups; the mean baseline (the leave-one-out one is the same code) at the narrow ones.
+TILE_CASES = [(mode, shape) for shape in MANY_TILES for mode in MODES if shape[1] > 2 or mode[1] == "mean"]
+
+
+@pytest.mark.parametrize(("mode", "shape"), TILE_CASES, ids=lambda v: "-".join(map(str, v)))
+def test_group_advantages_across_tiles(emu, mode, shape):
+    """Grids of several blocks: the batch statistics (batch scale, GDPO) merged over the tiles, under grid caps of
+    1, 2 and 3 blocks (every schedule must give the same bits), groups narrower and wider than their team."""
+    groups, group_size = shape
+    _, _, tiles, _ = launch_plan(emu, groups * group_size, groups, group_size, mode, False)
+    assert tiles > 1
+    case = MODES.index(mode) * len(MANY_TILES) + MANY_TILES.index((groups, group_size))
+    k = 2 if mode[2] == "normalize_then_sum" else 1
+    rewards = random_rewards(groups * group_size, k, seed=case)
+    weights = torch.tensor([1.0, -0.5]) if k == 2 else None
+    dtype = torch.float64 if case % 3 == 0 else torch.float32
+    check_op(emu, "group_advantages", *group_args(rewards.to(dtype), group_size, mode, 1, weights))
+
+
+@pytest.mark.parametrize("mode", MODES, ids="-".join)
+def test_group_advantages_shuffled_group_ids_across_tiles(emu, mode):
+    """group_ids in a random order over several tiles: groups of 0 to 40 rows (mean 7: teams of 8 lanes, so the
+    wide groups loop), every row's group listed by the count, place and sort passes."""
+    g = torch.Generator().manual_seed(MODES.index(mode))
+    sizes = torch.randint(0, 13, (260,), generator=g)
+    sizes[::37] = 40
+    ids = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    ids = ids[torch.randperm(len(ids), generator=g)]
+    _, width, tiles, _ = launch_plan(emu, len(ids), len(sizes), 1, mode, True)
+    assert width == 8 and tiles > 1
+    k = 2 if mode[2] == "normalize_then_sum" else 1
+    rewards = random_rewards(len(ids), k, seed=11)
+    singletons = "verl" if mode[2] == "sum_then_normalize" and mode[1] == "mean" else "zero"
+    check_op(emu, "group_advantages", *group_args(rewards.float(), 0, mode, 1, group_ids=ids, num_groups=len(sizes),
+                                                  singleton_groups=singletons))  # fmt: skip
+
+
+# The H100 benchmark's shapes (benchmarks/bench_group_advantages.py): prompts x G.
+BENCH_SHAPES = [(8, 8), (64, 16), (1024, 16), (4096, 16), (8192, 64), (65536, 8)]
+
+
+def test_group_advantages_grid_grows_with_the_groups(emu):
+    """One block per tile of groups: the grid grows with the number of groups, a team of lanes per group."""
+    for prompts, group_size in BENCH_SHAPES:
+        for indexed in (False, True):
+            threads, width, tiles, _ = launch_plan(emu, prompts * group_size, prompts, group_size,
+                                                   ("batch", "mean", "sum_then_normalize"), indexed)  # fmt: skip
+            assert width == min(32, group_size), (prompts, group_size)
+            assert tiles == -(-prompts // (threads // width)), (prompts, group_size)
+    assert launch_plan(emu, 65536 * 8, 65536, 8, MODES[0], False)[2] == 65536 // 32  # 2048 blocks of 32 groups
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_group_advantages_launches(emu, indexed):
+    """The fixed number of launches of each mode (group_advantages.cuh): 1 kernel with the group std, 2 with batch
+    statistics; 2 more with group_ids."""
+    ids = torch.arange(64 * 4) % 64 if indexed else None
+    modes = [("group", "sum_then_normalize", 1), ("none", "sum_then_normalize", 1),
+             ("batch", "sum_then_normalize", 2), ("group", "normalize_then_sum", 2)]  # fmt: skip
+    for scale, aggregation, kernels in modes:
+        before = dict(emu.launches)
+        k = 2 if aggregation == "normalize_then_sum" else 1
+        emu.call("group_advantages", *group_args(random_rewards(256, k, seed=1).float(), 0 if indexed else 4,
+                                                 (scale, "mean", aggregation), group_ids=ids,
+                                                 num_groups=64 if indexed else 0))  # fmt: skip
+        launched = {s.split("(", 1)[0]: n - before.get(s, 0) for s, n in emu.launches.items() if n != before.get(s, 0)}
+        assert sum(launched.values()) == kernels + 2 * indexed, launched
+        assert all(n == 1 for n in launched.values()), launched

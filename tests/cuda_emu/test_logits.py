@@ -14,7 +14,7 @@ import torch
 from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 from grpo_ext.validation import validate_grpo_loss_args
 from test_grpo_loss_from_logits import make_problem
-from test_selective_log_softmax import make_logits
+from test_selective_log_softmax import make_logits, poisoned_logits
 
 from .checks import LOGITS_GRAD, LOSS, LOSS_GRAD, VALUES, check_op
 from .client import EmuDevice
@@ -72,6 +72,31 @@ def test_selective_log_softmax_confident_tokens(emu):
     ids = torch.randint(0, 1000, (8,), generator=g)
     logits[torch.arange(8), ids] += torch.linspace(14.0, 20.0, 8, dtype=torch.float64)
     softmax_round_trip(emu, logits.float(), ids, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("logit", [(1.0, 0.0), (1.7, 2.5)])
+def test_selective_log_softmax_zero_upstream_rows_get_exactly_zero_gradient(emu, dtype, logit):
+    """docs/math.md, "Non-finite inputs": a row whose log-prob and entropy gradients are both exactly 0 gets an
+    exactly zero gradient whatever its logits hold (NaN, +-inf, at the chosen token or elsewhere; issue 31); a -inf
+    chosen logit with an upstream gradient gets d logp / dz = 1 there, not 0 * inf. Contiguous and strided rows."""
+    logits, ids = poisoned_logits(33, seed=31)
+    g = torch.Generator().manual_seed(31)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    grad_logps = torch.randn(9, generator=g, dtype=acc)
+    grad_logps[:7] = 0.0
+    grad_logps[3] = -0.0
+    grad_ent = torch.randn(9, generator=g, dtype=acc)
+    grad_ent[2:7] = 0.0  # rows 0 and 1 (-inf only) keep an entropy gradient: finite
+    wide = torch.zeros(9, 66, dtype=dtype)
+    wide[:, ::2] = logits.to(dtype)
+    for x in (logits.to(dtype), wide[:, ::2]):
+        for entropy_grad, inert in ((grad_ent, slice(2, 7)), (None, slice(0, 7))):
+            _, _, row_stats = check_op(emu, "selective_log_softmax_forward", x, ids, 0.8, *logit, True)
+            (grad,) = check_op(emu, "selective_log_softmax_backward", grad_logps, entropy_grad, x, ids, row_stats, 0.8,
+                               *logit, tol=LOGITS_GRAD)  # fmt: skip
+            assert torch.isfinite(grad.double()).all()
+            assert torch.equal(grad[inert], torch.zeros_like(grad[inert]))
 
 
 def test_selective_log_softmax_id_outside_the_vocabulary_is_a_device_assert(emu):
@@ -177,6 +202,38 @@ def test_logits_pass_masked_rows_nan_and_padding_ids(emu):
     nan_row[1, 0, 3] = float("nan")  # an unmasked row: NaN, as the reference's
     args = pass_args(nan_row.float(), ids.reshape(-1), adv.float(), mask, old_logps=old.float())
     check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+
+
+@pytest.mark.parametrize("logit", [(1.0, 0.0), (1.7, 2.5)])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_logits_pass_zero_weight_tokens(emu, logit, level):
+    """Kept tokens weighted 0 (policy and entropy-bonus weights; docs/math.md, "Non-finite inputs"): token [1, 2]
+    holds logits the softmax sees as finite or -inf (uncapped: -inf at two other entries; capped: +-inf, the chosen
+    one included) and gets an exactly zero gradient; token [1, 4] holds a NaN, which stays NaN (a NaN log-prob is
+    never hidden by a weight)."""
+    logits, ids, adv, mask, old, _ = make_problem(seed=50)
+    mask[1, 2] = mask[1, 4] = True
+    others = [(ids[1, 2].item() + k) % 50 for k in (1, 2)]
+    if logit[1] == 0.0:
+        logits[1, 2, others] = float("-inf")
+    else:
+        logits[1, 2, [ids[1, 2].item(), others[0]]] = float("inf")
+        logits[1, 2, others[1]] = float("-inf")
+    logits[1, 4, others[0]] = float("nan")
+    weights = torch.ones(4, 6)
+    weights[1, 2] = weights[1, 4] = 0.0
+    flat, flat_ids = logits.float().reshape(24, 50), ids.reshape(-1)
+    token_grad = None
+    if level == "sequence":  # the loss op's per-token gradients, 0 at the zero-weight tokens as its weights make them
+        token_grad = weights.reshape(-1) * torch.randn(24, generator=torch.Generator().manual_seed(50))
+    args = pass_args(flat, flat_ids, adv.float(), mask, token_grad=token_grad, logit=logit, entropy_coef=0.4,
+                     entropy_weights=weights, old_logps=old.float(), policy_weights=weights, loss_type="dapo",
+                     importance_sampling_level=level)  # fmt: skip
+    for op in ("grpo_loss_from_logits_pass", "grpo_loss_from_logits_pass_"):
+        call_args = (args[0].clone(), *args[1:])
+        logps, _, grad = check_op(emu, op, *call_args, tol=PASS_TOL, names=PASS_NAMES)
+        assert torch.isfinite(logps[8]) and torch.equal(grad[8], torch.zeros(50))
+        assert torch.isnan(logps[10])
 
 
 def test_logits_pass_chunks_and_num_items(emu):

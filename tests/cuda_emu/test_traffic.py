@@ -140,10 +140,13 @@ def test_advantages_read_each_reward_once(counted):
     rewards = torch.rand(64 * 16, dtype=torch.float32)
     _, t = op_traffic(counted, "group_advantages", *group_args(rewards, 16, ("group", "mean", "sum_then_normalize")))
     assert t["arg0"] == Access(4 * 64 * 16, 4 * 64 * 16, 0)
-    # The named extra: the advantages buffer is the kernel's scratch: written with the rewards, read back by the
-    # moments (twice) and the normalization, then written with the advantages: 2 writes and 4 reads of a [B] buffer
-    # that stays in L1/L2 at these sizes.
-    assert t["new0"] == Access(4 * 4 * 64 * 16, 4 * 64 * 16, 2 * 4 * 64 * 16)
+    # Each lane keeps R of its group member in a register (a team of 16 lanes per group of 16): the advantages are
+    # written once and never read back.
+    assert t["new0"] == Access(0, 0, 4 * 64 * 16)
+    # With the batch std, R goes through the advantages buffer to the second kernel: one more write and one read.
+    _, t = op_traffic(counted, "group_advantages", *group_args(rewards, 16, ("batch", "mean", "sum_then_normalize")))
+    assert t["arg0"] == Access(4 * 64 * 16, 4 * 64 * 16, 0)
+    assert t["new0"] == Access(4 * 64 * 16, 4 * 64 * 16, 2 * 4 * 64 * 16)
     rewards, ends = random_steps(16 * 6, 4, 50, seed=4)
     _, t = op_traffic(counted, "process_advantages", rewards.float(), ends, 16, 50, 1e-4, 1)
     # Each reward read; the step ends read up to where a row's steps stop covering its tokens; each token's

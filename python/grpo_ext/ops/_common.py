@@ -1,4 +1,5 @@
-"""Helpers shared by the op modules: the dtype the kernels accumulate in, and the double-backward guard."""
+"""Helpers shared by the op modules: the dtype the kernels accumulate in, the double-backward guard, and the eager
+calls' way past the autograd key."""
 
 from __future__ import annotations
 
@@ -22,3 +23,9 @@ def refuse_double_backward(function: str) -> None:
             f"grpo_ext.{function} does not support double backward (create_graph=True): its gradient is computed "
             f"by a kernel that autograd cannot differentiate. Use grpo_ext.reference.{function} for that."
         )
+
+
+#: ``with below_autograd():`` calls ops past the autograd dispatch key, as torch.library's autograd wrapper does itself
+#: where no gradient is needed: the ops' eager paths use it where grad mode is off (never under torch.compile), so
+#: that a call does not go through that wrapper's Python on its way to the kernel.
+below_autograd = torch._C._AutoDispatchBelowAutograd

@@ -30,14 +30,17 @@ def group_advantages(
     std_ddof: int = 1,
     singleton_groups: str = "zero",
 ) -> GroupAdvantages:
-    """Group-normalized advantages (docs/math.md section 1), one kernel launch.
+    """Group-normalized advantages (docs/math.md section 1); on CUDA a grid that grows with the groups, no host sync.
+
+    CUDA launches: one kernel with the group std (``scale_rewards="group"`` or ``"none"``); a 4-byte memset and two
+    kernels with batch statistics (``"batch"``, GDPO); a memset and two more kernels with ``group_ids``.
 
     Args:
         rewards: ``[B]`` or ``[B, K]`` floating tensor (K reward functions); NaN means "not scored". The ``G``
             completions of one prompt are contiguous rows, unless ``group_ids`` says which rows form a group.
         group_size: ``G``; ``B % G`` must be 0. Exactly one of ``group_size`` and ``group_ids``.
         group_ids: ``[B]`` int64 on ``rewards``' device: the group of each row, in ``[0, num_groups)``; the rows of
-            a group may be anywhere and groups may differ in size (verl's ``uid`` grouping). Still one launch.
+            a group may be anywhere and groups may differ in size (verl's ``uid`` grouping).
         num_groups: with ``group_ids``: the number of groups; default ``max(group_ids) + 1``, which reads the ids
             (a host sync on CUDA: pass it to avoid one; required on the meta device). Out-of-range CUDA ids fail a
             device-side assert.

@@ -11,9 +11,12 @@ import torch
 from torch import Tensor
 
 from ..results import GRPOLossOutput
-from ..validation import validate_grpo_loss_args
-from ._common import accumulate_dtype, refuse_double_backward
-from .options import NUM_METRICS, LossOptions, metrics_dict, takes_loss_options
+from ..validation_loss import resolve_grpo_loss_args
+from ._common import accumulate_dtype, below_autograd, refuse_double_backward
+from .options import NUM_METRICS, metrics_dict, takes_loss_options
+
+# The forward op's overload, resolved once (not through the packet on every call).
+_FORWARD = torch.ops.grpo_ext.grpo_loss_forward.default
 
 
 @takes_loss_options
@@ -34,14 +37,18 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         GRPOLossOutput: ``loss`` (0-dim float32; float64 for float64 logps) with autograd to ``logps``, and
         ``metrics`` (0-dim, detached) under TRL's names.
     """
-    resolved = validate_grpo_loss_args(logps, advantages, completion_mask,
-                                       LossOptions.from_kwargs("grpo_loss", options))  # fmt: skip
-    compute_grad = torch.is_grad_enabled() and logps.requires_grad
-    op_args = (logps, advantages, completion_mask, *resolved.op_args(), compute_grad)
-    if compute_grad and not torch.compiler.is_compiling():
-        loss, metrics_vec = _GRPOLossFunction.apply(*op_args)
+    resolved, option_args = resolve_grpo_loss_args("grpo_loss", logps, advantages, completion_mask, options)
+    if not torch.is_grad_enabled():
+        if torch.compiler.is_compiling():
+            loss, metrics_vec, _, _ = _FORWARD(logps, advantages, completion_mask, *option_args, False)
+        else:  # below the autograd key: its registration would only hand the call on, at a Python round trip
+            with below_autograd():
+                loss, metrics_vec, _, _ = _FORWARD(logps, advantages, completion_mask, *option_args, False)
+    elif logps.requires_grad and not torch.compiler.is_compiling():
+        loss, metrics_vec = _GRPOLossFunction.apply(logps, advantages, completion_mask, *option_args, True)
     else:  # torch.compile traces the op itself, through its register_autograd registration
-        loss, metrics_vec, _, _ = torch.ops.grpo_ext.grpo_loss_forward(*op_args)
+        compute_grad = logps.requires_grad
+        loss, metrics_vec, _, _ = _FORWARD(logps, advantages, completion_mask, *option_args, compute_grad)
     return GRPOLossOutput(loss, metrics_dict(metrics_vec, resolved))
 
 
@@ -93,12 +100,13 @@ class _GRPOLossFunction(torch.autograd.Function):
     """Eager autograd for grpo_loss_forward, the same math as the registration above.
 
     torch.library's autograd wrapper rebuilds the op's long schema on every call (about 0.3 ms of Python on a
-    CPU); calling the op inside an autograd.Function, where grad mode is off, skips that path.
+    CPU); calling the op inside an autograd.Function, where grad mode is off, below the autograd key, skips it.
     """
 
     @staticmethod
     def forward(ctx, *op_args):
-        loss, metrics, grad_raw, grad_scale = torch.ops.grpo_ext.grpo_loss_forward(*op_args)
+        with below_autograd():
+            loss, metrics, grad_raw, grad_scale = _FORWARD(*op_args)
         _grpo_loss_setup_context(ctx, op_args, (loss, metrics, grad_raw, grad_scale))
         return loss, metrics
 

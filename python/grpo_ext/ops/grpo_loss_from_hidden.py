@@ -8,6 +8,8 @@ typed wrapper, the eager autograd and the composite op ``grpo_ext::grpo_loss_fro
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -33,13 +35,100 @@ from .selective_log_softmax import selective_log_softmax
 #: A reference model's LM head: (``[N, H']`` hidden states, ``[V, H']`` weight, ``[V]`` bias or None).
 RefHead = tuple[Tensor, Tensor, Tensor | None]
 
+#: A run of token rows ``[start, end)`` of the flattened ``[N]`` problem.
+Segment = tuple[int, int]
+
+#: Runs of kept rows that get their own slice of a chunk, at most: beyond, the shortest gaps between runs are
+#: bridged (their masked rows go through the GEMMs, zeroed as the kept rows' neighbours), so a scattered mask costs
+#: at most this many pass calls and copies per call, not one per run.
+MAX_SEGMENTS = 128
+
+#: Whether the chunks hold the kept rows only (True) or every row, masked ones included (False: the path before
+#: gathering). Tests switch it off to show the gathered results equal the ungathered ones bit for bit.
+_GATHER_KEPT_ROWS = True
+
+
+class _RowPlan(NamedTuple):
+    """Which rows go through the LM head: ``segments`` (ordered, disjoint) hold every kept row and ``rows`` rows in
+    all; ``bridged`` when some of those rows are masked (their hidden states are zeroed before ``g.T @ hidden``)."""
+
+    segments: list[Segment]
+    rows: int
+    bridged: bool
+
+
+def _plan_rows(kept: Tensor, gather: bool) -> _RowPlan:
+    """The rows to score, from the ``[N]`` bool ``kept``: its runs of True (at most MAX_SEGMENTS), or every row.
+
+    Reading ``kept`` on the host is the op's one device sync per call.
+    """
+    rows = kept.numel()
+    if not gather:
+        return _RowPlan([(0, rows)] if rows else [], rows, True)
+    flags = kept.to("cpu", torch.int8)
+    edge = torch.zeros(1, dtype=torch.int8)
+    steps = torch.diff(flags, prepend=edge, append=edge)
+    starts = (steps == 1).nonzero().flatten()
+    ends = (steps == -1).nonzero().flatten()
+    bridged = starts.numel() > MAX_SEGMENTS
+    if bridged:  # split only at the MAX_SEGMENTS - 1 widest gaps
+        split = (starts[1:] - ends[:-1]).topk(MAX_SEGMENTS - 1).indices.sort().values
+        starts = torch.cat([starts[:1], starts[1:][split]])
+        ends = torch.cat([ends[:-1][split], ends[-1:]])
+    segments = list(zip(starts.tolist(), ends.tolist(), strict=True))
+    return _RowPlan(segments, sum(end - start for start, end in segments), bridged)
+
+
+def _chunks(segments: list[Segment], chunk_size: int) -> list[list[Segment]]:
+    """The segments cut into chunks of ``chunk_size`` rows (the last one may be shorter), each a list of pieces."""
+    chunks: list[list[Segment]] = []
+    pieces: list[Segment] = []
+    room = chunk_size
+    for start, end in segments:
+        while start < end:
+            take = min(room, end - start)
+            pieces.append((start, start + take))
+            start, room = start + take, room - take
+            if room == 0:
+                chunks.append(pieces)
+                pieces, room = [], chunk_size
+    if pieces:
+        chunks.append(pieces)
+    return chunks
+
+
+def _take(rows: Tensor, pieces: list[Segment]) -> Tensor:
+    """The pieces' rows of ``rows``, in order: a view for one piece, else a new tensor."""
+    if len(pieces) == 1:
+        start, end = pieces[0]
+        return rows[start:end]
+    return torch.cat([rows[start:end] for start, end in pieces])
+
+
+def _put(out: Tensor, pieces: list[Segment], values: Tensor) -> None:
+    """``out``'s pieces = consecutive rows of ``values`` (the inverse of :func:`_take`)."""
+    offset = 0
+    for start, end in pieces:
+        out[start:end] = values[offset : offset + end - start]
+        offset += end - start
+
+
+def _zero_outside(out: Tensor, segments: list[Segment]) -> None:
+    """Zeroes the rows of ``out`` that no segment covers (rows never scored)."""
+    previous = 0
+    for start, end in [*segments, (out.shape[0], out.shape[0])]:
+        if start > previous:
+            out[previous:start] = 0
+        previous = end
+
 
 @torch.no_grad()
-def _write_ref_logps(ref_head: RefHead, ids: Tensor, start: int, end: int, logit: LogitOptions, out: Tensor) -> None:
-    """``out[start:end]`` = the reference head's log-probs of ``ids[start:end]`` (one chunk of logits, no grad)."""
+def _write_ref_logps(ref_head: RefHead, pieces: list[Segment], ids: Tensor, logit: LogitOptions, out: Tensor) -> None:
+    """``out`` at the pieces' rows = the reference head's log-probs of ``ids`` (the pieces' ids, in order): one chunk
+    of logits, no grad."""
     ref_hidden, ref_weight, ref_bias = ref_head
-    logits = project(ref_hidden[start:end], ref_weight, ref_bias)
-    out[start:end] = selective_log_softmax(logits, ids[start:end], **logit._asdict()).logps
+    logits = project(_take(ref_hidden, pieces), ref_weight, ref_bias)
+    _put(out, pieces, selective_log_softmax(logits, ids, **logit._asdict()).logps)
 
 
 def _product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
@@ -61,6 +150,22 @@ def _accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
+def default_chunk_size(hidden: Tensor, lm_head_weight: Tensor) -> int:
+    """grpo_loss_from_hidden's ``chunk_size`` when None: the largest power of two of rows whose logits fit in
+    ``lm_head.hidden_chunk_budget`` (the float32 ``[V, H]`` weight gradient's size, at least 256 MiB), on any device.
+
+    A pure function of the shapes and dtype (no data is read; fake or meta tensors do).
+
+    Args:
+        hidden: ``[B, T, H]`` or ``[N, H]``.
+        lm_head_weight: ``[V, H]``.
+    """
+    size = hidden.shape[-1]
+    rows = hidden.numel() // size if size else 0
+    vocab = lm_head_weight.shape[0]
+    return chunk_rows(rows, vocab, hidden.element_size(), hidden_chunk_budget(vocab, size))
+
+
 def _hidden_loss_forward(
     hidden: Tensor,
     weight: Tensor,
@@ -79,11 +184,14 @@ def _hidden_loss_forward(
     """The chunked forward: (loss, metrics vector, mean entropy, d/d hidden, d/d weight, d/d bias, ``[N]`` log-probs,
     ``[N]`` entropy).
 
-    Per chunk of token rows: logits = hidden @ weight.T (+ bias) through torch (cuBLAS), the fused logits kernel
-    in place (log-probs, entropy, and the gradient over the chunk's logits), then grad_hidden = g @ weight and
-    grad_weight += g.T @ hidden (float32 accumulator). Sequence-level losses first run every chunk for the
-    log-probs alone, then recompute each chunk's logits for the gradient (the entropy bonus' gradient is written with
-    the policy term's, by the pass that writes the gradient). With ``ref_head``, each chunk first
+    Only the kept rows (``completion_mask * sample_mask != 0``) go through the LM head: their runs are read on the
+    host (one device sync) and cut into chunks of ``chunk_size`` rows. Per chunk: logits = hidden @ weight.T (+ bias)
+    through torch (cuBLAS) on the chunk's rows, the fused logits kernel in place on each run's slice (a pass reads
+    the ``[B, T]`` loss inputs at the run's own rows, so the normalizers and per-row inputs are the whole problem's),
+    then grad_hidden = g @ weight scattered back to the run's rows and grad_weight += g.T @ hidden (float32
+    accumulator). The other rows get log-prob, entropy and hidden gradient 0. Sequence-level losses first run every
+    chunk for the log-probs alone, then recompute each chunk's logits for the gradient (the entropy bonus' gradient
+    is written with the policy term's, by the pass that writes the gradient). With ``ref_head``, each chunk first
     writes its reference log-probs into ``options.ref_logps`` (the rows the chunk's pass then reads), no_grad.
     """
     batch, length = completion_mask.shape
@@ -91,37 +199,62 @@ def _hidden_loss_forward(
     need_hidden, need_weight, need_bias = needs
     compute_grad = any(needs)
     acc = accumulate_dtype(hidden.dtype)
+    # Rows that are never read get a zero gradient, whatever the other operand holds: their hidden states (NaN,
+    # maybe) must not enter g.T @ hidden, and a non-finite weight makes their rows of g @ weight NaN (0 * NaN).
+    kept = completion_mask != 0
+    if options.sample_mask is not None:
+        kept = kept & (options.sample_mask != 0).unsqueeze(1)
+    kept = kept.reshape(rows)
+    plan = _plan_rows(kept, _GATHER_KEPT_ROWS)
+    chunks = _chunks(plan.segments, chunk_size)
     logps = torch.empty(rows, dtype=acc, device=hidden.device)
     entropy = torch.empty(rows, dtype=acc, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    _zero_outside(logps, plan.segments)
+    _zero_outside(entropy, plan.segments)
+    grad_hidden = None
+    if need_hidden:
+        grad_hidden = torch.empty_like(hidden)
+        _zero_outside(grad_hidden, plan.segments)
     # d/d weight: written by the first chunk (no zero fill of [V, H]), accumulated in float32 by the others; when one
-    # chunk covers every row it is that chunk's product in the weight's dtype (no accumulator, no final cast).
+    # chunk covers every scored row it is that chunk's product in the weight's dtype (no accumulator, no final cast).
     grad_weight = None
-    weight_grad_dtype = weight.dtype if chunk_size >= rows else acc
+    weight_grad_dtype = weight.dtype if len(chunks) <= 1 else acc
     grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
     ops = torch.ops.grpo_ext
     option_args = options.op_args()
     logit_args = logit.op_args()
 
-    def chunk_logits(start: int, end: int) -> Tensor:
-        return project(hidden[start:end], weight, bias)
+    def run_passes(logits: Tensor, pieces: list[Segment], chunk_ids: Tensor, token_grad: Tensor | None,
+                   grad_now: bool) -> None:  # fmt: skip
+        """The fused pass over each piece's slice of the chunk's logits, at the piece's own [B, T] rows."""
+        op = ops.grpo_loss_from_logits_pass_ if grad_now else ops.grpo_loss_from_logits_pass
+        offset = 0
+        for start, end in pieces:
+            part = slice(offset, offset + end - start)
+            out = op(logits[part], chunk_ids[part], start, advantages, completion_mask,
+                     None if token_grad is None else token_grad[start:end], *option_args, *logit_args,
+                     entropy_coef if grad_now else 0.0, entropy_weights, grad_now)  # fmt: skip
+            logps[start:end] = out[0]
+            entropy[start:end] = out[1]
+            offset = part.stop
 
-    if need_hidden or need_weight:
-        # Rows that are never read get a zero gradient, whatever the other operand holds: their hidden states (NaN,
-        # maybe) must not enter g.T @ hidden, and a non-finite weight makes their rows of g @ weight NaN (0 * NaN).
-        kept_rows = completion_mask != 0
-        if options.sample_mask is not None:
-            kept_rows = kept_rows & (options.sample_mask != 0).unsqueeze(1)
-        kept_rows = kept_rows.reshape(rows, 1)
-
-    def backward_through_chunk(start: int, end: int, grad_logits: Tensor) -> None:
+    def backward_through_chunk(pieces: list[Segment], chunk_hidden: Tensor, grad_logits: Tensor) -> None:
         nonlocal grad_weight
+        chunk_kept = _take(kept, pieces).unsqueeze(1) if plan.bridged else None
         if need_hidden:
-            # the masked rows are zeroed afterwards, a pass over the chunk's [n, H] rows (the GEMM reads [V, H])
-            torch.mm(grad_logits, weight, out=grad_hidden[start:end])
-            grad_hidden[start:end].masked_fill_(~kept_rows[start:end], 0.0)
+            # masked rows among the chunk's are zeroed afterwards, a pass over the chunk's [n, H] rows
+            if len(pieces) == 1:
+                start, end = pieces[0]
+                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+                if chunk_kept is not None:
+                    grad_hidden[start:end].masked_fill_(~chunk_kept, 0.0)
+            else:
+                part = torch.mm(grad_logits, weight)
+                if chunk_kept is not None:
+                    part.masked_fill_(~chunk_kept, 0.0)
+                _put(grad_hidden, pieces, part)
         if need_weight:
-            read = torch.where(kept_rows[start:end], hidden[start:end], 0.0)
+            read = chunk_hidden if chunk_kept is None else torch.where(chunk_kept, chunk_hidden, 0.0)
             if grad_weight is None:
                 grad_weight = _product(grad_logits.t(), read, weight_grad_dtype)
             else:
@@ -131,31 +264,26 @@ def _hidden_loss_forward(
 
     token_level = not options.gradient_needs_whole_rows
     two_phase = compute_grad and not token_level
-    for start in range(0, rows, chunk_size):
-        end = min(rows, start + chunk_size)
+    grad_now = compute_grad and token_level
+    for pieces in chunks:
+        chunk_ids = _take(ids, pieces)
         if ref_head is not None:
-            _write_ref_logps(ref_head, ids, start, end, logit, options.ref_logps.view(-1))
-        logits = chunk_logits(start, end)
-        grad_now = compute_grad and token_level
-        op = ops.grpo_loss_from_logits_pass_ if grad_now else ops.grpo_loss_from_logits_pass
-        out = op(logits, ids[start:end], start, advantages, completion_mask, None, *option_args, *logit_args,
-                 entropy_coef if grad_now else 0.0, entropy_weights, grad_now)  # fmt: skip
-        logps[start:end] = out[0]
-        entropy[start:end] = out[1]
+            _write_ref_logps(ref_head, pieces, chunk_ids, logit, options.ref_logps.view(-1))
+        chunk_hidden = _take(hidden, pieces)
+        logits = project(chunk_hidden, weight, bias)
+        run_passes(logits, pieces, chunk_ids, None, grad_now)
         if grad_now:
-            backward_through_chunk(start, end, logits)  # the logits buffer holds the gradient now
+            backward_through_chunk(pieces, chunk_hidden, logits)  # the logits buffer holds the gradient now
     loss, metrics, grad_raw, grad_scale = ops.grpo_loss_forward(
         logps.view(batch, length), advantages, completion_mask, *option_args, two_phase
     )
     if two_phase:
         token_grad = (grad_raw * grad_scale).reshape(-1)
-        for start in range(0, rows, chunk_size):
-            end = min(rows, start + chunk_size)
-            logits = chunk_logits(start, end)
-            ops.grpo_loss_from_logits_pass_(logits, ids[start:end], start, advantages, completion_mask,
-                                            token_grad[start:end], *option_args, *logit_args, entropy_coef,
-                                            entropy_weights, True)  # fmt: skip
-            backward_through_chunk(start, end, logits)
+        for pieces in chunks:
+            chunk_hidden = _take(hidden, pieces)
+            logits = project(chunk_hidden, weight, bias)
+            run_passes(logits, pieces, _take(ids, pieces), token_grad, True)
+            backward_through_chunk(pieces, chunk_hidden, logits)
     if need_weight and grad_weight is None:  # no row at all
         grad_weight = torch.zeros_like(weight)
     if grad_weight is not None and grad_weight.dtype != weight.dtype:
@@ -268,10 +396,17 @@ def grpo_loss_from_hidden(
 ) -> GRPOLossOutput | GRPOLossTokenOutput:
     """Fused GRPO loss from the last hidden states, never materializing the ``[N, V]`` logits (docs/math.md 2-7).
 
-    Chunks over tokens: each chunk's logits (``chunk_size x V``) go through the fused logits kernel in place, and
-    the gradients for ``hidden``, ``lm_head_weight`` and ``lm_head_bias`` are formed chunk by chunk (the weight
-    and bias ones accumulated in float32), all in the forward; the backward only scales them by the incoming
-    gradient (skipped when it is 1). Peak extra memory: the gradients plus one chunk of logits.
+    Chunks over the kept tokens (``completion_mask * sample_mask != 0``): masked rows cost no GEMM work (gathered
+    out before the LM head; their log-prob, entropy and hidden-state gradient are exactly 0), so a batch with half
+    its tokens padded takes about half the time. Each chunk's logits (``chunk_size x V``) go through the fused
+    logits kernel in place, and the gradients for ``hidden``, ``lm_head_weight`` and ``lm_head_bias`` are formed
+    chunk by chunk (the weight and bias ones accumulated in float32), all in the forward; the backward only scales
+    them by the incoming gradient (skipped when it is 1). Peak extra memory: the gradients plus one chunk of logits.
+    The loss, its normalizers (the mask's sum, ``num_items_in_batch``, ``max_completion_length``, the rows'
+    lengths) and every per-token and per-row input are read in the ``[B, T]`` layout, as without gathering.
+
+    Host sync: one per call (the kept rows' positions are read on the host to size the GEMMs); this composite op
+    has its own chunk loop anyway, so it is not CUDA-graph capturable.
 
     Args:
         hidden: ``[B, T, H]`` or ``[N, H]`` (``N = B * T``) float32/bfloat16/float16: the hidden states that score
@@ -290,8 +425,9 @@ def grpo_loss_from_hidden(
             (docs/math.md section 5, "Entropy bonus"). Finite; 0: none.
         entropy_weights: ``[B, T]`` weights of the kept tokens in the bonus' mean, as
             :func:`grpo_loss_from_logits` takes them.
-        chunk_size: token rows per chunk (default: the largest power of two whose logits fit in
-            ``lm_head.hidden_chunk_budget``: 256 MiB on CUDA; on a CPU at least the float32 weight gradient's size).
+        chunk_size: kept token rows per chunk (default :func:`default_chunk_size`, the same rule on CPU and CUDA:
+            the largest power of two whose logits fit in the float32 ``[V, H]`` weight gradient's size, which the op
+            holds anyway, and at least in 256 MiB; e.g. 8192 rows at H=4096, V=151936 in bf16).
         return_token_logps: also return the ``[B, T]`` log-probs and entropies the chunks' pass computed (detached),
             as a :class:`~grpo_ext.GRPOLossTokenOutput`: per-token metrics (the clip ratio's extremes, say) need no
             second pass through the LM head.
@@ -387,7 +523,7 @@ def hidden_loss(
                                     options)  # fmt: skip
     rows = flat_hidden.shape[0]
     if chunk_size is None:
-        chunk_size = chunk_rows(rows, vocab, hidden.element_size(), hidden_chunk_budget(vocab, size, hidden.device))
+        chunk_size = default_chunk_size(flat_hidden, lm_head_weight)
     else:
         chunk_size = check_int("chunk_size", chunk_size, 1)
     flat_hidden = flat_hidden.contiguous()
@@ -406,7 +542,7 @@ def hidden_loss(
         if ref_head is not None:  # the opaque op takes ref_logps: fill them first, chunk by chunk
             for start in range(0, rows, chunk_size):
                 end = min(rows, start + chunk_size)
-                _write_ref_logps(ref_head, flat_ids, start, end, logit, resolved.ref_logps.view(-1))
+                _write_ref_logps(ref_head, [(start, end)], flat_ids[start:end], logit, resolved.ref_logps.view(-1))
         loss, metrics, entropy, *_, token_logps, token_entropy = torch.ops.grpo_ext.grpo_loss_from_hidden(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, *resolved.op_args(),
             *logit.op_args(), chunk_size, entropy_coef, entropy_weights,

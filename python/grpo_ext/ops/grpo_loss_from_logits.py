@@ -15,8 +15,9 @@ from torch import Tensor
 
 from .. import _native
 from ..results import GRPOLossOutput, GRPOLossTokenOutput
-from ..validation import check_bool, check_finite, validate_grpo_loss_args, validate_logit_options
-from ._common import accumulate_dtype, refuse_double_backward
+from ..validation_loss import resolve_fused_loss_args
+from ..validation_values import check_bool, check_finite, validate_logit_options
+from ._common import accumulate_dtype, below_autograd, refuse_double_backward
 from .options import NUM_METRICS, LogitOptions, LossOptions, metrics_dict, takes_loss_options
 
 
@@ -25,24 +26,45 @@ def resolve_loss_options(
 ) -> LossOptions:
     """The loss options of a fused call, checked by grpo_loss' own validation and resolved.
 
-    The log-probs are computed by the call itself: a ``[B, T]`` stand-in lets grpo_loss' checks name every other
-    argument.
+    The log-probs are computed by the call itself: grpo_loss' checks see them as a ``[B, T]`` stand-in, so that they
+    name every other argument (:func:`~grpo_ext.validation_loss.resolve_fused_loss_args`).
     """
-    options = LossOptions.from_kwargs(function, kwargs)
-    stand_in = torch.empty((batch, length), dtype=torch.float32, device=like.device)
-    return validate_grpo_loss_args(stand_in, advantages, completion_mask, options)
+    return resolve_fused_loss_args(function, batch, length, like, advantages, completion_mask, kwargs)[0]
 
 
 def masked_mean_entropy(entropy: Tensor, completion_mask: Tensor, sample_mask: Tensor | None,
                         weights: Tensor | None = None) -> Tensor:  # fmt: skip
     """Mean entropy over the kept tokens, each weighted by ``weights`` when given (the kernels write 0 for masked
     rows, which are never read)."""
-    mask = completion_mask.to(entropy.dtype)
+    mask = _in_dtype(completion_mask, entropy.dtype)
     if sample_mask is not None:
-        mask = mask * sample_mask.to(entropy.dtype).unsqueeze(1)
+        mask = mask * _in_dtype(sample_mask, entropy.dtype).unsqueeze(1)
     if weights is not None:
-        mask = mask * weights.to(entropy.dtype)
-    return (entropy.view_as(mask) * mask).sum() / mask.sum().clamp(min=1.0)
+        mask = mask * _in_dtype(weights, entropy.dtype)
+    # an integer or bool mask multiplies as its values converted: the same products, one conversion less
+    return (entropy.view_as(mask) * mask).sum() / mask.sum(dtype=entropy.dtype).clamp_min_(1.0)
+
+
+def _in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as a factor of a ``dtype`` product: converted when floating (so that no other float type promotes the
+    product), as it is when integer or bool (a ``dtype`` tensor times it is ``dtype``, the same values)."""
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+
+def kept_mean_entropy(entropy: Tensor, completion_mask: Tensor, sample_mask: Tensor | None) -> Tensor:
+    """:func:`masked_mean_entropy` without weights, of an ``entropy`` that is 0 at every token not kept (as the logits
+    passes write it) and masks of 0s and 1s (docs/math.md): ``sum H / max(sum m, 1)``, the same value in 4 small ops.
+
+    ``sum H`` adds the same values as ``sum H * m`` in the same order (``H * 1 = H``, ``0 * 0 = 0``); ``sum m`` is an
+    exact count either way: an integer or bool mask on the CPU is counted (``count_nonzero``, the CPU's cheapest
+    reduction), any other summed (one kernel on CUDA; a NaN in a floating mask, unchecked there, keeps the mean NaN).
+    """
+    mask = completion_mask if sample_mask is None else completion_mask * sample_mask.unsqueeze(1)
+    if mask.is_cpu and not mask.is_floating_point():
+        kept = torch.count_nonzero(mask)
+    else:
+        kept = mask.sum(dtype=entropy.dtype)
+    return entropy.sum().div_(kept.clamp_min_(1))
 
 
 def with_entropy_bonus(loss: Tensor, entropy: Tensor, entropy_mean: Tensor, completion_mask: Tensor,
@@ -86,25 +108,42 @@ def _logits_loss_forward(
     inplace: bool,
     entropy_coef: float = 0.0,
     entropy_weights: Tensor | None = None,
+    option_args: tuple | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """The fused forward on ``[N, V]``/``[B, T, V]`` logits: (loss, metrics vector, mean entropy, d loss/d logits,
-    ``[N]`` log-probs, ``[N]`` entropy).
+    ``[N]`` log-probs, ``[N]`` entropy). ``option_args``: ``options.op_args()`` when the caller has them already.
 
     Token-level losses: one pass over the logits (log-probs, entropy and the gradient), then the [B, T] loss op
     for the loss and metrics. Sequence level and vespo: the log-probs first, the loss op's d loss / d logp, then a
     second pass that writes the gradient. In place, the gradient is written over ``logits`` (returned as the gradient).
     The entropy bonus' gradient is written by the pass that writes the gradient.
     """
+    args = (logits, ids, advantages, completion_mask, options, logit, compute_grad, inplace, entropy_coef,
+            entropy_weights, options.op_args() if option_args is None else option_args)  # fmt: skip
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return _logits_loss_passes(*args)
+    with below_autograd():  # grad mode is off: past the autograd key, as its registrations would hand the ops on
+        return _logits_loss_passes(*args)
+
+
+_DEFAULT_LOGIT = LogitOptions()
+_PASS = torch.ops.grpo_ext.grpo_loss_from_logits_pass.default
+_PASS_INPLACE = torch.ops.grpo_ext.grpo_loss_from_logits_pass_.default
+_LOSS_FORWARD = torch.ops.grpo_ext.grpo_loss_forward.default
+
+
+def _logits_loss_passes(logits: Tensor, ids: Tensor, advantages: Tensor, completion_mask: Tensor, options: LossOptions,
+                        logit: LogitOptions, compute_grad: bool, inplace: bool, entropy_coef: float,
+                        entropy_weights: Tensor | None, option_args: tuple) -> tuple:  # fmt: skip
+    """:func:`_logits_loss_forward`'s work, with the options' native arguments ``option_args``."""
     batch, length = completion_mask.shape
-    ops = torch.ops.grpo_ext
-    pass_op = ops.grpo_loss_from_logits_pass_ if inplace else ops.grpo_loss_from_logits_pass
-    option_args = options.op_args()
+    pass_op = _PASS_INPLACE if inplace else _PASS
     logit_args = logit.op_args()
     if compute_grad and options.gradient_needs_whole_rows:
-        logps, entropy, _ = ops.grpo_loss_from_logits_pass(
+        logps, entropy, _ = _PASS(
             logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, 0.0, None, False
         )
-        loss, metrics, grad_raw, grad_scale = ops.grpo_loss_forward(
+        loss, metrics, grad_raw, grad_scale = _LOSS_FORWARD(
             logps.view(batch, length), advantages, completion_mask, *option_args, True
         )
         token_grad = (grad_raw * grad_scale).reshape(-1)
@@ -114,13 +153,11 @@ def _logits_loss_forward(
         out = pass_op(logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, entropy_coef,
                       entropy_weights, compute_grad)  # fmt: skip
         logps, entropy = out[0], out[1]
-        loss, metrics, _, _ = ops.grpo_loss_forward(
-            logps.view(batch, length), advantages, completion_mask, *option_args, False
-        )
+        loss, metrics, _, _ = _LOSS_FORWARD(logps.view(batch, length), advantages, completion_mask, *option_args, False)
     grad = None
     if compute_grad:
-        grad = logits if inplace else out[2].view(logits.shape)
-    entropy_mean = masked_mean_entropy(entropy, completion_mask, options.sample_mask)
+        grad = logits if inplace else out[2].view_as(logits)  # view_as: a torch.Size argument parses slower
+    entropy_mean = kept_mean_entropy(entropy, completion_mask, options.sample_mask)
     loss = with_entropy_bonus(loss, entropy, entropy_mean, completion_mask, options, entropy_coef, entropy_weights)
     return loss, metrics, entropy_mean, grad, logps, entropy
 
@@ -143,8 +180,19 @@ def check_ids_and_mask(rows: int, device: torch.device, completion_ids: Tensor, 
     return completion_ids.reshape(-1)
 
 
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
 def check_logits_shapes(logits: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
     """Checks the logits/ids/mask shapes; returns the ids flattened to ``[N]``."""
+    if isinstance(logits, Tensor) and isinstance(completion_ids, Tensor) and isinstance(completion_mask, Tensor):
+        # the usual call ([B, T, V] logits, [B, T] ids and mask) vouched for at once; any other takes the checks below
+        shape, mask_shape = logits.shape, completion_mask.shape
+        if (len(shape) == 3 and shape[:2] == mask_shape and shape[2] >= 1 and logits.is_floating_point()
+                and completion_ids.shape == mask_shape and completion_ids.dtype in _ID_DTYPES):  # fmt: skip
+            device = logits.device
+            if completion_ids.device == device and completion_mask.device == device:
+                return completion_ids.reshape(-1)
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
     if logits.dim() not in (2, 3):
@@ -159,12 +207,12 @@ def check_logits_shapes(logits: Tensor, completion_ids: Tensor, completion_mask:
     return check_ids_and_mask(rows, logits.device, completion_ids, completion_mask)
 
 
+_SCALE_GRAD = torch.ops.grpo_ext.scale_grad_.default
+
+
 def scale_grad(grad: Tensor, grad_loss: Tensor) -> Tensor:
     """``grad *= grad_loss`` in place; a no-op on the device when grad_loss == 1 (no host sync, no memory pass)."""
-    if grad.dim() == 1:
-        torch.ops.grpo_ext.scale_grad_(grad.view(1, -1), grad_loss)
-    else:
-        torch.ops.grpo_ext.scale_grad_(grad, grad_loss)
+    _SCALE_GRAD(grad.view(1, -1) if grad.dim() == 1 else grad, grad_loss)
     return grad
 
 
@@ -207,23 +255,27 @@ class _LogitsLossFunction(torch.autograd.Function):
     """Eager autograd for the fused logits loss: the gradient is computed in the forward and kept on ``ctx``.
 
     It is kept as a plain attribute, not with save_for_backward: in the in-place mode it is the logits' own
-    storage, whose version counter the forward bumps on purpose.
+    storage, whose version counter the forward bumps on purpose. The loss is the only output; the forward's other
+    results, none differentiable, are appended to ``detached`` (a list) instead of going through autograd's output
+    bookkeeping: they come out as they would marked non-differentiable, plain tensors without a ``grad_fn``.
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, advantages, completion_mask, options, logit, inplace, entropy_coef, entropy_weights):
+    def forward(ctx, logits, ids, advantages, completion_mask, options, logit, inplace, entropy_coef, entropy_weights,
+                option_args, detached):  # fmt: skip
         loss, metrics, entropy, grad, token_logps, token_entropy = _logits_loss_forward(
-            logits, ids, advantages, completion_mask, options, logit, True, inplace, entropy_coef, entropy_weights
-        )
+            logits, ids, advantages, completion_mask, options, logit, True, inplace, entropy_coef, entropy_weights,
+            option_args,
+        )  # fmt: skip
         ctx.saved_grads = (grad,)
-        ctx.mark_non_differentiable(metrics, entropy, token_logps, token_entropy)
-        return loss, metrics, entropy, token_logps, token_entropy
+        detached += (metrics, entropy, token_logps, token_entropy)
+        return loss
 
     @staticmethod
-    def backward(ctx, grad_loss, *unused):
+    def backward(ctx, grad_loss):
         refuse_double_backward("grpo_loss_from_logits")
         (grad,) = take_saved_grads(ctx, "grpo_loss_from_logits")
-        return scale_grad(grad, grad_loss), None, None, None, None, None, None, None, None
+        return scale_grad(grad, grad_loss), None, None, None, None, None, None, None, None, None, None
 
 
 # The fused loss as one opaque op for torch.compile: (loss, metrics vector, mean entropy, d loss / d logits, [N]
@@ -337,13 +389,19 @@ def grpo_loss_from_logits(
         ``return_token_logps=True``.
     """
     flat_ids = check_logits_shapes(logits, completion_ids, completion_mask)
-    logit = validate_logit_options(temperature, logit_scale, logit_softcap)
-    entropy_coef = check_finite("entropy_coef", entropy_coef)
+    if (temperature.__class__ is float and logit_scale.__class__ is float and logit_softcap is None
+            and temperature == 1.0 and logit_scale == 1.0):  # fmt: skip
+        logit = _DEFAULT_LOGIT  # the defaults, as validate_logit_options returns them
+    else:
+        logit = validate_logit_options(temperature, logit_scale, logit_softcap)
+    if entropy_coef.__class__ is not float or entropy_coef != 0.0:  # 0.0: the default, finite
+        entropy_coef = check_finite("entropy_coef", entropy_coef)
     return_token_logps = check_bool("return_token_logps", return_token_logps)
-    entropy_weights = check_entropy_weights(entropy_weights, completion_mask)
+    if entropy_weights is not None:
+        entropy_weights = check_entropy_weights(entropy_weights, completion_mask)
     batch, length = completion_mask.shape
-    resolved = resolve_loss_options("grpo_loss_from_logits", batch, length, logits, advantages, completion_mask,
-                                    options)  # fmt: skip
+    resolved, option_args = resolve_fused_loss_args("grpo_loss_from_logits", batch, length, logits, advantages,
+                                                    completion_mask, options)  # fmt: skip
     if logits.stride(-1) != 1 and logits.shape[-1] > 1:
         if inplace_grad:
             raise ValueError("inplace_grad=True needs logits contiguous in the vocabulary dimension (stride(-1) == 1)")
@@ -360,17 +418,18 @@ def grpo_loss_from_logits(
     if not compute_grad:
         loss, metrics, entropy, _, token_logps, token_entropy = _logits_loss_forward(
             logits, flat_ids, advantages, completion_mask, resolved, logit, False, False, entropy_coef,
-            entropy_weights,
+            entropy_weights, option_args,
         )  # fmt: skip
     elif torch.compiler.is_compiling():
         loss, metrics, entropy, _, token_logps, token_entropy = torch.ops.grpo_ext.grpo_loss_from_logits(
-            logits, flat_ids, advantages, completion_mask, *resolved.op_args(), *logit.op_args(), entropy_coef,
+            logits, flat_ids, advantages, completion_mask, *option_args, *logit.op_args(), entropy_coef,
             entropy_weights,
         )  # fmt: skip
     else:
-        loss, metrics, entropy, token_logps, token_entropy = _LogitsLossFunction.apply(
-            logits, flat_ids, advantages, completion_mask, resolved, logit, inplace_grad, entropy_coef, entropy_weights
-        )
+        detached: list[Tensor] = []
+        loss = _LogitsLossFunction.apply(logits, flat_ids, advantages, completion_mask, resolved, logit, inplace_grad,
+                                         entropy_coef, entropy_weights, option_args, detached)  # fmt: skip
+        metrics, entropy, token_logps, token_entropy = detached
         if inplace_grad:
             # the values are the gradient now: anything that saved the logits for backward must fail loudly
             torch.autograd.graph.increment_version(logits)
@@ -384,5 +443,5 @@ def loss_output(loss: Tensor, metrics: dict[str, Tensor], token_logps: Tensor, t
     per-token values viewed as ``[B, T]`` (the kernels wrote 0 for the rows they never read)."""
     if not with_tokens:
         return GRPOLossOutput(loss, metrics)
-    shape = completion_mask.shape
-    return GRPOLossTokenOutput(loss, metrics, token_logps.detach().view(shape), token_entropy.detach().view(shape))
+    return GRPOLossTokenOutput(loss, metrics, token_logps.detach().view_as(completion_mask),
+                               token_entropy.detach().view_as(completion_mask))

@@ -139,13 +139,12 @@ class LossOptions(NamedTuple):
         Numbers are converted to the Python type their annotation starts with (``float`` or ``int``).
         """
         values: list[Any] = []
-        for name, value in zip(self._fields, self, strict=True):
-            kind = _ANNOTATIONS[name].split(" ")[0]
+        for name, kind, value in zip(self._fields, _NUMBER_KINDS, self, strict=True):
             if name == "num_items_in_batch":
                 is_tensor = isinstance(value, Tensor)
                 values += [None if value is None or is_tensor else float(value), value if is_tensor else None]
-            elif value is not None and kind in ("float", "int"):
-                values.append(float(value) if kind == "float" else int(value))
+            elif value is not None and kind is not None:
+                values.append(kind(value))
             else:
                 values.append(value)
         return tuple(values)
@@ -162,6 +161,10 @@ class LossOptions(NamedTuple):
 _ANNOTATIONS: dict[str, str] = {
     name: getattr(annotation, "__forward_arg__", annotation) for name, annotation in LossOptions.__annotations__.items()
 }
+#: ``float`` or ``int`` for each option whose annotation starts with that type (converted by ``op_args``), else None.
+_NUMBER_KINDS: tuple[type | None, ...] = tuple(
+    {"float": float, "int": int}.get(_ANNOTATIONS[name].split(" ")[0]) for name in LossOptions._fields
+)
 
 #: The native ops' option names, in schema order (must equal ``_native.LOSS_OPTIONS_SCHEMA``'s; a test checks it).
 NATIVE_OPTION_NAMES: tuple[str, ...] = tuple(
@@ -292,6 +295,24 @@ METRIC_KL, METRIC_LOW, METRIC_HIGH, METRIC_REGION, METRIC_CISPO, METRIC_VESPO_PH
 NUM_METRICS = 6
 
 
+def _metric_layout(has_kl: bool, loss_type: str) -> tuple[tuple[str, int], ...]:
+    """``(TRL's name, slot)`` of each metric a call reports: which exist depends on ``beta != 0`` and the loss type."""
+    layout = [("kl", METRIC_KL)] if has_kl else []
+    if loss_type == "cispo":
+        layout.append(("cispo_clip_ratio", METRIC_CISPO))
+    elif loss_type == "vespo":  # TRL logs no clip share for vespo
+        layout.append(("vespo/phi_seq_mean", METRIC_VESPO_PHI))
+    else:
+        layout += [("clip_ratio/low_mean", METRIC_LOW), ("clip_ratio/high_mean", METRIC_HIGH),
+                   ("clip_ratio/region_mean", METRIC_REGION)]  # fmt: skip
+    return tuple(layout)
+
+
+# Every layout, built once (metrics_dict runs on every call, also under torch.compile).
+_METRIC_LAYOUTS = {(has_kl, loss_type): _metric_layout(has_kl, loss_type)
+                   for has_kl in (False, True) for loss_type in LOSS_TYPES}  # fmt: skip
+
+
 def metrics_dict(metrics: Tensor, options: LossOptions, entropy: Tensor | None = None) -> dict[str, Tensor]:
     """The metrics vector as a dict under TRL's names (docs/math.md section 7).
 
@@ -304,17 +325,8 @@ def metrics_dict(metrics: Tensor, options: LossOptions, entropy: Tensor | None =
         ``kl`` (when ``beta != 0``), ``cispo_clip_ratio`` (cispo), ``vespo/phi_seq_mean`` (vespo) or
         ``clip_ratio/{low,high,region}_mean``, and ``entropy`` when given; 0-dim views of ``metrics``.
     """
-    out: dict[str, Tensor] = {}
-    if options.beta != 0:
-        out["kl"] = metrics[METRIC_KL]
-    if options.loss_type == "cispo":
-        out["cispo_clip_ratio"] = metrics[METRIC_CISPO]
-    elif options.loss_type == "vespo":  # TRL logs no clip share for vespo
-        out["vespo/phi_seq_mean"] = metrics[METRIC_VESPO_PHI]
-    else:
-        out["clip_ratio/low_mean"] = metrics[METRIC_LOW]
-        out["clip_ratio/high_mean"] = metrics[METRIC_HIGH]
-        out["clip_ratio/region_mean"] = metrics[METRIC_REGION]
+    slots = metrics.unbind()  # one call for every 0-dim view
+    out = {name: slots[slot] for name, slot in _METRIC_LAYOUTS[options.beta != 0, options.loss_type]}
     if entropy is not None:
         out["entropy"] = entropy
     return out

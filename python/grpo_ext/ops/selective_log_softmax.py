@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..results import SelectiveLogSoftmax
 from ..validation import validate_selective_log_softmax_args
-from ._common import accumulate_dtype, refuse_double_backward
+from ._common import accumulate_dtype, below_autograd, refuse_double_backward
 
 
 def selective_log_softmax(
@@ -49,6 +49,9 @@ def selective_log_softmax(
     args = (flat_logits, flat_ids, *logit.op_args(), bool(return_entropy))
     if torch.is_grad_enabled() and logits.requires_grad and not torch.compiler.is_compiling():
         logps, entropy = _SelectiveLogSoftmaxFunction.apply(*args)
+    elif not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        with below_autograd():  # as in grpo_loss: past the autograd key's Python round trip
+            logps, entropy, _ = torch.ops.grpo_ext.selective_log_softmax_forward(*args)
     else:
         logps, entropy, _ = torch.ops.grpo_ext.selective_log_softmax_forward(*args)
     return SelectiveLogSoftmax(logps.reshape(lead_shape), entropy.reshape(lead_shape) if return_entropy else None)
@@ -104,7 +107,8 @@ class _SelectiveLogSoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *op_args):
-        logps, entropy, row_stats = torch.ops.grpo_ext.selective_log_softmax_forward(*op_args)
+        with below_autograd():
+            logps, entropy, row_stats = torch.ops.grpo_ext.selective_log_softmax_forward(*op_args)
         _selective_log_softmax_setup_context(ctx, op_args, (logps, entropy, row_stats))
         return logps, entropy
 

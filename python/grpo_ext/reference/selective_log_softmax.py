@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..ops.options import LogitOptions
 from ..results import SelectiveLogSoftmax
 from ..validation import validate_selective_log_softmax_args
-from ._common import transform_logits
+from ._common import compute_dtype, transform_logits
 
 
 def selective_log_softmax(
@@ -37,14 +38,41 @@ def selective_log_softmax(
         logits), differentiable with respect to ``logits``.
     """
     logit = validate_selective_log_softmax_args(logits, ids, temperature, logit_scale, logit_softcap)
-    z = transform_logits(logits, logit)
+    x = logits.to(compute_dtype(logits))
+    logps, entropy = _ZeroUpstreamRowsAreInert.apply(x, ids.long(), logit)
+    return SelectiveLogSoftmax(logps, entropy if return_entropy else None)
+
+
+def _materialized(x: Tensor, ids: Tensor, logit: LogitOptions) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies of raw logits ``x`` through a materialized log_softmax (autograd differentiates it)."""
+    z = transform_logits(x, logit)
     log_probs = torch.log_softmax(z, dim=-1)
-    logps = torch.gather(log_probs, -1, ids.long().unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if return_entropy:
-        probs = log_probs.exp()
-        # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing, and nothing to the
-        # gradient either (log 0 is replaced before the product, so no 0 * inf); a NaN row stays NaN
-        finite_log_probs = torch.where(probs == 0, torch.zeros_like(log_probs), log_probs)
-        entropy = -(probs * finite_log_probs).sum(-1)
-    return SelectiveLogSoftmax(logps, entropy)
+    logps = torch.gather(log_probs, -1, ids.unsqueeze(-1)).squeeze(-1)
+    probs = log_probs.exp()
+    # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing, and nothing to the gradient
+    # either (log 0 is replaced before the product, so no 0 * inf); a NaN row stays NaN
+    finite_log_probs = torch.where(probs == 0, torch.zeros_like(log_probs), log_probs)
+    return logps, -(probs * finite_log_probs).sum(-1)
+
+
+class _ZeroUpstreamRowsAreInert(torch.autograd.Function):
+    """:func:`_materialized` whose rows with no upstream gradient get an exactly zero gradient (docs/math.md,
+    "Non-finite inputs"), whatever their logits hold: autograd alone would give 0 * NaN = NaN there.
+
+    The other rows' gradient is autograd's vector-Jacobian product of :func:`_materialized`, unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, ids: Tensor, logit: LogitOptions) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(x, ids)
+        ctx.logit = logit
+        return _materialized(x, ids, logit)
+
+    @staticmethod
+    def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor) -> tuple[Tensor, None, None]:
+        x, ids = ctx.saved_tensors
+        inert = ((grad_logps == 0) & (grad_entropy == 0)).unsqueeze(-1)
+        # an inert row's logits replaced by finite ones: its product is 0 * finite, then set to exactly 0
+        _, vjp = torch.func.vjp(lambda t: _materialized(t, ids, ctx.logit), torch.where(inert, 0.0, x))
+        (grad,) = vjp((grad_logps, grad_entropy))
+        return torch.where(inert, 0.0, grad), None, None

@@ -1,0 +1,94 @@
+"""Checks of plain values (strings, numbers, flags): each returns the value normalized or raises a ``ValueError``
+that starts with the argument's name and says what was expected. Part of :mod:`grpo_ext.validation`."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+
+from .ops.options import LogitOptions
+
+
+def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
+    """Raises ValueError unless ``value`` is one of ``allowed``; the message lists the allowed values."""
+    if not isinstance(value, str) or value not in allowed:
+        allowed_list = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {allowed_list}; got {value!r}")
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """Returns ``value`` as a Python int, raising ValueError unless it is an integer >= ``minimum``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        as_int = operator.index(value)  # accepts int, numpy ints, 0-dim integer tensors
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if as_int < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {as_int}")
+    return as_int
+
+
+def check_real_number(name: str, value: object) -> float:
+    """Returns ``value`` as a Python float, raising ValueError unless it is a real (non-bool) Python number."""
+    if value.__class__ is float or value.__class__ is int:  # the common case, without the ABC check's cost
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_positive(name: str, value: object) -> float:
+    """Returns ``value`` as a float, raising ValueError unless it is a number > 0 (NaN is rejected)."""
+    x = check_real_number(name, value)
+    if not x > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return x
+
+
+def check_finite_positive(name: str, value: object) -> float:
+    """Returns ``value`` as a float, raising ValueError unless it is a finite number > 0."""
+    x = check_real_number(name, value)
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return x
+
+
+def check_non_negative(name: str, value: object) -> float:
+    """Returns ``value`` as a float, raising ValueError unless it is a number >= 0 (NaN is rejected)."""
+    x = check_real_number(name, value)
+    if not x >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return x
+
+
+def check_finite(name: str, value: object) -> float:
+    """Returns ``value`` as a float, raising ValueError unless it is a finite real number (not NaN, not +-inf)."""
+    x = check_real_number(name, value)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return x
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Returns ``value``, raising ValueError unless it is a bool (``"false"`` from a YAML or command line is true)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return value
+
+
+def validate_logit_options(
+    temperature: object, logit_scale: object = 1.0, logit_softcap: object = None
+) -> LogitOptions:
+    """Checks the logits options (docs/math.md section 2) of every op that reads logits; returns them as floats.
+
+    Raises:
+        ValueError: temperature not > 0, logit_scale not finite and > 0, or logit_softcap neither None nor finite > 0.
+    """
+    return LogitOptions(
+        check_positive("temperature", temperature),
+        check_finite_positive("logit_scale", logit_scale),
+        None if logit_softcap is None else check_finite_positive("logit_softcap", logit_softcap),
+    )

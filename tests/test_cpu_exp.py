@@ -1,0 +1,191 @@
+"""The float exp of the CPU softmax rows (csrc/fast_math.h: host_expf_rows, used by cpu::row_softmax and the CPU
+backward of selective_log_softmax) against float64 exp rounded to float32: at most 2 ulp.
+
+Two views of it: the shipped kernel, whose backward writes exp(z - lse) itself when handed row statistics lse = 0,
+mean_z = 0 and grad_logps = -1 (every float of (-100, 0] with a stride, the whole range the rows use); and the
+function alone, compiled here with the build's flags (special values, overflow and underflow, and its baseline and
+AVX2 copies writing the same bits).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo_ext  # noqa: F401  (registers the ops)
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+NEG_ZERO_BITS = 0x80000000
+MINUS_100_BITS = 0xC2C80000  # -100.0f
+
+
+def floats_between(first_bits: int, last_bits: int, stride: int) -> torch.Tensor:
+    """The float32 values whose bit patterns (as unsigned) run from first_bits to last_bits by stride, both ends in."""
+    bits = torch.arange(first_bits, last_bits + 1, stride, dtype=torch.int64)
+    if int(bits[-1]) != last_bits:
+        bits = torch.cat([bits, torch.tensor([last_bits])])
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def ulp_distance(got: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """|got - round_to_float32(exp(x in float64))| in ulp (bit patterns of non-negative floats, subnormals too)."""
+    want = torch.exp(x.double()).float()
+    assert (got >= 0).all()
+    return (got.view(torch.int32).long() - want.view(torch.int32).long()).abs()
+
+
+def kernel_exp(x: torch.Tensor, vocab: int = 4096) -> torch.Tensor:
+    """exp(x) as the CPU backward of selective_log_softmax computes it: rows of x with lse = 0 (row_stats given),
+    grad_logps = -1, no entropy gradient; column 0 holds each row's id (its entry is d logp / dz, not exp)."""
+    n = x.numel()
+    rows = -(-n // (vocab - 1))
+    logits = torch.zeros(rows, vocab)
+    flat = torch.cat([x, torch.full((rows * (vocab - 1) - n,), -1.0)])
+    logits[:, 1:] = flat.view(rows, vocab - 1)
+    ids = torch.zeros(rows, dtype=torch.int64)
+    stats = torch.zeros(rows, 2)
+    grad = torch.ops.grpo_ext.selective_log_softmax_backward(-torch.ones(rows), None, logits, ids, stats, 1.0, 1.0, 0.0)
+    return grad[:, 1:].reshape(-1)[:n]
+
+
+def test_kernel_exp_within_2_ulp_over_the_rows_range():
+    # Every 61st float of (-100, 0] (18 million values), every 7th of [-1, -0.5] and every 5th of (-100, -87]
+    # (subnormal results below -87.34).
+    x = torch.cat(
+        [
+            floats_between(NEG_ZERO_BITS, MINUS_100_BITS - 1, 61),
+            floats_between(0xBF000000, 0xBF800000, 7),  # [-1, -0.5]
+            floats_between(0xC2AE0000, MINUS_100_BITS - 1, 5),  # [-87, -100)
+        ]
+    )
+    assert float(x.min()) > -100.0 and float(x.max()) == 0.0
+    got = kernel_exp(x)
+    dist = ulp_distance(got, x)
+    worst = int(dist.argmax())
+    assert int(dist.max()) <= 2, f"exp({float(x[worst])!r}) = {float(got[worst])!r}: {int(dist.max())} ulp"
+
+
+def test_kernel_exp_cut_and_nan():
+    # The rows' own rules around the exp: d <= -100 and -inf count exactly 0, NaN stays NaN.
+    x = torch.tensor([-100.0, -1e30, float("-inf"), float("nan"), -99.99999, 0.0])
+    got = kernel_exp(x, vocab=8)
+    assert got[:3].tolist() == [0.0, 0.0, 0.0]
+    assert torch.isnan(got[3])
+    assert got[4] > 0 and got[5] == 1.0
+
+
+def test_forward_matches_float64_on_rows_spanning_the_range():
+    # Rows whose logits span [-100, 0] below their max (and a few beyond the cut): log-probs and entropy against
+    # float64 log_softmax, on 1 and 2 threads alike (bitwise).
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 64, 3001
+    logits = -100.0 * torch.rand(rows, vocab, generator=g, dtype=torch.float64)
+    logits[:, 0] = 0.0
+    logits[::4, 1:40] = -120.0 - 50.0 * torch.rand(rows // 4, 39, generator=g, dtype=torch.float64)
+    logits[1::4] *= 0.2  # p spread over many entries
+    logits += 30.0 * torch.randn(rows, 1, generator=g, dtype=torch.float64)  # max not at 0
+    ids = torch.randint(0, vocab, (rows,), generator=g)
+    x = logits.float()
+    ref = torch.log_softmax(x.double(), -1)
+    ref_logps = ref.gather(1, ids.unsqueeze(1)).squeeze(1)
+    ref_entropy = -(ref.exp() * ref).sum(-1)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(torch.ops.grpo_ext.selective_log_softmax_forward(x, ids, 1.0, 1.0, 0.0, True))
+    finally:
+        torch.set_num_threads(threads)
+    logps, entropy, _ = results[0]
+    torch.testing.assert_close(logps.double(), ref_logps, rtol=2e-6, atol=2e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=2e-6, atol=2e-5)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+CHECK_CPP = r"""
+#include <cstdio>
+#include <vector>
+#include "fast_math.h"
+
+void exp_baseline(const float* x, float* y, long n) {
+  for (long i = 0; i < n; ++i) y[i] = grpo_ext::host_expf_rows(x[i]);
+}
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC target("avx2")
+void exp_avx2(const float* x, float* y, long n) {
+  for (long i = 0; i < n; ++i) y[i] = grpo_ext::host_expf_rows(x[i]);
+}
+#pragma GCC pop_options
+bool has_avx2() { return __builtin_cpu_supports("avx2"); }
+#else
+void exp_avx2(const float* x, float* y, long n) { exp_baseline(x, y, n); }
+bool has_avx2() { return false; }
+#endif
+
+// stdin: float32 values; stdout: exp of each from the baseline loop, then from the AVX2 loop (or the baseline again).
+int main() {
+  std::vector<float> x;
+  float buffer[4096];
+  size_t got;
+  while ((got = fread(buffer, sizeof(float), 4096, stdin)) > 0) x.insert(x.end(), buffer, buffer + got);
+  std::vector<float> a(x.size()), b(x.size());
+  exp_baseline(x.data(), a.data(), long(x.size()));
+  (has_avx2() ? exp_avx2 : exp_baseline)(x.data(), b.data(), long(x.size()));
+  fwrite(a.data(), sizeof(float), a.size(), stdout);
+  fwrite(b.data(), sizeof(float), b.size(), stdout);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def exp_program(tmp_path_factory) -> Path:
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    folder = tmp_path_factory.mktemp("cpu_exp")
+    (folder / "check.cpp").write_text(CHECK_CPP)
+    program = folder / "check"
+    # CMakeLists.txt's flags for the CPU kernels (no -march: baseline x86-64, no FMA)
+    subprocess.run([compiler, "-O3", "-std=gnu++20", "-fno-trapping-math", f"-I{CSRC}", str(folder / "check.cpp"),
+                    "-o", str(program)], check=True)  # fmt: skip
+    return program
+
+
+def host_exp(program: Path, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = subprocess.run([str(program)], input=x.numpy().tobytes(), capture_output=True, check=True).stdout
+    y = torch.frombuffer(bytearray(out), dtype=torch.float32)
+    return y[: x.numel()], y[x.numel() :]
+
+
+def test_host_expf_rows_special_values(exp_program):
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([-inf, -1e30, -200.0, -104.0, -103.98, -103.9, -100.0, -87.5, 0.0, -0.0, 1e-40, 88.72,
+                      88.7228, 88.723, 89.0, 200.0, inf, nan])  # fmt: skip
+    baseline, avx2 = host_exp(exp_program, x)
+    assert torch.equal(baseline.view(torch.int32), avx2.view(torch.int32))
+    assert baseline[:4].tolist() == [0.0, 0.0, 0.0, 0.0]  # exp(-104) < 2^-150 rounds to 0; -inf gives 0
+    assert baseline[13:17].tolist() == [inf] * 4  # above log(FLT_MAX) = 88.72284
+    assert torch.isnan(baseline[17])
+    finite = torch.arange(4, 13)
+    assert int(ulp_distance(baseline[finite], x[finite]).max()) <= 2
+
+
+def test_host_expf_rows_dense_within_2_ulp(exp_program):
+    # Every 199th float of [-104, 0] (underflow to subnormals and to 0 included) and of [0, 88.72] (up to the largest
+    # finite result), every 7th of [-104, -87]; the baseline and AVX2 loops agree bit for bit.
+    x = torch.cat([floats_between(NEG_ZERO_BITS, 0xC2D00000, 199), floats_between(0, 0x42B17217, 199),
+                   floats_between(0xC2AE0000, 0xC2D00000, 7)])  # fmt: skip
+    baseline, avx2 = host_exp(exp_program, x)
+    assert torch.equal(baseline.view(torch.int32), avx2.view(torch.int32))
+    assert torch.isfinite(baseline).all()
+    dist = ulp_distance(baseline, x)
+    worst = int(dist.argmax())
+    assert int(dist.max()) <= 2, f"exp({float(x[worst])!r}) = {float(baseline[worst])!r}: {int(dist.max())} ulp"
