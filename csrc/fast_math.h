@@ -14,11 +14,9 @@ namespace grpo_ext {
 // float code: branch-free versions the compiler can vectorize (Cody-Waite reduction and a degree-7 polynomial,
 // within 2 ulp over the range), because glibc's scalar calls would stop the token loop from vectorizing.
 #if !defined(__CUDA_ARCH__)
-inline float host_expf(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding and removing it rounds to the nearest integer
-  const float n = (x * 1.44269504088896341f + shifter) - shifter;
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+// exp(r) for |r| <= ln2 / 2 by its Taylor polynomial of degree 7 (truncation below 1e-8 relative), in Horner form
+// with no FMA, so that every copy of a loop rounds alike.
+inline float expf_taylor7(float r) {
   float p = 1.0f / 5040;
   p = p * r + 1.0f / 720;
   p = p * r + 1.0f / 120;
@@ -26,7 +24,15 @@ inline float host_expf(float x) {
   p = p * r + 1.0f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+inline float host_expf(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding and removing it rounds to the nearest integer
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  const float p = expf_taylor7(r);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   memcpy(&scale, &bits, sizeof(scale));
@@ -51,14 +57,7 @@ inline float host_expf_rows(float x) {
   memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
   const int32_t k = static_cast<int32_t>(shifted_bits - 0x4B400000u);  // n as an integer, in [-150, 128]
   const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  const float p = expf_taylor7(r);
   const int32_t k_low = k >> 1, k_high = k - k_low;  // each in [-75, 64]: both halves are normal floats
   const uint32_t low_bits = (static_cast<uint32_t>(k_low) + 127u) << 23;
   const uint32_t high_bits = (static_cast<uint32_t>(k_high) + 127u) << 23;

@@ -49,8 +49,7 @@ void sanitize_row(int64_t n, const T* __restrict__ m, const T* __restrict__ src,
 // The token loop, compiled twice: for baseline x86-64 (SSE2, 4 floats a vector) and for AVX2 (8), chosen at run
 // time. No FMA in either, so both round alike and a result does not depend on the machine's vector width beyond
 // the order of additions inside a vector (which is fixed per instruction set).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define GRPO_EXT_CPU_AVX2 1
+#ifdef GRPO_EXT_X86_AVX2  // row_utils.h: GCC on x86-64
 namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2")
@@ -61,15 +60,6 @@ namespace isa_avx2 {
 namespace isa_baseline {
 #include "grpo_loss_tokens.inc"
 }  // namespace isa_baseline
-
-inline bool cpu_has_avx2() {
-#ifdef GRPO_EXT_CPU_AVX2
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-#else
-  return false;
-#endif
-}
 
 // One row: its loss/metric partials and, if requested, the raw gradient (before the global scale).
 template <typename T>
@@ -165,8 +155,8 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
                           row_factor, scratch.slot(kSlotLoss), scratch.slot(kSlotMask), scratch.slot(kSlotKL),
                           scratch.slot(kSlotLow), scratch.slot(kSlotHigh), scratch.slot(kSlotRegion),
                           scratch.slot(kSlotCispo), scratch.slot(kNumRowSlots), grad_out);
-#ifdef GRPO_EXT_CPU_AVX2
-      if (cpu_has_avx2()) {
+#ifdef GRPO_EXT_X86_AVX2
+      if (cpu::cpu_has_avx2()) {
         std::apply([](auto&&... a) { isa_avx2::loss_row_tokens<T, kSequence>(a...); }, args);
         return;
       }

@@ -119,7 +119,8 @@ __attribute__((always_inline)) inline void softmax_exps_loop(const T* __restrict
 // time as grpo_loss.cpp chooses its token loop. Every element is computed alone by the same operations (no FMA in
 // either), so both copies write the same bits.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define GRPO_EXT_ROW_AVX2 1
+// GCC on x86-64: loops compiled a second time for AVX2 (a function target), picked at run time by cpu_has_avx2().
+#define GRPO_EXT_X86_AVX2 1
 namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2")
@@ -130,8 +131,9 @@ inline void softmax_exps(const float* z, int64_t n, float z_max, float* exps, fl
 }  // namespace isa_avx2
 #endif
 
-inline bool row_cpu_has_avx2() {
-#ifdef GRPO_EXT_ROW_AVX2
+// Whether this CPU runs AVX2, asked once (every CPU kernel's AVX2 copy is chosen by it).
+inline bool cpu_has_avx2() {
+#ifdef GRPO_EXT_X86_AVX2
   static const bool has = __builtin_cpu_supports("avx2");
   return has;
 #else
@@ -145,9 +147,9 @@ template <typename T>
 RowSoftmax row_softmax(const T* z, int64_t n, T* exps, T* weighted) {
   const T z_max = lane_max(z, n);
   bool done = false;
-#ifdef GRPO_EXT_ROW_AVX2
+#ifdef GRPO_EXT_X86_AVX2
   if constexpr (std::is_same_v<T, float>) {
-    if (row_cpu_has_avx2()) {
+    if (cpu_has_avx2()) {
       isa_avx2::softmax_exps(z, n, z_max, exps, weighted);
       done = true;
     }

@@ -55,7 +55,7 @@ MUTATIONS = [
              "last_block = atomicAdd(a.blocks_done, 1) == static_cast<int>(gridDim.x) - 1;",
              "last_block = atomicAdd(a.blocks_done, 1) == static_cast<int>(gridDim.x) - 2;"),
     Mutation("unstable order", "group advantages: group_ids rows ranked with <=, so equal ranks collide",
-             "cuda/group_advantages.cuh", "rank += groups.placed[base + q] < row ? 1 : 0;",
+             "cuda/group_rows.cuh", "rank += groups.placed[base + q] < row ? 1 : 0;",
              "rank += groups.placed[base + q] <= row ? 1 : 0;"),
     Mutation("wrong shuffle offset", "warp_sum: the shuffle tree starts at offset 8 (half the warp is lost)",
              "cuda/reduce.cuh", "for (int offset = 16; offset > 0; offset >>= 1) v +=",

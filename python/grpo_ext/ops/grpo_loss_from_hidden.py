@@ -8,8 +8,6 @@ typed wrapper, the eager autograd and the composite op ``grpo_ext::grpo_loss_fro
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -28,15 +26,13 @@ from .grpo_loss_from_logits import (
     take_saved_grads,
     with_entropy_bonus,
 )
-from .lm_head import chunk_rows, hidden_chunk_budget, project
+from .kept_rows import Segment, chunk_segments, plan_rows, put_rows, take_rows, zero_outside
+from .lm_head import accumulate_product, chunk_rows, hidden_chunk_budget, product, project
 from .options import NUM_METRICS, LogitOptions, LossOptions, metrics_dict, takes_loss_options
 from .selective_log_softmax import selective_log_softmax
 
 #: A reference model's LM head: (``[N, H']`` hidden states, ``[V, H']`` weight, ``[V]`` bias or None).
 RefHead = tuple[Tensor, Tensor, Tensor | None]
-
-#: A run of token rows ``[start, end)`` of the flattened ``[N]`` problem.
-Segment = tuple[int, int]
 
 #: Runs of kept rows that get their own slice of a chunk, at most: beyond, the shortest gaps between runs are
 #: bridged (their masked rows go through the GEMMs, zeroed as the kept rows' neighbours), so a scattered mask costs
@@ -48,106 +44,13 @@ MAX_SEGMENTS = 128
 _GATHER_KEPT_ROWS = True
 
 
-class _RowPlan(NamedTuple):
-    """Which rows go through the LM head: ``segments`` (ordered, disjoint) hold every kept row and ``rows`` rows in
-    all; ``bridged`` when some of those rows are masked (their hidden states are zeroed before ``g.T @ hidden``)."""
-
-    segments: list[Segment]
-    rows: int
-    bridged: bool
-
-
-def _plan_rows(kept: Tensor, gather: bool) -> _RowPlan:
-    """The rows to score, from the ``[N]`` bool ``kept``: its runs of True (at most MAX_SEGMENTS), or every row.
-
-    Reading ``kept`` on the host is the op's one device sync per call.
-    """
-    rows = kept.numel()
-    if not gather:
-        return _RowPlan([(0, rows)] if rows else [], rows, True)
-    flags = kept.to("cpu", torch.int8)
-    edge = torch.zeros(1, dtype=torch.int8)
-    steps = torch.diff(flags, prepend=edge, append=edge)
-    starts = (steps == 1).nonzero().flatten()
-    ends = (steps == -1).nonzero().flatten()
-    bridged = starts.numel() > MAX_SEGMENTS
-    if bridged:  # split only at the MAX_SEGMENTS - 1 widest gaps
-        split = (starts[1:] - ends[:-1]).topk(MAX_SEGMENTS - 1).indices.sort().values
-        starts = torch.cat([starts[:1], starts[1:][split]])
-        ends = torch.cat([ends[:-1][split], ends[-1:]])
-    segments = list(zip(starts.tolist(), ends.tolist(), strict=True))
-    return _RowPlan(segments, sum(end - start for start, end in segments), bridged)
-
-
-def _chunks(segments: list[Segment], chunk_size: int) -> list[list[Segment]]:
-    """The segments cut into chunks of ``chunk_size`` rows (the last one may be shorter), each a list of pieces."""
-    chunks: list[list[Segment]] = []
-    pieces: list[Segment] = []
-    room = chunk_size
-    for start, end in segments:
-        while start < end:
-            take = min(room, end - start)
-            pieces.append((start, start + take))
-            start, room = start + take, room - take
-            if room == 0:
-                chunks.append(pieces)
-                pieces, room = [], chunk_size
-    if pieces:
-        chunks.append(pieces)
-    return chunks
-
-
-def _take(rows: Tensor, pieces: list[Segment]) -> Tensor:
-    """The pieces' rows of ``rows``, in order: a view for one piece, else a new tensor."""
-    if len(pieces) == 1:
-        start, end = pieces[0]
-        return rows[start:end]
-    return torch.cat([rows[start:end] for start, end in pieces])
-
-
-def _put(out: Tensor, pieces: list[Segment], values: Tensor) -> None:
-    """``out``'s pieces = consecutive rows of ``values`` (the inverse of :func:`_take`)."""
-    offset = 0
-    for start, end in pieces:
-        out[start:end] = values[offset : offset + end - start]
-        offset += end - start
-
-
-def _zero_outside(out: Tensor, segments: list[Segment]) -> None:
-    """Zeroes the rows of ``out`` that no segment covers (rows never scored)."""
-    previous = 0
-    for start, end in [*segments, (out.shape[0], out.shape[0])]:
-        if start > previous:
-            out[previous:start] = 0
-        previous = end
-
-
 @torch.no_grad()
 def _write_ref_logps(ref_head: RefHead, pieces: list[Segment], ids: Tensor, logit: LogitOptions, out: Tensor) -> None:
     """``out`` at the pieces' rows = the reference head's log-probs of ``ids`` (the pieces' ids, in order): one chunk
     of logits, no grad."""
     ref_hidden, ref_weight, ref_bias = ref_head
-    logits = project(_take(ref_hidden, pieces), ref_weight, ref_bias)
-    _put(out, pieces, selective_log_softmax(logits, ids, **logit._asdict()).logps)
-
-
-def _product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """``a @ b`` in ``dtype`` (float32 for half-precision ``a`` and ``b`` when asked), into a new tensor."""
-    if a.dtype == dtype:
-        return torch.mm(a, b)
-    if a.is_cuda:  # cuBLAS: half-precision inputs, float32 accumulator and output
-        return torch.mm(a, b, out_dtype=dtype)
-    return torch.mm(a.to(dtype), b.to(dtype))
-
-
-def _accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` float32 whatever the dtype of ``a`` and ``b``, without an [M, K] temporary."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif a.is_cuda:  # cuBLAS: half-precision inputs, float32 accumulator and output
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    logits = project(take_rows(ref_hidden, pieces), ref_weight, ref_bias)
+    put_rows(out, pieces, selective_log_softmax(logits, ids, **logit._asdict()).logps)
 
 
 def default_chunk_size(hidden: Tensor, lm_head_weight: Tensor) -> int:
@@ -205,16 +108,16 @@ def _hidden_loss_forward(
     if options.sample_mask is not None:
         kept = kept & (options.sample_mask != 0).unsqueeze(1)
     kept = kept.reshape(rows)
-    plan = _plan_rows(kept, _GATHER_KEPT_ROWS)
-    chunks = _chunks(plan.segments, chunk_size)
+    plan = plan_rows(kept, _GATHER_KEPT_ROWS, MAX_SEGMENTS)
+    chunks = chunk_segments(plan.segments, chunk_size)
     logps = torch.empty(rows, dtype=acc, device=hidden.device)
     entropy = torch.empty(rows, dtype=acc, device=hidden.device)
-    _zero_outside(logps, plan.segments)
-    _zero_outside(entropy, plan.segments)
+    zero_outside(logps, plan.segments)
+    zero_outside(entropy, plan.segments)
     grad_hidden = None
     if need_hidden:
         grad_hidden = torch.empty_like(hidden)
-        _zero_outside(grad_hidden, plan.segments)
+        zero_outside(grad_hidden, plan.segments)
     # d/d weight: written by the first chunk (no zero fill of [V, H]), accumulated in float32 by the others; when one
     # chunk covers every scored row it is that chunk's product in the weight's dtype (no accumulator, no final cast).
     grad_weight = None
@@ -240,7 +143,7 @@ def _hidden_loss_forward(
 
     def backward_through_chunk(pieces: list[Segment], chunk_hidden: Tensor, grad_logits: Tensor) -> None:
         nonlocal grad_weight
-        chunk_kept = _take(kept, pieces).unsqueeze(1) if plan.bridged else None
+        chunk_kept = take_rows(kept, pieces).unsqueeze(1) if plan.bridged else None
         if need_hidden:
             # masked rows among the chunk's are zeroed afterwards, a pass over the chunk's [n, H] rows
             if len(pieces) == 1:
@@ -252,13 +155,13 @@ def _hidden_loss_forward(
                 part = torch.mm(grad_logits, weight)
                 if chunk_kept is not None:
                     part.masked_fill_(~chunk_kept, 0.0)
-                _put(grad_hidden, pieces, part)
+                put_rows(grad_hidden, pieces, part)
         if need_weight:
             read = chunk_hidden if chunk_kept is None else torch.where(chunk_kept, chunk_hidden, 0.0)
             if grad_weight is None:
-                grad_weight = _product(grad_logits.t(), read, weight_grad_dtype)
+                grad_weight = product(grad_logits.t(), read, weight_grad_dtype)
             else:
-                _accumulate_product(grad_weight, grad_logits.t(), read)
+                accumulate_product(grad_weight, grad_logits.t(), read)
         if need_bias:
             grad_bias.add_(grad_logits.sum(0, dtype=acc))
 
@@ -266,10 +169,10 @@ def _hidden_loss_forward(
     two_phase = compute_grad and not token_level
     grad_now = compute_grad and token_level
     for pieces in chunks:
-        chunk_ids = _take(ids, pieces)
+        chunk_ids = take_rows(ids, pieces)
         if ref_head is not None:
             _write_ref_logps(ref_head, pieces, chunk_ids, logit, options.ref_logps.view(-1))
-        chunk_hidden = _take(hidden, pieces)
+        chunk_hidden = take_rows(hidden, pieces)
         logits = project(chunk_hidden, weight, bias)
         run_passes(logits, pieces, chunk_ids, None, grad_now)
         if grad_now:
@@ -280,9 +183,9 @@ def _hidden_loss_forward(
     if two_phase:
         token_grad = (grad_raw * grad_scale).reshape(-1)
         for pieces in chunks:
-            chunk_hidden = _take(hidden, pieces)
+            chunk_hidden = take_rows(hidden, pieces)
             logits = project(chunk_hidden, weight, bias)
-            run_passes(logits, pieces, _take(ids, pieces), token_grad, True)
+            run_passes(logits, pieces, take_rows(ids, pieces), token_grad, True)
             backward_through_chunk(pieces, chunk_hidden, logits)
     if need_weight and grad_weight is None:  # no row at all
         grad_weight = torch.zeros_like(weight)

@@ -60,3 +60,22 @@ def project(
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return logits
+
+
+def product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a @ b`` in ``dtype`` (float32 for half-precision ``a`` and ``b`` when asked), into a new tensor."""
+    if a.dtype == dtype:
+        return torch.mm(a, b)
+    if a.is_cuda:  # cuBLAS: half-precision inputs, float32 accumulator and output
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a.to(dtype), b.to(dtype))
+
+
+def accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` float32 whatever the dtype of ``a`` and ``b``, without an [M, K] temporary."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda:  # cuBLAS: half-precision inputs, float32 accumulator and output
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))

@@ -1,0 +1,103 @@
+// Which rows form each group of group_advantages (csrc/cuda/group_advantages.cuh): contiguous runs of group_size
+// rows, or lists built from group_ids by two kernels (a count with its prefix sum, then a place) and put into row
+// order by each group's team. On raw pointers (no torch types).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launch.cuh"
+
+namespace grpo_ext {
+
+// The rows of the groups: contiguous runs of group_size rows, or lists built from group_ids.
+struct GroupRows {
+  int64_t group_size = 1;        // contiguous groups
+  const int* offsets = nullptr;  // [num_groups + 1]: group g is members[offsets[g] .. offsets[g + 1])
+  int* members = nullptr;        // [B], each group's rows in increasing order
+  const int* placed = nullptr;   // [B], each group's rows in any order: the main kernel sorts them into members
+  __device__ __forceinline__ int64_t begin(int64_t g) const { return offsets ? offsets[g] : g * group_size; }
+  __device__ __forceinline__ int64_t count(int64_t g) const {
+    return offsets ? offsets[g + 1] - offsets[g] : group_size;
+  }
+  __device__ __forceinline__ int64_t row(int64_t position) const { return members ? members[position] : position; }
+};
+
+// The teams' layout in a block of the launcher's size (the same in every kernel of a call).
+struct TeamLayout {
+  int width, lane, team, teams;
+  __device__ __forceinline__ TeamLayout(int team_width, int team_shift)
+      : width(team_width),
+        lane(static_cast<int>(threadIdx.x) & (team_width - 1)),
+        team(static_cast<int>(threadIdx.x) >> team_shift),
+        teams(static_cast<int>(blockDim.x) >> team_shift) {}
+};
+
+// The count pass of group_ids: rows per group by integer atomics into offsets[1 ..] (zeroed before), then the
+// last block to finish turns the counts into offsets (an inclusive scan of offsets[1 .. num_groups]) and cursor.
+__global__ void __launch_bounds__(1024)
+    group_rows_count_kernel(const int64_t* __restrict__ group_ids, int64_t id_stride, int64_t batch, int64_t num_groups,
+                            int* __restrict__ offsets, int* __restrict__ cursor, int* __restrict__ blocks_done) {
+  __shared__ int scan[1024];
+  __shared__ bool last_block;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < batch; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t id = group_ids[i * id_stride];
+    CUDA_KERNEL_ASSERT(id >= 0 && id < num_groups);
+    if (id >= 0 && id < num_groups) atomicAdd(&offsets[id + 1], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's counts before its ticket
+    last_block = atomicAdd(blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  volatile int* counts = offsets;  // written by other blocks' atomics: read past the L1
+  // Inclusive scan of offsets[1..num_groups]: each thread scans a contiguous chunk, the chunk totals are scanned.
+  const int64_t chunk = (num_groups + blockDim.x - 1) / blockDim.x;
+  const int64_t first = 1 + threadIdx.x * chunk, last = first + chunk < num_groups + 1 ? first + chunk : num_groups + 1;
+  int total = 0;
+  for (int64_t g = first; g < last; ++g) {
+    total += counts[g];
+    counts[g] = total;
+  }
+  scan[threadIdx.x] = total;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int running = 0;
+    for (unsigned t = 0; t < blockDim.x; ++t) {
+      const int own = scan[t];
+      scan[t] = running;
+      running += own;
+    }
+  }
+  __syncthreads();
+  for (int64_t g = first; g < last; ++g) counts[g] = counts[g] + scan[threadIdx.x];
+  __syncthreads();
+  for (int64_t g = threadIdx.x; g < num_groups; g += blockDim.x) cursor[g] = counts[g];
+}
+
+// The place pass of group_ids: each row into its group's list (placed), in whatever order the atomics give.
+__global__ void __launch_bounds__(1024)
+    group_rows_place_kernel(const int64_t* __restrict__ group_ids, int64_t id_stride, int64_t batch, int64_t num_groups,
+                            int* __restrict__ cursor, int* __restrict__ placed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < batch; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t id = group_ids[i * id_stride];
+    if (id >= 0 && id < num_groups) placed[atomicAdd(&cursor[id], 1)] = static_cast<int>(i);
+  }
+}
+
+// A team puts its group's rows (placed, any order) into members in increasing order: each row's rank among them.
+__device__ __forceinline__ void sort_group_rows(const GroupRows& groups, int64_t base, int64_t n, const TeamLayout& t) {
+  for (int64_t i = t.lane; i < n; i += t.width) {
+    const int row = groups.placed[base + i];
+    int64_t rank = 0;
+    for (int64_t q = 0; q < n; ++q) rank += groups.placed[base + q] < row ? 1 : 0;
+    groups.members[base + rank] = row;
+  }
+  __syncwarp();  // the team's other lanes read these members next
+}
+
+}  // namespace grpo_ext
