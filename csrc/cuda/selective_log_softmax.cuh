@@ -121,14 +121,20 @@ __global__ void __launch_bounds__(1024)
     const T gl = grad_logps.load<T>(row, 0);
     const T gh = grad_entropy.present() ? grad_entropy.load<T>(row, 0) : T(0);
     const int64_t id = ids.load<int64_t>(row, 0);
-    const bool inert = gl == T(0) && gh == T(0);  // no upstream gradient: exactly 0 whatever the row holds
     Out* out = grad_logits + row * vocab;
+    // No upstream gradient: exactly 0 whatever the row holds (never 0 * NaN), and the row is not read. A branch per
+    // row, not a select per element: the select took the bf16 loop from 32 registers to 50 (half the occupancy).
+    const bool inert = gl == T(0) && gh == T(0);
+    if (inert) {
+      for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) out[v] = to_out<Out, T>(T(0));
+      continue;
+    }
     const auto grad = [&](int64_t v, T logit) {
       const T z = f.template z_with<kCap>(logit);
       const T p = exp(z - lse);
       const T onehot = v == id ? gl : T(0);
       const T spread = p > T(0) ? p * (z - mean_z) : T(0);  // a -inf logit: p = 0, and not 0 * -inf
-      return inert ? T(0) : (onehot - gl * p - gh * spread) * f.template slope_with<kCap>(z);  // not 0 * NaN
+      return (onehot - gl * p - gh * spread) * f.template slope_with<kCap>(z);
     };
     if (logits.col_stride == 1) {  // the logits' dtype is Out's (the binding's dispatch)
       // bf16/fp16: one vector in flight (32 registers, 100% occupancy at 1024 threads; two took 52 and 50%): the
