@@ -79,6 +79,9 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+_DEFAULT_LOGIT = LogitOptions()
+
+
 def validate_logit_options(
     temperature: object, logit_scale: object = 1.0, logit_softcap: object = None
 ) -> LogitOptions:
@@ -87,6 +90,9 @@ def validate_logit_options(
     Raises:
         ValueError: temperature not > 0, logit_scale not finite and > 0, or logit_softcap neither None nor finite > 0.
     """
+    if (temperature.__class__ is float and logit_scale.__class__ is float and logit_softcap is None
+            and temperature == 1.0 and logit_scale == 1.0):  # fmt: skip
+        return _DEFAULT_LOGIT  # the defaults of every call that reads logits, without the checks' cost
     return LogitOptions(
         check_positive("temperature", temperature),
         check_finite_positive("logit_scale", logit_scale),

@@ -126,7 +126,6 @@ def _logits_loss_forward(
         return _logits_loss_passes(*args)
 
 
-_DEFAULT_LOGIT = LogitOptions()
 _PASS = torch.ops.grpo_ext.grpo_loss_from_logits_pass.default
 _PASS_INPLACE = torch.ops.grpo_ext.grpo_loss_from_logits_pass_.default
 _LOSS_FORWARD = torch.ops.grpo_ext.grpo_loss_forward.default
@@ -389,11 +388,7 @@ def grpo_loss_from_logits(
         ``return_token_logps=True``.
     """
     flat_ids = check_logits_shapes(logits, completion_ids, completion_mask)
-    if (temperature.__class__ is float and logit_scale.__class__ is float and logit_softcap is None
-            and temperature == 1.0 and logit_scale == 1.0):  # fmt: skip
-        logit = _DEFAULT_LOGIT  # the defaults, as validate_logit_options returns them
-    else:
-        logit = validate_logit_options(temperature, logit_scale, logit_softcap)
+    logit = validate_logit_options(temperature, logit_scale, logit_softcap)
     if entropy_coef.__class__ is not float or entropy_coef != 0.0:  # 0.0: the default, finite
         entropy_coef = check_finite("entropy_coef", entropy_coef)
     return_token_logps = check_bool("return_token_logps", return_token_logps)
