@@ -1,52 +1,82 @@
 #!/usr/bin/env bash
-# One GPU session in one call (device time is scarce): build against the machine's torch (or install the release
-# wheel GRPO_EXT_WHEEL names, e.g. dist/grpo_ext-*.whl from `make wheel`: the same file on any torch >= 2.11), run
-# every test, run compute-sanitizer over the CUDA tests, run the benchmarks. Logs and JSON go to $OUT (./gpu-out).
-#   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] bash benchmarks/gpu_session.sh [all|test|sanitize|bench]
+# One GPU session in one call, about 8 minutes on an H100 (device time is scarce): install the release wheel (or build
+# against the machine's torch), run the CUDA tests, compute-sanitizer over a selection, then the benchmarks, each stage
+# under its own time limit so that a slow one cannot eat the next. Logs and JSON go to $OUT (./gpu-out); the short
+# table (bench_floor.py) and the summary are printed last.
+#   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] [WHEELS=.whl] bash benchmarks/gpu_session.sh [all|test|sanitize|bench]
+# WHEELS: a folder of wheels the machine lacks (liger-kernel, trl and its few missing needs), installed into
+# /tmp/site with no network (`pip download --no-deps` them here; see the device notes in benchmarks/RESULTS.md).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 what="${1:-all}"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0+PTX}" GRPO_EXT_CUDA=ON
+start=$SECONDS
+stage() { echo "=== $1 ($((SECONDS - start)) s)" | tee -a "$OUT/stages.txt"; }
 
+stage setup
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
   python3 -c "import torch, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -2
 } 2>&1 | tee "$OUT/build.txt"
-
+if [[ -n "${WHEELS:-}" && -d "$WHEELS" ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl 2>&1 | tail -3 | tee -a "$OUT/build.txt"
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if [[ -n "${GRPO_EXT_WHEEL:-}" ]]; then
   python3 -m pip install -q --no-deps --force-reinstall "$GRPO_EXT_WHEEL" 2>&1 | tail -5 | tee -a "$OUT/build.txt"
 else
   make build PYTHON_ENV=system 2>&1 | tail -20 | tee -a "$OUT/build.txt"
 fi
-cd /tmp && python3 -c "import grpo_ext, json; info = grpo_ext.build_info(); print(json.dumps(info))
-assert info['cuda_kernels_registered']" 2>&1 | tee -a "$OUT/build.txt"
+(cd /tmp && python3 -c "import grpo_ext, json; info = grpo_ext.build_info(); print(json.dumps(info))
+assert info['cuda_kernels_registered']
+for name in ('liger_kernel', 'trl', 'triton'):
+    try:
+        module = __import__(name); print(name, getattr(module, '__version__', '?'))
+    except Exception as exc:
+        print(name, 'unavailable:', repr(exc)[:200])") 2>&1 | tee -a "$OUT/build.txt"
 [[ "${PIPESTATUS[0]}" == 0 ]] || exit 1
-cd - >/dev/null
 
 if [[ "$what" == all || "$what" == test ]]; then
-  python3 -m pytest -q -p no:cacheprovider -rs 2>&1 | tail -40 | tee "$OUT/pytest.txt"
+  stage "CUDA tests"
+  # the tests that run on the GPU (the emulated suite and verl's parity run on the CPU in CI)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -k cuda -rfs --ignore=tests/cuda_emu \
+    --ignore=tests/test_verl_integration.py --ignore=tests/wheel tests 2>&1 | tail -30 | tee "$OUT/pytest.txt"
 fi
 if [[ "$what" == all || "$what" == sanitize ]]; then
-  sel="cuda and (float64_kernel or deterministic or masked_positions or every_dtype or large or process_advantages_match or inplace_grad or masked_rows_never_read)"
+  sel="cuda and (deterministic or large or group_ids_match or group_ids_of_different or masked_rows_never_read \
+or error_at_most_twice or every_dtype)"
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
-      python3 -m pytest -q -p no:cacheprovider -x -k "$sel" tests/test_grpo_loss.py tests/test_group_advantages.py \
-      tests/test_process_advantages.py \
-      tests/test_grpo_loss_from_logits.py \
-      2>&1 | tail -15 | tee "$OUT/sanitizer-$tool.txt"
-    echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]}" | tee -a "$OUT/sanitizer-$tool.txt"
+    stage "compute-sanitizer $tool"
+    timeout 75 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+      python3 -m pytest -q -p no:cacheprovider -x -k "$sel" tests/test_group_advantages.py tests/test_grpo_loss.py \
+      tests/test_grpo_loss_from_logits.py tests/test_selective_log_softmax.py 2>&1 | tail -12 | tee "$OUT/sanitizer-$tool.txt"
+    echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]} (124: its time limit)" | tee -a "$OUT/sanitizer-$tool.txt"
   done
 fi
 if [[ "$what" == all || "$what" == bench ]]; then
-  python3 benchmarks/bench_group_advantages.py 2>&1 | tee "$OUT/bench_group_advantages.txt"
-  python3 benchmarks/bench_process_advantages.py 2>&1 | tee "$OUT/bench_process_advantages.txt"
-  python3 benchmarks/bench_grpo_loss.py 2>&1 | tee "$OUT/bench_grpo_loss.txt"
-  python3 benchmarks/bench_selective_log_softmax.py 2>&1 | tee "$OUT/bench_selective_log_softmax.txt"
-  python3 benchmarks/bench_grpo_loss_from_logits.py 2>&1 | tee "$OUT/bench_grpo_loss_from_logits.txt"
-  python3 benchmarks/bench_grpo_loss_from_hidden.py 2>&1 | tee "$OUT/bench_grpo_loss_from_hidden.txt"
-  python3 benchmarks/bench_overhead.py --sizes 64x1024x64 2>&1 | tee "$OUT/bench_overhead.txt"
-  cp benchmarks/out/*.json "$OUT/" 2>/dev/null
+  stage "bench_floor"
+  timeout 200 python3 benchmarks/bench_floor.py --out "$OUT/bench_floor.json" 2>&1 | tee "$OUT/bench_floor.txt"
+  stage "bench_group_advantages"
+  timeout 60 python3 benchmarks/bench_group_advantages.py --no-compile --out "$OUT/bench_group_advantages.json" \
+    2>&1 | tee "$OUT/bench_group_advantages.txt"
+  stage "bench_overhead"
+  timeout 45 python3 benchmarks/bench_overhead.py --device cuda --sizes 64x1024x64 --out "$OUT/bench_overhead.json" \
+    2>&1 | tee "$OUT/bench_overhead.txt"
+  stage "bench_trainer (V=151936, hidden 896, 24 layers: Qwen2.5-0.5B's vocabulary, width and depth)"
+  timeout 150 python3 benchmarks/bench_trainer.py --vocabs 151936 --hidden 896 --layers 24 --lengths 1024 \
+    --batch 8 --steps 3 --no-generation --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
+    --out "$OUT/bench_trainer.json" 2>&1 | tee "$OUT/bench_trainer.txt"
 fi
+stage done
+echo
+echo "######## summary ($((SECONDS - start)) s)"
+grep -h -E "passed|failed|error" "$OUT/pytest.txt" 2>/dev/null | tail -3
+grep -h "exit:" "$OUT"/sanitizer-*.txt 2>/dev/null
+grep -h -A14 "^case .* impl .* ms .* x eager" "$OUT/bench_group_advantages.txt" 2>/dev/null | head -40
+tail -12 "$OUT/bench_overhead.txt" 2>/dev/null
+tail -8 "$OUT/bench_trainer.txt" 2>/dev/null
+sed -n '/^median ms per call/,$p' "$OUT/bench_floor.txt" 2>/dev/null

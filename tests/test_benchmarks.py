@@ -22,6 +22,7 @@ SCRIPTS = [
     "bench_grpo_loss_from_logits.py",
     "bench_grpo_loss_from_hidden.py",
     "bench_overhead.py",  # the Python layer's per-call cost (issue 31), beside eager in one run
+    "bench_floor.py",  # the GPU session's short table: each streaming op against its floor (issue 32)
 ]
 
 

@@ -155,7 +155,9 @@ def test_cuda_float32_matches_reference(device, loss_type, level):
     for kl, extra in itertools.product(KL_CONFIGS, EXTRAS):
         batch = make_loss_batch(seed=7, batch=16, seq_len=300, per_token_advantages=extra == "token_advantages")
         out, grad, ref, ref_grad = run_both(batch, device, torch.float32, **case_kwargs(loss_type, level, kl, extra))
-        assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6, msg=f"{kl} {extra}")
+        # atol 4e-6: float32's own floor on these rows (sums of hundreds): the CPU float32 kernel's loss errs by up to
+        # 2.2e-6 on them (luspo, H100 machine, 2026-11-26); the accuracy rule is the 2x-CPU test below.
+        assert_close(out.loss, ref.loss, rtol=1e-5, atol=4e-6, msg=f"{kl} {extra}")
         assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6, msg=f"{kl} {extra}")
         for name in ref.metrics:
             assert_close(out.metrics[name], ref.metrics[name], rtol=1e-5, atol=1e-6, msg=name)
