@@ -139,6 +139,7 @@ bench: build
 	$(PY) benchmarks/bench_grpo_loss_from_logits.py
 	$(PY) benchmarks/bench_grpo_loss_from_hidden.py
 	$(PY) benchmarks/bench_overhead.py
+	$(PY) benchmarks/bench_floor.py
 	$(PY) benchmarks/bench_trainer.py
 
 # The compiler's view of every CUDA kernel on every architecture of the wheel (no GPU needed): a library built for

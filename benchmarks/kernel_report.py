@@ -30,6 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sass_loops  # beside this file
+
 # Per-SM limits of each architecture (CUDA C++ Programming Guide, "Compute capabilities"), and a GPU that has it.
 ARCHS = {
     "sm_80": {"gpu": "A100", "regs": 65536, "smem": 164 * 1024, "threads": 2048, "blocks": 32},
@@ -77,6 +80,7 @@ class Kernel:
     max_threads: int = 0
     loop_loads: dict[str, int] = dataclasses.field(default_factory=dict)
     loop_stores: dict[str, int] = dataclasses.field(default_factory=dict)
+    row_loops: list[sass_loops.Loop] = dataclasses.field(default_factory=list)  # DETAIL_ARCH only
 
     @property
     def occupancy(self) -> float:
@@ -179,6 +183,11 @@ def parse_sass_functions(sass: str, kernels: dict[tuple[str, str], Kernel], arch
                 target = int(m.group(1), 16)
                 if target <= addr:
                     loops.append((target, addr))
+        if arch == DETAIL_ARCH and kernels[(arch, name)].bandwidth_bound:
+            instructions = [
+                (int(m.group(1), 16), m.group(3), m.group(4)) for m in sass_loops.INSTRUCTION.finditer(block)
+            ]
+            kernels[(arch, name)].row_loops = sass_loops.row_loops(instructions)
         for addr, text in zip(address, (t for _, t in lines), strict=True):
             op = re.search(r"\b(LDG|STG)(\.[A-Z0-9.]+)?", text)
             if op and any(lo <= addr <= hi for lo, hi in loops):
@@ -251,6 +260,75 @@ def widths(table: dict[str, int]) -> str:
     return ", ".join(f"{count}x{bits}b" for bits, count in sorted(table.items(), key=lambda kv: -int(kv[0]))) or "-"
 
 
+# The row kernels of the logits ops (their loops stream [rows, V]), and what an H100 gives them.
+ROW_LOOP_KERNELS = ("selective_log_softmax_forward_kernel", "selective_log_softmax_backward_kernel",
+                    "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_resident_kernel")  # fmt: skip
+H100_ISSUE_RATE = 132 * 4 * 32 * 1.98e9  # lane-instructions per second: 132 SMs x 4 schedulers x 32 lanes x 1.98 GHz
+H100_IN_FLIGHT_NEEDED = 3.0e12 * 1e-6 / 132  # bytes each SM keeps in flight for 3 TB/s at about 1 us of latency
+VECTORS_IN_FLIGHT = 2  # vector_io.cuh kRowUnroll: 16-byte loads each thread issues before using the first
+
+
+def element_width(name: str) -> int:
+    """Elements per 16-byte vector of a row kernel, from its logits' type (the second template argument, as
+    short_name spells it)."""
+    logits_type = name.split("<", 1)[1].split(",")[1].strip(" >")
+    return {"bf16": 8, "fp16": 8, "__nv_bfloat16": 8, "__half": 8, "float": 4, "double": 2}[logits_type]
+
+
+def loop_kind(loop: sass_loops.Loop) -> str:
+    """What a row loop does: reads statistics, or writes the gradient (16-byte global stores); with the soft cap's
+    tanh (its reciprocal, MUFU.RCP) where the kernel picks the cap at run time."""
+    kind = "gradient" if any(op.startswith("STG") for op in loop.opcodes) else "statistics"
+    return kind + (", soft cap" if any(op.startswith("MUFU.RCP") for op in loop.opcodes) else "")
+
+
+def row_loop_section(kernels: list[Kernel]) -> str:
+    """The row kernels' unrolled loops on DETAIL_ARCH (float32, bf16): static instructions per element by kind,
+    their issue time at H100 rates, and the bytes each SM keeps in flight against what the bandwidth needs."""
+    rows = [
+        "| kernel | loop | instr / element | MUFU / el. | branches / el. | 16-byte loads, stores | issue ms per 1e9 "
+        "elements | loads in flight per SM |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for k in kernels:
+        if k.arch != DETAIL_ARCH or not k.name.startswith(ROW_LOOP_KERNELS) or element_width(k.name) not in (4, 8):
+            continue
+        if "fp16" in k.name:  # as bf16's
+            continue
+        width = element_width(k.name)
+        most = max((loop.wide_loads for loop in k.row_loops), default=0)
+        threads_per_sm = k.occupancy * ARCHS[k.arch]["threads"]
+        if "resident" in k.name:
+            threads_per_sm = min(threads_per_sm, k.max_threads)  # its dynamic shared memory: one block per SM
+        in_flight = threads_per_sm * VECTORS_IN_FLIGHT * 16
+        for loop in (loop for loop in k.row_loops if loop.wide_loads == most):
+            elements = loop.wide_loads * width
+            kinds = loop.by_kind()
+            stores = sum(op.startswith(sass_loops.WIDE_STORES) for op in loop.opcodes)
+            per_element = len(loop.opcodes) / elements
+            rows.append(
+                f"| `{k.name}` | {loop_kind(loop)} | {per_element:.1f} | {kinds.get('MUFU', 0) / elements:.2f} | "
+                f"{kinds.get('branch', 0) / elements:.2f} | {loop.wide_loads}, {stores} | "
+                f"{per_element * 1e9 / H100_ISSUE_RATE * 1e3:.3f} | {in_flight / 1024:.0f} KiB |"
+            )
+    head = (
+        f"## Row loops on {DETAIL_ARCH}: instructions per element\n\n"
+        "Each row kernel's unrolled loops (innermost loops with the most 16-byte accesses: statistics, then gradient; "
+        "a loop per soft-cap branch where the kernel picks it at run time), read from the SASS by "
+        "`benchmarks/sass_loops.py`. Static counts: an instruction behind a branch that is rarely taken (a max update, "
+        "the other store path) counts, so the executed figure is lower. Issue time: static instructions per element "
+        "x 1e9 elements at an H100's 33.8e12 lane-instructions per second (132 SMs x 4 x 32 x 1.98 GHz); one read of "
+        "1e9 bf16 elements at 3.0 TB/s takes 0.67 ms, so a loop whose issue time is near or above its bytes' time is "
+        "short of instructions, not of bandwidth. Loads in flight: threads per SM at the theoretical occupancy (one "
+        f"block for the single-read kernel) x {VECTORS_IN_FLIGHT} vectors x 16 B, against the "
+        f"{H100_IN_FLIGHT_NEEDED / 1024:.0f} KiB per SM that 3 TB/s at about 1 us of latency needs (Little's law). "
+        "Calibration on the H100 (RESULTS.md, 2026-11-26): the selective forward's loop at 44 static (about 29 "
+        "executed) instructions per bf16 element predicted about 1.1 ms of issue for 8192 x 151936 and ran 1.42 ms "
+        "at 91% SM throughput (instruction-bound); at 16 it ran 0.835 ms, 1.01x one read (memory-bound).\n\n"
+    )
+    return head + "\n".join(rows) + "\n"
+
+
 def markdown(kernels: list[Kernel], library: str) -> str:
     """The report: a table per kernel for DETAIL_ARCH (every column), then one line per kernel across the
     architectures (registers, spills, occupancy)."""
@@ -303,7 +381,7 @@ def markdown(kernels: list[Kernel], library: str) -> str:
         f"## Every kernel on {detail_arch} ({ARCHS[detail_arch]['gpu']})\n\n"
     )
     return (head + "\n".join(rows) + "\n\n## Registers and occupancy on every architecture\n\n"
-            + "\n".join(across) + "\n")  # fmt: skip
+            + "\n".join(across) + "\n\n" + row_loop_section(kernels))  # fmt: skip
 
 
 def main() -> int:

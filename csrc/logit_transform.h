@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "common.h"
 
@@ -12,6 +13,23 @@ namespace grpo_ext {
 // Which soft-cap code a kernel compiles, as a template argument: none, the tanh cap, or either behind the run-time
 // flag LogitTransform::capped (one kernel for both).
 enum class SoftCap : int { kOff = 0, kOn = 1, kRuntime = 2 };
+
+// a * b rounded to T, never fused with a following add or subtract. nvcc contracts z - max, with z = x * scale, into
+// one FMA that does not round z first: at the row's max itself z - max is then the product's rounding error
+// instead of 0, so that the max's exp(0) term is 1 + 2e-6 and a confident token's log-prob, exactly 0 in float64,
+// is -2e-6 (seen on an H100; CPU code is built without FMA, where a * b already rounds).
+template <typename T>
+GRPO_HD T mul_rounded(T a, T b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float>) {
+    return __fmul_rn(a, b);
+  } else {
+    return __dmul_rn(a, b);
+  }
+#else
+  return a * b;
+#endif
+}
 
 template <typename T>
 struct LogitTransform {
@@ -25,7 +43,7 @@ struct LogitTransform {
   template <bool kCapped>
   GRPO_HD T z_of(T x) const {
     using std::tanh;
-    return kCapped ? out_scale * tanh(in_scale * x) : x * in_scale;
+    return kCapped ? mul_rounded(out_scale, T(tanh(in_scale * x))) : mul_rounded(x, in_scale);
   }
   GRPO_HD T operator()(T x) const { return capped ? z_of<true>(x) : z_of<false>(x); }
 
@@ -50,6 +68,23 @@ struct LogitTransform {
     return slope_of < kCap == SoftCap::kOn > (z);
   }
 };
+
+// body(cap) with f's cap as a compile-time SoftCap (a std::integral_constant): kOn or kOff, chosen on the host
+// (a kernel's template argument) or by one uniform branch around a row loop, so that the loop holds only the code it
+// runs (the tanh path in the uncapped loop had cost the float32 selective backward 20 registers, 32 -> 52, half the
+// occupancy at 1024 threads); kRuntime in double precision, the reference dtype, where ptxas keeps either
+// compile-time kernel at 32 registers with spills (the uncapped selective forward 240 B) but the run-time one at 52
+// without.
+template <typename T, typename Body>
+GRPO_HD void with_soft_cap(const LogitTransform<T>& f, Body&& body) {
+  if constexpr (std::is_same_v<T, double>) {
+    body(std::integral_constant<SoftCap, SoftCap::kRuntime>());
+  } else if (f.capped) {
+    body(std::integral_constant<SoftCap, SoftCap::kOn>());
+  } else {
+    body(std::integral_constant<SoftCap, SoftCap::kOff>());
+  }
+}
 
 // logit_softcap <= 0 means no cap (the ops' schemas take 0 for None); the planning checks the values.
 template <typename T>

@@ -43,7 +43,15 @@ def test_every_kernel_is_reported_with_its_resources():
     table = report.markdown(kernels, str(grpo_ext._native.CUDA_LIBRARY))
     detail = [k for k in kernels if k.arch == (report.DETAIL_ARCH if report.DETAIL_ARCH in archs else max(archs))]
     names = {k.name for k in kernels}
-    assert table.count("\n| `") == len(detail) + len(names)
+    resources, row_loops = table.split("## Row loops on", 1)
+    assert resources.count("\n| `") == len(detail) + len(names)
+    # every float32 and bf16 row kernel's loops, with instructions per element read from its SASS
+    row_kernels = {k.name for k in detail if k.name.startswith(report.ROW_LOOP_KERNELS) and "double" not in k.name
+                   and "fp16" not in k.name}  # fmt: skip
+    assert row_kernels and all(f"| `{name}` | statistics" in row_loops or f"| `{name}` | gradient" in row_loops
+                               for name in row_kernels)  # fmt: skip
+    per_element = [float(line.split("|")[3]) for line in row_loops.splitlines() if line.startswith("| `")]
+    assert all(3 < value < 400 for value in per_element), per_element
 
 
 def test_occupancy_follows_each_architecture_limits():

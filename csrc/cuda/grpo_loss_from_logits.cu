@@ -1,8 +1,5 @@
 // CUDA binding of the fused GRPO loss from logits: validate, allocate, pick the dtypes, launch on the current stream.
 
-#include <cstdlib>
-#include <cstring>
-
 #include "../plan/grpo_loss_from_logits.h"
 #include "device.h"
 #include "grpo_loss_from_logits.cuh"
@@ -10,14 +7,13 @@
 namespace grpo_ext {
 namespace {
 
-// What the current device offers the single-read pass (attribute queries: no sync). GRPO_EXT_LOGITS_SINGLE_READ=0
-// keeps every row on the two-read pass (to compare the two on a GPU).
+// What the current device offers the single-read pass (attribute queries: no sync), and the layout the environment
+// asks for (with_layout_from_env: GRPO_EXT_LOGITS_SINGLE_READ=0 keeps every row on the two-read pass, ...).
 RowResidency row_residency(const CudaCall& call) {
-  const char* single_read = std::getenv("GRPO_EXT_LOGITS_SINGLE_READ");
-  if (single_read != nullptr && std::strcmp(single_read, "0") == 0) return {};
   const int shared = call.attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int major = call.attribute(cudaDevAttrComputeCapabilityMajor);
-  return {static_cast<size_t>(shared), major >= 9 ? 8u : 1u};  // clusters of up to 8 blocks are portable on sm_90
+  // clusters of up to 8 blocks are portable on sm_90
+  return with_layout_from_env({static_cast<size_t>(shared), major >= 9 ? 8u : 1u});
 }
 
 template <typename T, typename In>

@@ -15,6 +15,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "../grpo_loss_math.h"
 #include "cluster.cuh"
 #include "launch.cuh"
@@ -164,7 +167,7 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const T* row
 // out[v] = d/dx_v of g * logp for the row's elements [lo, lo + n) read from `x` (the row at `x - lo`):
 // g * (onehot - p_v) * dz/dx, the chosen entry as -g * expm1(logp) (exact where p -> 1); with the entropy bonus, plus
 // e * p_v * (z_v - E_p[z]) (0 where p_v = 0, a -inf logit included).
-template <typename T, typename In>
+template <SoftCap kCap, typename T, typename In>
 __device__ __forceinline__ void write_row_grad(const LogitTransform<T>& f, const PassShared<T>& sh, const In* x,
                                                In* out, int64_t lo, int64_t n) {
   const T z_max = sh.row_max, log_sum = sh.row_log_sum, g = sh.row_g;
@@ -172,12 +175,33 @@ __device__ __forceinline__ void write_row_grad(const LogitTransform<T>& f, const
   const int64_t id = sh.row_id - lo;
   const T chosen = -g * expm1(sh.row_logp);
   transform_row<T>(x, out, n, [&](int64_t v, T logit) {
-    const T z = f(logit), d = z - z_max;
-    const T p = exp(d - log_sum);
+    const T z = f.template z_with<kCap>(logit), d = z - z_max;
+    const T p = softmax_exp(d - log_sum);
     T value = v == id ? chosen : -g * p;
     if (e != T(0) && p != T(0)) value += e * p * (d - mean_shift);
-    return value * f.slope_at(z);
+    return value * f.template slope_with<kCap>(z);
   });
+}
+
+// This thread's softmax state of x[0, n) (one rescale per vector), and the same while staging it (single-read pass).
+template <SoftCap kCap, typename T, typename In>
+__device__ __forceinline__ SoftmaxState<T> row_state(const LogitTransform<T>& f, const In* x, int64_t n) {
+  SoftmaxState<T> s{T(0), T(0), T(0)};
+  const auto z_of = [&](T logit) { return f.template z_with<kCap>(logit); };
+  for_each_in_row<T>(
+      x, n, [&](T logit) { s = add_logit(s, z_of(logit)); },
+      [&](const auto& chunk) { s = add_logits(s, chunk, z_of); });
+  return s;
+}
+template <SoftCap kCap, typename T, typename In>
+__device__ __forceinline__ SoftmaxState<T> staged_row_state(const LogitTransform<T>& f, const In* x, In* staged,
+                                                            int64_t n) {
+  SoftmaxState<T> s{T(0), T(0), T(0)};
+  const auto z_of = [&](T logit) { return f.template z_with<kCap>(logit); };
+  stage_row<T>(
+      x, staged, n, [&](T logit) { s = add_logit(s, z_of(logit)); },
+      [&](const auto& chunk) { s = add_logits(s, chunk, z_of); });
+  return s;
 }
 
 // The two-read pass, for any row: up to 1024 threads per block (row_threads); the bound keeps even the float64
@@ -202,15 +226,16 @@ __global__ void __launch_bounds__(1024)
       }
       continue;
     }
-    SoftmaxState<T> s{T(0), T(0), T(0)};
-    for_each_in_row<T>(x, vocab, [&](int64_t, T logit) { s = add_logit(s, f(logit)); });
+    SoftmaxState<T> s;
+    with_soft_cap(f, [&](auto cap) { s = row_state<decltype(cap)::value>(f, x, vocab); });
     s = block_merge(s, sh.warp_states);
     if (threadIdx.x == 0) {
       finish_row(a, row_weight, chosen_token(a, f, x, r), s, row, grad_row != nullptr, true, logps, entropy, sh);
     }
     __syncthreads();
     // The second read of the row, from L2 if it is still there.
-    if (grad_row) write_row_grad(f, sh, x, grad_row, 0, vocab);
+    if (grad_row)
+      with_soft_cap(f, [&](auto cap) { write_row_grad<decltype(cap)::value>(f, sh, x, grad_row, 0, vocab); });
     __syncthreads();  // the shared row values are reused by the next row
   }
 }
@@ -245,8 +270,8 @@ __global__ void __launch_bounds__(1024)
     }
     // The part at the same offset from a 16-byte boundary as in global memory: 16-byte copies both ways.
     In* staged = staged_base + (reinterpret_cast<uintptr_t>(x + lo) % kVectorBytes) / sizeof(In);
-    SoftmaxState<T> s{T(0), T(0), T(0)};
-    stage_row<T>(x + lo, staged, n, [&](T logit) { s = add_logit(s, f(logit)); });
+    SoftmaxState<T> s;
+    with_soft_cap(f, [&](auto cap) { s = staged_row_state<decltype(cap)::value>(f, x + lo, staged, n); });
     s = block_merge(s, sh.warp_states);
     // Before the barrier: past it, the block that holds the chosen token may be writing its gradient over it.
     ChosenToken<T> chosen{};
@@ -264,18 +289,44 @@ __global__ void __launch_bounds__(1024)
     }
     parity ^= 1;
     __syncthreads();
-    if (grad_row) write_row_grad(f, sh, staged, grad_row + lo, lo, n);
+    if (grad_row) {
+      with_soft_cap(f, [&](auto cap) { write_row_grad<decltype(cap)::value>(f, sh, staged, grad_row + lo, lo, n); });
+    }
     __syncthreads();  // the staged part and the shared row values are reused by the next row
   }
   cluster_sync();  // no block exits (its shared memory gone) while a peer may still read its block_state
 }
 
 // What the device offers the single-read pass: dynamic shared memory per block (static included: the device's
-// opt-in maximum) and the largest cluster (8 on sm_90, 1 before). {0, 0}: the two-read pass only.
+// opt-in maximum) and the largest cluster (8 on sm_90, 1 before). {0, 0}: the two-read pass only. And the pass's
+// layout on the SM: threads per block at most max_threads (both kernels), and the single-read kernel's blocks sized
+// so that blocks_per_sm of them fit an SM's shared memory (1: the largest parts, the fewest blocks per row).
 struct RowResidency {
   size_t shared_per_block = 0;
   unsigned max_cluster_blocks = 0;
+  int max_threads = 1024;
+  unsigned blocks_per_sm = 1;
 };
+
+// The layout candidates of issue 32, chosen at run time so that one GPU session compares them all (read at each
+// call; anything else keeps the default): GRPO_EXT_LOGITS_SINGLE_READ=0 keeps every row on the two-read kernel;
+// GRPO_EXT_LOGITS_THREADS=256|512 caps the threads per block (two blocks of 512 per SM, where one of 1024 leaves
+// the SM idle while its block merges and finishes a row); GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2 halves the
+// single-read kernel's part of a row (more blocks per cluster), so that two blocks, of at most 512 threads, share
+// an SM and one's load overlaps the other's gradient.
+inline RowResidency with_layout_from_env(RowResidency device) {
+  if (const char* single_read = std::getenv("GRPO_EXT_LOGITS_SINGLE_READ")) {
+    if (std::strcmp(single_read, "0") == 0) device.shared_per_block = 0, device.max_cluster_blocks = 0;
+  }
+  if (const char* threads = std::getenv("GRPO_EXT_LOGITS_THREADS")) {
+    if (std::strcmp(threads, "256") == 0) device.max_threads = 256;
+    if (std::strcmp(threads, "512") == 0) device.max_threads = 512;
+  }
+  if (const char* blocks = std::getenv("GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM")) {
+    if (std::strcmp(blocks, "2") == 0) device.blocks_per_sm = 2;
+  }
+  return device;
+}
 
 // How the resident kernel splits a row of `vocab` elements: `cluster_blocks` blocks of `slice` elements each, with
 // `shared_bytes` of dynamic shared memory per block; cluster_blocks == 0 when the row does not fit.
@@ -288,7 +339,10 @@ struct ResidentSplit {
 template <typename T, typename In>
 inline ResidentSplit resident_split(int64_t vocab, const RowResidency& device) {
   constexpr int64_t width = Vector<In>::kWidth, element = sizeof(In);
-  const int64_t free_bytes = int64_t(device.shared_per_block) - int64_t(sizeof(PassShared<T>));
+  // blocks_per_sm blocks, each with its 1 KiB the SM reserves, within what one block may have.
+  const int64_t share =
+      int64_t(device.shared_per_block / device.blocks_per_sm) - 1024 * int64_t(device.blocks_per_sm - 1);
+  const int64_t free_bytes = share - int64_t(sizeof(PassShared<T>));
   // Elements a block can stage, a multiple of the vector width, leaving room for the alignment pad (one vector).
   const int64_t per_block = (free_bytes / element - width) / width * width;
   if (vocab <= 0 || per_block < width || device.max_cluster_blocks == 0) return {};
@@ -323,6 +377,15 @@ void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInp
       entropy_weights, row_weight);
 }
 
+// Threads per block of the pass kernels: row_threads, at most device.max_threads, and with blocks_per_sm blocks
+// of the single-read kernel sharing an SM, at most 1024 / blocks_per_sm (their registers: about 60 a thread).
+inline int pass_threads(int64_t vocab, int element_bytes, const RowResidency& device) {
+  int threads = row_threads(vocab, element_bytes);
+  const int cap = device.blocks_per_sm > 1 ? 1024 / int(device.blocks_per_sm) : 1024;
+  if (threads > device.max_threads) threads = device.max_threads;
+  return threads < cap ? threads : cap;
+}
+
 // The pass over every row: the single-read kernel where a row fits `device` (one block or a cluster), else (or if
 // the device refuses that launch) the two-read kernel.
 template <typename T, typename In>
@@ -339,7 +402,7 @@ void launch_grpo_loss_from_logits(const LogitsPassArgs& a, const LogitTransform<
       status = GRPO_ALLOW_DYNAMIC_SHARED(split.shared_bytes, grpo_loss_from_logits_resident_kernel<T, In>);
     }
     if (status == cudaSuccess) {
-      status = GRPO_LAUNCH_CLUSTER(unsigned(rows * split.cluster_blocks), row_threads(split.slice, sizeof(In)),
+      status = GRPO_LAUNCH_CLUSTER(unsigned(rows * split.cluster_blocks), pass_threads(split.slice, sizeof(In), device),
                                    split.cluster_blocks, split.shared_bytes, stream,
                                    grpo_loss_from_logits_resident_kernel<T, In>)(a, f, row_weight, grad, logps, entropy,
                                                                                  split.slice);
@@ -347,8 +410,8 @@ void launch_grpo_loss_from_logits(const LogitsPassArgs& a, const LogitTransform<
     if (status == cudaSuccess) return;
     (void)cudaGetLastError();  // refused (no GPC takes the cluster, say): clear it and take the two-read pass
   }
-  GRPO_LAUNCH(unsigned(rows), row_threads(a.logits.vocab, sizeof(In)), 0, stream, grpo_loss_from_logits_kernel<T, In>)(
-      a, f, row_weight, grad, logps, entropy);
+  GRPO_LAUNCH(unsigned(rows), pass_threads(a.logits.vocab, sizeof(In), device), 0, stream,
+              grpo_loss_from_logits_kernel<T, In>)(a, f, row_weight, grad, logps, entropy);
 }
 
 template <typename T, typename Out>

@@ -42,6 +42,34 @@ __device__ __forceinline__ void block_sum(T (&v)[N], T* scratch) {
   __syncthreads();  // the scratch may be reused right after
 }
 
+// Inclusive prefix sum of one int per thread over the block in thread order (blockDim.x a multiple of 32, at most
+// 1024): shuffles within each warp, then over the warps' totals in warp 0. `total` receives the block's sum in every
+// thread. `scratch`: 32 ints of shared memory, free again when this returns.
+__device__ __forceinline__ int block_inclusive_scan(int v, int* scratch, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int before = __shfl_up_sync(kFullWarp, v, offset);
+    if (lane >= offset) v += before;
+  }
+  if (lane == 31) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int t = lane < num_warps ? scratch[lane] : 0;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int before = __shfl_up_sync(kFullWarp, t, offset);
+      if (lane >= offset) t += before;
+    }
+    scratch[lane] = t;  // the warps' inclusive totals
+  }
+  __syncthreads();
+  total = scratch[num_warps - 1];
+  v += warp > 0 ? scratch[warp - 1] : 0;
+  __syncthreads();  // scratch is free for the caller again
+  return v;
+}
+
 inline int round_up_to_warp(int64_t n) {
   return static_cast<int>(((n + 31) / 32) * 32);
 }

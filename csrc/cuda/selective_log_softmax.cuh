@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <limits>
 #include <type_traits>
 
 #include "../common.h"
@@ -37,16 +38,54 @@ __device__ __forceinline__ SoftmaxState<T> merge_states(SoftmaxState<T> a, Softm
           (a.weighted + a.sum * (a.max - m)) * ea + (b.weighted + b.sum * (b.max - m)) * eb};
 }
 
+// exp(d) for d <= 0 (or NaN) in the softmax passes. float: __expf, one multiply and the SFU's exp2 (MUFU.EX2),
+// within 2 + 1.2|d| ulp and 0 below about -87 (no subnormal results); the library's expf is about 8 instructions.
+// The terms it is off on are those far below the max, whose share of a row's sums is as small as that error.
+template <typename T>
+__device__ __forceinline__ T softmax_exp(T d) {
+  return exp(d);
+}
+template <>
+__device__ __forceinline__ float softmax_exp<float>(float d) {
+  return __expf(d);
+}
+
 template <typename T>
 __device__ __forceinline__ SoftmaxState<T> add_logit(SoftmaxState<T> s, T z) {
   if (z == -INFINITY) return s;  // exp(-inf) adds nothing (a NaN goes on and makes the row NaN)
   if (s.sum == T(0)) return {z, T(1), T(0)};
   if (z > s.max) {  // z becomes the max; the new term is exp(0) * 0
-    const T scale = exp(s.max - z);
+    const T scale = softmax_exp(s.max - z);
     return {z, s.sum * scale + T(1), (s.weighted + s.sum * (s.max - z)) * scale};
   }
-  const T d = z - s.max, e = exp(d);
+  const T d = z - s.max, e = softmax_exp(d);
   return {s.max, s.sum + e, s.weighted + e * d};
+}
+
+// add_logit over a vector's logits z_of(in.v[k]) with one max update for the vector (its max first: z_of is
+// increasing, so that is z_of of the largest stored value), not one branch per element. The same state up to
+// rounding, and the same special values: a -inf adds nothing (its e * d is e * lowest = 0, never 0 * -inf), a NaN or
+// +inf reaches sum as NaN (d = NaN there) and so the row's results.
+template <typename T, typename In, typename Z>
+__device__ __forceinline__ SoftmaxState<T> add_logits(SoftmaxState<T> s, const Vector<In>& in, Z&& z_of) {
+  const T top = z_of(vector_max<T>(in));  // a NaN is passed over here, and caught by its d below
+  if (top > s.max || (s.sum == T(0) && top > -INFINITY)) {
+    if (s.sum == T(0)) {  // the first finite values (the empty state's max 0 means nothing)
+      s.max = top;
+    } else {  // top becomes the max: re-base the sums on it (top = +inf makes weighted NaN: the row is NaN)
+      const T shift = s.max - top, scale = softmax_exp(shift);
+      s.weighted = (s.weighted + s.sum * shift) * scale;
+      s.sum *= scale;
+      s.max = top;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < Vector<In>::kWidth; ++k) {
+    const T d = z_of(load_as<T>(&in.v[k])) - s.max, e = softmax_exp(d);
+    s.sum += e;
+    s.weighted += e * fmax(d, std::numeric_limits<T>::lowest());
+  }
+  return s;
 }
 
 template <typename T>
@@ -77,7 +116,7 @@ __device__ __forceinline__ SoftmaxState<T> block_merge(SoftmaxState<T> s, Softma
 
 // Up to 1024 threads per block (row_threads); the bound keeps every instantiation launchable at that size. `In` is
 // the logits' element type: a row with unit stride is read with 16-byte loads (vector_io.cuh). kCap: the soft-cap
-// code compiled in (launch_with_cap).
+// code compiled in (with_soft_cap).
 template <typename T, typename In, SoftCap kCap>
 __global__ void __launch_bounds__(1024)
     selective_log_softmax_forward_kernel(StridedMatrix logits, StridedMatrix ids, int64_t rows, int64_t vocab,
@@ -88,7 +127,10 @@ __global__ void __launch_bounds__(1024)
     SoftmaxState<T> s{T(0), T(0), T(0)};
     if (logits.col_stride == 1) {
       const In* x = static_cast<const In*>(logits.data) + row * logits.row_stride;
-      for_each_in_row<T>(x, vocab, [&](int64_t, T z) { s = add_logit(s, f.template z_with<kCap>(z)); });
+      const auto z_of = [&](T logit) { return f.template z_with<kCap>(logit); };
+      for_each_in_row<T>(
+          x, vocab, [&](T logit) { s = add_logit(s, z_of(logit)); },
+          [&](const auto& chunk) { s = add_logits(s, chunk, z_of); });
     } else {
       for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
         s = add_logit(s, f.template z_with<kCap>(logits.load<T>(row, v)));
@@ -131,7 +173,7 @@ __global__ void __launch_bounds__(1024)
     }
     const auto grad = [&](int64_t v, T logit) {
       const T z = f.template z_with<kCap>(logit);
-      const T p = exp(z - lse);
+      const T p = softmax_exp(z - lse);
       const T onehot = v == id ? gl : T(0);
       const T spread = p > T(0) ? p * (z - mean_z) : T(0);  // a -inf logit: p = 0, and not 0 * -inf
       return (onehot - gl * p - gh * spread) * f.template slope_with<kCap>(z);
@@ -149,21 +191,6 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// launch(std::integral_constant<SoftCap, kCap>) for the soft-cap code of f: the cap as a compile-time choice for
-// float32 accumulation (the tanh path in the uncapped loop cost the float32 backward 20 registers: 32 -> 52, half
-// the occupancy at 1024 threads); the run-time flag for float64, the reference dtype, where ptxas puts either
-// compile-time kernel at 32 registers and spills (the uncapped forward 240 B) but the run-time one at 52 without.
-template <typename T, typename Launch>
-void launch_with_cap(const LogitTransform<T>& f, Launch&& launch) {
-  if constexpr (std::is_same_v<T, double>) {
-    launch(std::integral_constant<SoftCap, SoftCap::kRuntime>());
-  } else if (f.capped) {
-    launch(std::integral_constant<SoftCap, SoftCap::kOn>());
-  } else {
-    launch(std::integral_constant<SoftCap, SoftCap::kOff>());
-  }
-}
-
 template <typename T>
 void launch_selective_log_softmax_forward(const StridedMatrix& logits, const StridedMatrix& ids, int64_t rows,
                                           int64_t vocab, const LogitTransform<T>& f, T* logps, T* entropy, T* row_stats,
@@ -173,7 +200,7 @@ void launch_selective_log_softmax_forward(const StridedMatrix& logits, const Str
   const unsigned blocks = static_cast<unsigned>(rows < max_blocks ? rows : max_blocks);
   const auto launch = [&](auto element) {  // the kernel for the logits' element type and the cap
     using In = decltype(element);
-    launch_with_cap(f, [&](auto cap) {
+    with_soft_cap(f, [&](auto cap) {
       GRPO_LAUNCH(blocks, row_threads(vocab, sizeof(In)), 0, stream,
                   selective_log_softmax_forward_kernel<T, In, decltype(cap)::value>)(logits, ids, rows, vocab, f, logps,
                                                                                      entropy, row_stats);
@@ -198,7 +225,7 @@ void launch_selective_log_softmax_backward(const StridedMatrix& logits, const St
   if (rows == 0) return;
   const int64_t max_blocks = int64_t(1) << 30;
   const unsigned blocks = static_cast<unsigned>(rows < max_blocks ? rows : max_blocks);
-  launch_with_cap(f, [&](auto cap) {
+  with_soft_cap(f, [&](auto cap) {
     GRPO_LAUNCH(blocks, row_threads(vocab, sizeof(Out)), 0, stream,
                 selective_log_softmax_backward_kernel<T, Out, decltype(cap)::value>)(
         logits, ids, grad_logps, grad_entropy, row_stats, rows, vocab, f, grad_logits);

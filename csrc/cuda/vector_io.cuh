@@ -81,17 +81,39 @@ __device__ __forceinline__ void for_each_vector(const Vector<In>* body, int64_t 
   }
 }
 
-// f(v, x[v] as T) for every element of x[0, n): scalar head and tail, vector body.
-template <typename T, typename In, typename F>
-__device__ __forceinline__ void for_each_in_row(const In* x, int64_t n, F&& f) {
+// The largest of a vector's elements as T (NaN passed over, as fmax does): packed max instructions for 16-bit
+// types, two elements per instruction, before any conversion.
+template <typename T, typename In>
+__device__ __forceinline__ T vector_max(const Vector<In>& in) {
+  T top = load_as<T>(&in.v[0]);
+#pragma unroll
+  for (int k = 1; k < Vector<In>::kWidth; ++k) top = fmax(top, load_as<T>(&in.v[k]));
+  return top;
+}
+template <>
+__device__ __forceinline__ float vector_max<float, __nv_bfloat16>(const Vector<__nv_bfloat16>& in) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(in.v);
+  const __nv_bfloat162 top = __hmax2(__hmax2(pairs[0], pairs[1]), __hmax2(pairs[2], pairs[3]));
+  return fmaxf(__low2float(top), __high2float(top));
+}
+template <>
+__device__ __forceinline__ float vector_max<float, __half>(const Vector<__half>& in) {
+  const __half2* pairs = reinterpret_cast<const __half2*>(in.v);
+  const __half2 top = __hmax2(__hmax2(pairs[0], pairs[1]), __hmax2(pairs[2], pairs[3]));
+  return fmaxf(__low2float(top), __high2float(top));
+}
+
+// Every element of x[0, n), in a fixed order per thread: one(value as T) for each element of the scalar head and
+// tail, chunk(vector) for each 16-byte vector of the body (its W elements in order, as stored), so that a softmax
+// pass can rescale once per vector instead of once per element.
+template <typename T, typename In, typename One, typename Chunk>
+__device__ __forceinline__ void for_each_in_row(const In* x, int64_t n, One&& one, Chunk&& chunk) {
   constexpr int W = Vector<In>::kWidth;
   const int64_t head = vector_head(x, n), vectors = (n - head) / W;
-  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) f(v, load_as<T>(x + v));
-  for_each_vector(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
-#pragma unroll
-    for (int k = 0; k < W; ++k) f(head + i * W + k, load_as<T>(&in.v[k]));
-  });
-  for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) f(v, load_as<T>(x + v));
+  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) one(load_as<T>(x + v));
+  for_each_vector(reinterpret_cast<const Vector<In>*>(x + head), vectors,
+                  [&](int64_t, const Vector<In>& in) { chunk(in); });
+  for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) one(load_as<T>(x + v));
 }
 
 // out[v] = f(v, x[v] as T) for every element of [0, n): vector loads as for_each_in_row, and vector stores where
@@ -124,27 +146,27 @@ __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, 
   }
 }
 
-// staged[0, n) = x[0, n) as stored (no conversion), and f(x[v] as T) for each element: 16-byte loads and stores in
-// the body. `staged` (shared memory) must have x's offset from a 16-byte boundary.
-template <typename T, typename In, typename F>
-__device__ __forceinline__ void stage_row(const In* x, In* staged, int64_t n, F&& f) {
+// staged[0, n) = x[0, n) as stored (no conversion), and each element to one (head and tail, as T) or chunk (a
+// vector, as stored), as for_each_in_row: 16-byte loads and stores in the body. `staged` (shared memory) must
+// have x's offset from a 16-byte boundary.
+template <typename T, typename In, typename One, typename Chunk>
+__device__ __forceinline__ void stage_row(const In* x, In* staged, int64_t n, One&& one, Chunk&& chunk) {
   constexpr int W = Vector<In>::kWidth;
   const int64_t head = vector_head(x, n), vectors = (n - head) / W;
   for (int64_t v = threadIdx.x; v < head; v += blockDim.x) {
     const In value = x[v];
     staged[v] = value;
-    f(load_as<T>(&value));
+    one(load_as<T>(&value));
   }
   Vector<In>* body = reinterpret_cast<Vector<In>*>(staged + head);
   for_each_vector(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
     body[i] = in;
-#pragma unroll
-    for (int k = 0; k < W; ++k) f(load_as<T>(&in.v[k]));
+    chunk(in);
   });
   for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) {
     const In value = x[v];
     staged[v] = value;
-    f(load_as<T>(&value));
+    one(load_as<T>(&value));
   }
 }
 

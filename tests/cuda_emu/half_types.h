@@ -74,3 +74,35 @@ inline __half __float2half_rn(float f) {
 inline float __half2float(__half h) {
   return ::cuda_emu::half_bits_to_float(h.x);
 }
+
+// Pairs of 16-bit values (two lanes of a 32-bit register on the GPU) and the packed max the row kernels take of a
+// vector: per lane, the larger; a NaN lane gives the other operand (NaN only when both are), as __hmax2 does.
+struct __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+};
+struct __half2 {
+  __half x, y;
+};
+inline float packed_max_lane(float a, float b) {
+  return std::isnan(a) ? b : (std::isnan(b) ? a : (a > b ? a : b));
+}
+inline __nv_bfloat162 __hmax2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return {__float2bfloat16_rn(packed_max_lane(__bfloat162float(a.x), __bfloat162float(b.x))),
+          __float2bfloat16_rn(packed_max_lane(__bfloat162float(a.y), __bfloat162float(b.y)))};
+}
+inline __half2 __hmax2(__half2 a, __half2 b) {
+  return {__float2half_rn(packed_max_lane(__half2float(a.x), __half2float(b.x))),
+          __float2half_rn(packed_max_lane(__half2float(a.y), __half2float(b.y)))};
+}
+inline float __low2float(__nv_bfloat162 v) {
+  return __bfloat162float(v.x);
+}
+inline float __high2float(__nv_bfloat162 v) {
+  return __bfloat162float(v.y);
+}
+inline float __low2float(__half2 v) {
+  return __half2float(v.x);
+}
+inline float __high2float(__half2 v) {
+  return __half2float(v.y);
+}

@@ -94,6 +94,15 @@ MUTATIONS = [
     Mutation("dropped guard", "softmax backward: a row with no upstream gradient gets 0 * its (NaN) gradient",
              "cuda/selective_log_softmax.cuh", "const bool inert = gl == T(0) && gh == T(0);",
              "const bool inert = false;"),
+    Mutation("empty state taken for a real one", "add_logits: a thread's first vector rebased on the empty state's "
+             "max 0 (exp(-115) = 0 terms)", "cuda/selective_log_softmax.cuh",
+             "if (top > s.max || (s.sum == T(0) && top > -INFINITY)) {", "if (top > s.max) {"),
+    Mutation("lost carry", "group_ids offsets: each batch of tiles scanned from 0 (the rows of the batches before "
+             "forgotten)", "cuda/group_rows.cuh",
+             "  int carry = 0;  // the counts of the tiles before\n  for (int64_t base = 0; base < num_groups; "
+             "base += int64_t(kScanBatch) * blockDim.x) {\n",
+             "  for (int64_t base = 0; base < num_groups; base += int64_t(kScanBatch) * blockDim.x) {\n"
+             "  int carry = 0;\n"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

@@ -85,14 +85,15 @@ std::vector<Tensor> selective_log_softmax_backward(Args& a) {
 
 // What the emulated device offers the single-read pass (its limits come from the driver's command line).
 // CUDA_EMU_CLAIM_MAX_CLUSTER=n tells the launcher that clusters of n blocks fit where the device takes fewer: a GPU
-// that reports sm_90 and then refuses the cluster (no GPC free for it), to test the launcher's fallback.
+// that reports sm_90 and then refuses the cluster (no GPC free for it), to test the launcher's fallback. The layout
+// variables (GRPO_EXT_LOGITS_THREADS, ..._RESIDENT_BLOCKS_PER_SM) are read as the CUDA binding reads them.
 grpo_ext::RowResidency row_residency() {
   const DeviceLimits& d = device_limits();
   grpo_ext::RowResidency residency{d.max_shared_per_block, d.max_cluster_blocks};
   if (const char* claim = std::getenv("CUDA_EMU_CLAIM_MAX_CLUSTER")) {
     residency.max_cluster_blocks = static_cast<unsigned>(std::strtoul(claim, nullptr, 10));
   }
-  return residency;
+  return grpo_ext::with_layout_from_env(residency);
 }
 
 // The entropy bonus' arguments: its coefficient and the weights of the tokens in its mean (absent: every kept one).

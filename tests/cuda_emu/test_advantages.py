@@ -139,6 +139,18 @@ def test_group_advantages_shuffled_group_ids_across_tiles(emu, mode):
                                                   singleton_groups=singletons))  # fmt: skip
 
 
+def test_group_ids_offsets_scanned_over_several_batches(emu):
+    """More groups than the count kernel's last block scans in one batch of tiles (kScanBatch x 1024 = 8192), empty
+    groups among them: each batch starts from the rows of the batches before it (the carry)."""
+    g = torch.Generator().manual_seed(9)
+    num_groups = 8 * 1024 + 900
+    sizes = torch.randint(0, 3, (num_groups,), generator=g)
+    ids = torch.repeat_interleave(torch.arange(num_groups), sizes)
+    ids = ids[torch.randperm(len(ids), generator=g)]
+    rewards = random_rewards(len(ids), 1, seed=9)[:, 0].float()
+    check_op(emu, "group_advantages", *group_args(rewards, 0, MODES[0], group_ids=ids, num_groups=num_groups))
+
+
 # The H100 benchmark's shapes (benchmarks/bench_group_advantages.py): prompts x G.
 BENCH_SHAPES = [(8, 8), (64, 16), (1024, 16), (4096, 16), (8192, 64), (65536, 8)]
 

@@ -74,6 +74,28 @@ def test_selective_log_softmax_confident_tokens(emu):
     softmax_round_trip(emu, logits.float(), ids, 1.0)
 
 
+@pytest.mark.parametrize("shift", [-115.0, 115.0])
+def test_rows_far_from_zero(emu, emu_small_shared, shift):
+    """Every finite logit of a row below -100 (or above +100), float32 (issue 32 item 6): a thread's online softmax
+    starts from an empty state whose max (0) is no logit's; a pass that took it for one would add exp(-115) = 0
+    terms (or rescale from it). V=4099 (vector body and scalar tail), a row whose first entries are -inf (a thread's
+    first vector all -inf); the selective op and the fused pass: single-read in one block (emu), two-read and
+    single-read over a cluster of 6 (bf16) on emu_small_shared."""
+    logits, ids = make_logits(6, 4099, seed=12)
+    logits = logits + shift
+    logits[1, :9] = float("-inf")
+    ids[1] = 20
+    softmax_round_trip(emu, logits.float(), ids, 0.7)
+    logits, ids, adv, mask, old, ref = make_problem(2, 3, 4099, seed=12)
+    logits[0, 1, :9] = float("-inf")
+    ids[0, 1] = 20
+    mask[0] = True
+    for device, dtype in ((emu, torch.float32), (emu_small_shared, torch.float32), (emu_small_shared, torch.bfloat16)):
+        args = pass_args((logits + shift).to(dtype), ids.reshape(-1), adv.float(), mask, temperature=0.9,
+                         old_logps=old.float(), ref_logps=ref.float(), beta=0.1, loss_type="dapo")  # fmt: skip
+        check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("logit", [(1.0, 0.0), (1.7, 2.5)])
 def test_selective_log_softmax_zero_upstream_rows_get_exactly_zero_gradient(emu, dtype, logit):
@@ -368,6 +390,33 @@ def test_logits_pass_falls_back_when_the_device_refuses_the_cluster(monkeypatch)
         launched = kernels_launched(device, lambda: check_op(device, "grpo_loss_from_logits_pass", *args,
                                                              tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
         assert PASS_KERNELS["two-read"] in launched
+    finally:
+        assert not device.close()
+
+
+@pytest.mark.parametrize(
+    ("layout", "path"),
+    [
+        ({"GRPO_EXT_LOGITS_THREADS": "512"}, "resident"),  # the rows over clusters of 2 blocks of 512 threads
+        ({"GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM": "2"}, "resident"),  # parts for 2 blocks an SM: clusters of 8
+        ({"GRPO_EXT_LOGITS_THREADS": "256", "GRPO_EXT_LOGITS_SINGLE_READ": "0"}, "two-read"),
+    ],
+)
+def test_logits_pass_layout_candidates(monkeypatch, layout, path):
+    """Issue 32's layouts, chosen at run time by the binding's environment variables (with_layout_from_env in
+    csrc/cuda/grpo_loss_from_logits.cuh): the same outputs as the CPU kernel under every schedule, on a device with 4
+    KiB of shared memory per block (V=1000 float32: a cluster of 2 blocks, or of 8 with half the shared memory each)."""
+    for name, value in layout.items():
+        monkeypatch.setenv(name, value)  # the drivers start on the first call, with these set
+    device = EmuDevice(CSRC, shared_per_block=4096, max_cluster=8)
+    try:
+        logits, ids, adv, mask, old, ref = make_problem(2, 3, 1000, seed=31, per_token_adv=True)
+        args = pass_args(logits.float().reshape(6, 1000), ids.reshape(-1), adv.float(), mask, temperature=0.7,
+                         old_logps=old.float(), ref_logps=ref.float(), beta=0.1, loss_type="dapo",
+                         entropy_coef=0.2)  # fmt: skip
+        launched = kernels_launched(device, lambda: check_op(device, "grpo_loss_from_logits_pass", *args,
+                                                             tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
+        assert PASS_KERNELS[path] in launched
     finally:
         assert not device.close()
 
