@@ -6,9 +6,9 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
 * ``logits N=.. V=.. dtype`` (``grpo_loss_from_logits``; ``[B, T, V]`` with ``T = min(N, 1024)``, prefix masks of
   random length (about half of the tokens kept), ``dapo``, beta 0.04, temperature 0.9, old and ref log-probs):
   ``copy`` (a device-to-device copy of the logits: the yardstick, one read and one write), ``grpo_ext`` (the
-  default path: on CUDA the single-read pass wherever a row fits on chip), the other layouts of the pass on CUDA
-  (``LAYOUTS``: ``grpo_ext/two-read``, ``GRPO_EXT_LOGITS_SINGLE_READ=0``; the two-read pass with blocks of 512
-  threads; the single-read pass with two blocks per SM), ``grpo_ext+entropy`` (``entropy_coef=0.01``), ``liger``
+  default path: on CUDA the two-read pass), the other layouts of the pass on CUDA (``LAYOUTS``: the single-read
+  pass, ``GRPO_EXT_LOGITS_SINGLE_READ=1``; the two-read pass with blocks of 512 threads; the single-read pass with
+  two blocks per SM), ``grpo_ext+entropy`` (``entropy_coef=0.01``), ``liger``
   (``triton_grpo_loss``, CUDA only), ``compile`` (``torch.compile`` of the float reference, with ``--compile``).
 * ``selective N=.. V=.. dtype``: ``grpo_ext fwd`` (log-probs and entropy, no autograd) against ``read`` (half a
   copy: one read of the logits), ``grpo_ext bwd`` (the gradient for a random upstream one) against ``copy``.
@@ -32,7 +32,6 @@ Usage::
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -114,29 +113,14 @@ def loss_kwargs(inputs: dict[str, Any]) -> dict[str, Any]:
                 epsilon=EPSILON, temperature=TEMPERATURE)  # fmt: skip
 
 
-def with_env(variables: dict[str, str], fn: Step) -> Step:
-    """``fn`` run with the environment variables set (the CUDA launcher reads them at each call)."""
-
-    def step():
-        before = {name: os.environ.get(name) for name in variables}
-        os.environ.update(variables)
-        try:
-            return fn()
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    del os.environ[name]
-                else:
-                    os.environ[name] = value
-
-    return step
-
-
 # The fused pass's layout candidates (csrc/cuda/grpo_loss_from_logits.cuh, with_layout_from_env), timed side by side.
 LAYOUTS = {
-    "grpo_ext/two-read": {"GRPO_EXT_LOGITS_SINGLE_READ": "0"},
-    "grpo_ext/two-read 512": {"GRPO_EXT_LOGITS_SINGLE_READ": "0", "GRPO_EXT_LOGITS_THREADS": "512"},
-    "grpo_ext/single-read 2 per SM": {"GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM": "2"},
+    "grpo_ext/single-read": {"GRPO_EXT_LOGITS_SINGLE_READ": "1"},
+    "grpo_ext/two-read 512": {"GRPO_EXT_LOGITS_THREADS": "512"},
+    "grpo_ext/single-read 2 per SM": {
+        "GRPO_EXT_LOGITS_SINGLE_READ": "1",
+        "GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM": "2",
+    },
 }
 
 
@@ -156,7 +140,7 @@ def logits_steps(inputs: dict[str, Any], device: torch.device, compile_: bool) -
     steps: dict[str, Step | None] = {"grpo_ext": fused()}
     notes: dict[str, str] = {}
     if device.type == "cuda":
-        steps.update({name: with_env(variables, fused()) for name, variables in LAYOUTS.items()})
+        steps.update({name: peers.with_env(variables, fused()) for name, variables in LAYOUTS.items()})
     steps["grpo_ext+entropy"] = fused(entropy_coef=ENTROPY_COEF)
     steps["liger"], reason = liger_step(inputs, leaf, BETA, device)
     if reason:

@@ -12,8 +12,9 @@ Peers, side by side on the same inputs:
 * ``grpo_ext``: ``grpo_ext.grpo_loss_from_logits``.
 * ``grpo_ext+inplace``: ``inplace_grad=True``; each call first clones the logits (the in-place call consumes them),
   and that clone is part of the time: the row is about memory.
-* ``grpo_ext/two-read`` (CUDA): ``grpo_ext`` with ``GRPO_EXT_LOGITS_SINGLE_READ=0``: every row on the kernel that reads
-  it a second time to write its gradient, instead of staging it on chip (benchmarks/NOTES.md: the single-read pass).
+* ``grpo_ext/single-read`` (CUDA): ``grpo_ext`` with ``GRPO_EXT_LOGITS_SINGLE_READ=1``: rows that fit on chip staged
+  there and read once, where the default (the two-read pass, faster on an H100) reads each row a second time to
+  write its gradient (benchmarks/NOTES.md: the single-read pass).
 
 Each call computes the loss and its gradient w.r.t. the logits. Before timing, every peer but compile is checked
 against ``grpo_ext.reference.grpo_loss_from_logits`` in float64 on the first rows of the same inputs
@@ -34,7 +35,6 @@ Usage::
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,20 +74,8 @@ def make_steps(inputs: dict[str, Any], beta: float, device: torch.device) -> tup
 
     fused = fused_loss.loss_step(grpo_ext.grpo_loss_from_logits, [leaf], inputs, beta)
     steps.update(eager=eager, grpo_ext=fused, **{"grpo_ext+inplace": fused_inplace})
-    if device.type == "cuda":
-
-        def two_read():
-            before = os.environ.get("GRPO_EXT_LOGITS_SINGLE_READ")
-            os.environ["GRPO_EXT_LOGITS_SINGLE_READ"] = "0"  # read by the launcher at each call
-            try:
-                return fused()
-            finally:
-                if before is None:
-                    del os.environ["GRPO_EXT_LOGITS_SINGLE_READ"]
-                else:
-                    os.environ["GRPO_EXT_LOGITS_SINGLE_READ"] = before
-
-        steps["grpo_ext/two-read"] = two_read
+    if device.type == "cuda":  # the launcher reads the variable at each call
+        steps["grpo_ext/single-read"] = peers.with_env({"GRPO_EXT_LOGITS_SINGLE_READ": "1"}, fused)
     steps["liger"], reason = liger_step(inputs, leaf, beta, device)
     if reason:
         notes["liger"] = reason

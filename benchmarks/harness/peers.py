@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -209,3 +210,21 @@ def outputs_of(
 def available(steps: dict[str, Any]) -> str:
     """``"eager, compile, grpo_ext"``: the peers that run, for the check line."""
     return ", ".join(name for name in PEER_ORDER if steps.get(name) is not None)
+
+
+def with_env(variables: dict[str, str], fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with the environment variables set (the CUDA launcher reads them at each call)."""
+
+    def step():
+        before = {name: os.environ.get(name) for name in variables}
+        os.environ.update(variables)
+        try:
+            return fn()
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
+
+    return step

@@ -8,7 +8,7 @@ namespace grpo_ext {
 namespace {
 
 // What the current device offers the single-read pass (attribute queries: no sync), and the layout the environment
-// asks for (with_layout_from_env: GRPO_EXT_LOGITS_SINGLE_READ=0 keeps every row on the two-read pass, ...).
+// asks for (with_layout_from_env: the two-read pass unless GRPO_EXT_LOGITS_SINGLE_READ=1, ...).
 RowResidency row_residency(const CudaCall& call) {
   const int shared = call.attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int major = call.attribute(cudaDevAttrComputeCapabilityMajor);

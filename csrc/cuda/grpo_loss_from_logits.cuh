@@ -309,15 +309,17 @@ struct RowResidency {
 };
 
 // The layout candidates of issue 32, chosen at run time so that one GPU session compares them all (read at each
-// call; anything else keeps the default): GRPO_EXT_LOGITS_SINGLE_READ=0 keeps every row on the two-read kernel;
-// GRPO_EXT_LOGITS_THREADS=256|512 caps the threads per block (two blocks of 512 per SM, where one of 1024 leaves
-// the SM idle while its block merges and finishes a row); GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2 halves the
-// single-read kernel's part of a row (more blocks per cluster), so that two blocks, of at most 512 threads, share
-// an SM and one's load overlaps the other's gradient.
+// call; anything else keeps the default). The default is the two-read kernel for every row: on an H100 it was
+// faster than the single-read one on every shape measured (2026-11-26, benchmarks/RESULTS.md), so that path waits
+// behind GRPO_EXT_LOGITS_SINGLE_READ=1 until a layout makes it win. GRPO_EXT_LOGITS_THREADS=256|512 caps the
+// threads per block (two blocks of 512 per SM, where one of 1024 leaves the SM idle while its block merges and
+// finishes a row); GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2 halves the single-read kernel's part of a row (more
+// blocks per cluster), so that two blocks, of at most 512 threads, share an SM and one's load overlaps the other's
+// gradient.
 inline RowResidency with_layout_from_env(RowResidency device) {
-  if (const char* single_read = std::getenv("GRPO_EXT_LOGITS_SINGLE_READ")) {
-    if (std::strcmp(single_read, "0") == 0) device.shared_per_block = 0, device.max_cluster_blocks = 0;
-  }
+  const char* single_read = std::getenv("GRPO_EXT_LOGITS_SINGLE_READ");
+  if (single_read == nullptr || std::strcmp(single_read, "1") != 0)
+    device.shared_per_block = 0, device.max_cluster_blocks = 0;
   if (const char* threads = std::getenv("GRPO_EXT_LOGITS_THREADS")) {
     if (std::strcmp(threads, "256") == 0) device.max_threads = 256;
     if (std::strcmp(threads, "512") == 0) device.max_threads = 512;

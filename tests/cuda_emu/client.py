@@ -41,6 +41,11 @@ _DTYPES = {
 }  # fmt: skip
 _NAMES = {name: dtype for dtype, name in _DTYPES.items()}
 # Sanitizer options: stop at the first report, with a stack; leaks are reported when the driver exits.
+# Defaults the environment may override: the emulated devices take the single-read logits pass where a row fits (the
+# GPU default is the two-read pass, csrc/cuda/grpo_loss_from_logits.cuh with_layout_from_env), so that the suite runs
+# both kernels: the two-read one on devices without clusters (max_cluster=0), rows too large, or
+# GRPO_EXT_LOGITS_SINGLE_READ=0.
+_ENV_DEFAULTS = {"GRPO_EXT_LOGITS_SINGLE_READ": "1"}
 _ENV = {
     "ASAN_OPTIONS": "halt_on_error=1:abort_on_error=0:detect_leaks=1:detect_stack_use_after_return=0",
     "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
@@ -100,7 +105,7 @@ class _Driver:
         self.stderr = tempfile.TemporaryFile()
         cmd = [str(self.exe), "--order", self.order, "--grid-cap", str(self.grid_cap), *self.device_flags]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                        env={**os.environ, **_ENV})  # fmt: skip
+                                        env={**_ENV_DEFAULTS, **os.environ, **_ENV})  # fmt: skip
 
     def send(self, request: bytes) -> None:
         self.start()

@@ -351,12 +351,12 @@ def grpo_loss_from_logits(
     """Fused GRPO loss from logits: log-probs, entropy, loss, metrics and d loss / d logits (docs/math.md sections 2-7).
 
     Token-level losses read each logits row once for its softmax statistics and write its gradient in the same
-    kernel; no ``[N, V]`` float temporary is made. On CUDA a row that fits on chip is read from memory once (staged in
-    shared memory, over a thread-block cluster of up to 8 blocks on sm_90: V=151936 in bf16 or float32 on an H100);
-    a larger row is read a second time to write its gradient (from L2 where it is still there).
-    ``GRPO_EXT_LOGITS_SINGLE_READ=0`` keeps every row on the two-read kernel; ``GRPO_EXT_LOGITS_THREADS=512`` and
-    ``GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2`` pick the other layouts of the pass on the SM (benchmarks/NOTES.md),
-    all read at each call so that one run compares them (``benchmarks/bench_floor.py``). Sequence-level
+    kernel; no ``[N, V]`` float temporary is made. On CUDA each row is read a second time to write its gradient
+    (from L2 where it is still there): on an H100 that was faster than staging the row on chip to read it once
+    (``GRPO_EXT_LOGITS_SINGLE_READ=1``: shared memory over a thread-block cluster of up to 8 blocks on sm_90).
+    ``GRPO_EXT_LOGITS_THREADS=512`` and ``GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2`` pick the other layouts of the
+    pass on the SM (benchmarks/NOTES.md), all read at each call so that one run compares them
+    (``benchmarks/bench_floor.py``). Sequence-level
     losses (GSPO) take a second pass, since a row's ratio needs all its log-probs first. Masked rows are never read
     and get a zero gradient. The backward only scales the gradient by the incoming one (skipped when it is 1).
 
