@@ -1,7 +1,8 @@
 """Benchmark of one full GRPO training step: grpo_ext's trainer (plain / fused log-probs), TRL's, GRPOExtTrainer.
 
 Each contender runs in a fresh process (so that its peak memory is its own) on the same tiny random-init Qwen2-style
-model (hidden 256, 2 layers, untied LM head, float32 on the CPU; built in the script, nothing downloaded) and the
+model (hidden 256, 2 layers, 4 heads, untied LM head, float32 on the CPU, or the shape --hidden, --layers, --heads,
+--kv-heads and --intermediate give; built in the script, nothing downloaded) and the
 same batch (``--batch`` completions, ``num_generations`` 4, prompts of ``--prompt-length`` tokens, completions of
 exactly ``T`` tokens, ``loss_type="dapo"``, ``beta=0``, one micro-batch per step). Contenders:
 
@@ -89,8 +90,9 @@ def build_model(case: dict[str, Any], tokenizer, device: torch.device):
     import transformers
 
     config = transformers.Qwen2Config(
-        vocab_size=case["vocab"], hidden_size=case["hidden"], intermediate_size=2 * case["hidden"],
-        num_hidden_layers=case["layers"], num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=case["vocab"], hidden_size=case["hidden"],
+        intermediate_size=case.get("intermediate") or 2 * case["hidden"], num_hidden_layers=case["layers"],
+        num_attention_heads=case.get("heads", 4), num_key_value_heads=case.get("kv_heads", 2),
         max_position_embeddings=case["prompt_length"] + case["length"] + 8, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
@@ -352,6 +354,10 @@ def main() -> None:
     parser.add_argument("--prompt-length", type=int, default=None, help="prompt tokens (default 32; quick: 4)")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (default 256; quick: 32)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (Qwen2.5-0.5B: 14)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (Qwen2.5-0.5B: 2)")
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help="MLP width (default 2 x hidden; Qwen2.5-0.5B: 4864)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 3; quick: 1)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated: " + ", ".join(CONTENDERS))
     parser.add_argument("--max-logits-gib", type=float, default=None,
@@ -374,7 +380,8 @@ def main() -> None:
     lengths = [int(t) for t in cli.parse_list(args.lengths or ("16" if quick else "256,1024"))]
     shape = dict(
         batch=args.batch or (4 if quick else 8), prompt_length=args.prompt_length or (4 if quick else 32),
-        hidden=args.hidden or (32 if quick else 256), layers=args.layers, steps=args.steps or (1 if quick else 3),
+        hidden=args.hidden or (32 if quick else 256), layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+        intermediate=args.intermediate, steps=args.steps or (1 if quick else 3),
         seed=args.seed, device=str(device), generation=not args.no_generation, options=parse_options(args.options),
     )  # fmt: skip
     if shape["batch"] % NUM_GENERATIONS:

@@ -66,9 +66,10 @@ if [[ "$what" == all || "$what" == bench ]]; then
   stage "bench_overhead"
   timeout 45 python3 benchmarks/bench_overhead.py --device cuda --sizes 64x1024x64 --out "$OUT/bench_overhead.json" \
     2>&1 | tee "$OUT/bench_overhead.txt"
-  stage "bench_trainer (V=151936, hidden 896, 24 layers: Qwen2.5-0.5B's vocabulary, width and depth)"
-  timeout 150 python3 benchmarks/bench_trainer.py --vocabs 151936 --hidden 896 --layers 24 --lengths 1024 \
-    --batch 8 --steps 3 --no-generation --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
+  stage "bench_trainer (Qwen2.5-0.5B's shape, random weights, its LM head untied)"
+  timeout 150 python3 benchmarks/bench_trainer.py --vocabs 151936 --hidden 896 --layers 24 --heads 14 --kv-heads 2 \
+    --intermediate 4864 --lengths 1024 --batch 8 --steps 3 --no-generation \
+    --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
     --out "$OUT/bench_trainer.json" 2>&1 | tee "$OUT/bench_trainer.txt"
 fi
 stage done

@@ -276,10 +276,16 @@ def element_width(name: str) -> int:
 
 
 def loop_kind(loop: sass_loops.Loop) -> str:
-    """What a row loop does: reads statistics, or writes the gradient (16-byte global stores); with the soft cap's
-    tanh (its reciprocal, MUFU.RCP) where the kernel picks the cap at run time."""
-    kind = "gradient" if any(op.startswith("STG") for op in loop.opcodes) else "statistics"
-    return kind + (", soft cap" if any(op.startswith("MUFU.RCP") for op in loop.opcodes) else "")
+    """What a row loop does: reads statistics, or writes the gradient (global stores); with the soft cap's tanh (its
+    reciprocal, MUFU.RCP) where the kernel picks the cap at run time; a gradient loop with the entropy bonus's term
+    (its d clamped to the lowest float: FMNMX with -3.4e38)."""
+    gradient = any(op.startswith("STG") for op in loop.opcodes)
+    kind = "gradient" if gradient else "statistics"
+    if any(op.startswith("MUFU.RCP") for op in loop.opcodes):
+        kind += ", soft cap"
+    pairs = zip(loop.opcodes, loop.operands, strict=True)
+    lowest_clamp = any(op.startswith("FMNMX") and "3.40282" in rest for op, rest in pairs)
+    return kind + (", entropy bonus" if gradient and lowest_clamp else "")
 
 
 def row_loop_section(kernels: list[Kernel]) -> str:

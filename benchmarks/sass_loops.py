@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ class Loop:
     start: int  # address of the loop's first instruction (the branch target)
     end: int  # address of its backward branch
     opcodes: list[str]
+    operands: list[str] = dataclasses.field(default_factory=list)  # each instruction's operands, as printed
 
     @property
     def wide_loads(self) -> int:
@@ -76,8 +78,8 @@ def loops(instructions: list[tuple[int, str, str]]) -> list[Loop]:
             target = BRANCH_TARGET.search(operands)
             if target and int(target.group(1), 16) < address:
                 start = int(target.group(1), 16)
-                body = [op for a, op, _ in instructions if start <= a <= address]
-                found.append(Loop(start, address, body))
+                body = [(op, rest) for a, op, rest in instructions if start <= a <= address]
+                found.append(Loop(start, address, [op for op, _ in body], [rest for _, rest in body]))
     return found
 
 

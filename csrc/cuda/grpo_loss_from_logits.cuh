@@ -167,9 +167,9 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const T* row
 // out[v] = d/dx_v of g * logp for the row's elements [lo, lo + n) read from `x` (the row at `x - lo`):
 // g * (onehot - p_v) * dz/dx, the chosen entry as -g * expm1(logp) (exact where p -> 1); with the entropy bonus, plus
 // e * p_v * (z_v - E_p[z]) (0 where p_v = 0, a -inf logit included).
-template <SoftCap kCap, typename T, typename In>
-__device__ __forceinline__ void write_row_grad(const LogitTransform<T>& f, const PassShared<T>& sh, const In* x,
-                                               In* out, int64_t lo, int64_t n) {
+template <SoftCap kCap, bool kEntropy, typename T, typename In>
+__device__ __forceinline__ void write_row_grad_with(const LogitTransform<T>& f, const PassShared<T>& sh, const In* x,
+                                                    In* out, int64_t lo, int64_t n) {
   const T z_max = sh.row_max, log_sum = sh.row_log_sum, g = sh.row_g;
   const T e = sh.row_entropy_weight, mean_shift = sh.row_mean_shift;
   const int64_t id = sh.row_id - lo;
@@ -178,9 +178,21 @@ __device__ __forceinline__ void write_row_grad(const LogitTransform<T>& f, const
     const T z = f.template z_with<kCap>(logit), d = z - z_max;
     const T p = softmax_exp(d - log_sum);
     T value = v == id ? chosen : -g * p;
-    if (e != T(0) && p != T(0)) value += e * p * (d - mean_shift);
+    // p * (d - E_p[z] + max) with no branch: where p = 0 (a -inf logit, d = -inf) d is taken as the lowest float,
+    // so the term is 0 * finite = 0, never 0 * -inf; a NaN p stays NaN.
+    if constexpr (kEntropy) value += e * p * (fmax(d, std::numeric_limits<T>::lowest()) - mean_shift);
     return value * f.template slope_with<kCap>(z);
   });
+}
+// The row's gradient loop with the entropy bonus' term compiled in only where the row has one (a uniform branch).
+template <SoftCap kCap, typename T, typename In>
+__device__ __forceinline__ void write_row_grad(const LogitTransform<T>& f, const PassShared<T>& sh, const In* x,
+                                               In* out, int64_t lo, int64_t n) {
+  if (sh.row_entropy_weight != T(0)) {
+    write_row_grad_with<kCap, true>(f, sh, x, out, lo, n);
+  } else {
+    write_row_grad_with<kCap, false>(f, sh, x, out, lo, n);
+  }
 }
 
 // This thread's softmax state of x[0, n) (one rescale per vector), and the same while staging it (single-read pass).

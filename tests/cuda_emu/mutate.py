@@ -103,6 +103,9 @@ MUTATIONS = [
              "base += int64_t(kScanBatch) * blockDim.x) {\n",
              "  for (int64_t base = 0; base < num_groups; base += int64_t(kScanBatch) * blockDim.x) {\n"
              "  int carry = 0;\n"),
+    Mutation("0 * -inf", "logits pass: the entropy bonus's term takes a -inf logit's d as is (0 * -inf = NaN)",
+             "cuda/grpo_loss_from_logits.cuh", "(fmax(d, std::numeric_limits<T>::lowest()) - mean_shift)",
+             "(d - mean_shift)"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).
