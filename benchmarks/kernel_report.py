@@ -330,7 +330,8 @@ def row_loop_section(kernels: list[Kernel]) -> str:
         f"{H100_IN_FLIGHT_NEEDED / 1024:.0f} KiB per SM that 3 TB/s at about 1 us of latency needs (Little's law). "
         "Calibration on the H100 (RESULTS.md, 2026-11-26): the selective forward's loop at 44 static (about 29 "
         "executed) instructions per bf16 element predicted about 1.1 ms of issue for 8192 x 151936 and ran 1.42 ms "
-        "at 91% SM throughput (instruction-bound); at 16 it ran 0.835 ms, 1.01x one read (memory-bound).\n\n"
+        "at 91% SM throughput (instruction-bound); at 16 it ran 0.835 ms, 1.01x one read (memory-bound). Liger's "
+        "kernels, counted the same way: `benchmarks/liger_kernel_report.py`.\n\n"
     )
     return head + "\n".join(rows) + "\n"
 
