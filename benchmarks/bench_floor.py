@@ -17,11 +17,11 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
   ``grpo_ext/all-kept`` (every token kept: the GEMMs' own work), ``grpo_ext/all-kept chunk=N`` (one chunk) and
   ``grpo_ext/half-masked`` (the second half of every row masked: its GEMMs should take about half the time).
 
-``x floor`` is a row's time over its yardstick (copy, read or gemm). Before timing, every peer of a case is run on
-the case's first sequences (``--check-rows`` tokens) and compared with ``grpo_ext.reference`` in float64; a peer
-that disagrees is an n/a row with the reason, never a stopped run. Timing: ``triton.testing.do_bench`` medians on
-CUDA (L2 flushed between calls), :func:`harness.timing.time_call` on the CPU. Peak memory: the allocator's peak
-above what was allocated before one call.
+``x floor`` is a row's time over its yardstick (copy, read or gemm). Before timing, every peer of a case but
+compile (it would compile again) is run on the case's first sequences (``--check-rows`` tokens) and compared with
+``grpo_ext.reference`` in float64; a peer that disagrees is an n/a row with the reason, never a stopped run.
+Timing: ``triton.testing.do_bench`` medians on CUDA (L2 flushed between calls), :func:`harness.timing.time_call` on
+the CPU. Peak memory: the allocator's peak above what was allocated before one call.
 
 Usage::
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One GPU session in one call, about 8 minutes on an H100 (device time is scarce): install the release wheel (or build
-# against the machine's torch), run the CUDA tests, compute-sanitizer over a selection, then the benchmarks, each stage
-# under its own time limit so that a slow one cannot eat the next. Logs and JSON go to $OUT (./gpu-out); the short
-# table (bench_floor.py) and the summary are printed last.
+# One GPU session in one call, under 8 minutes on an H100 (365 s on 2026-11-26, before the torch.compile stage;
+# device time is scarce): install the release wheel (or build against the machine's torch), run the CUDA tests,
+# compute-sanitizer over a selection, then the benchmarks, each stage under its own time limit so that a slow one
+# cannot eat the next. Logs and JSON go to $OUT (./gpu-out); the short table (bench_floor.py) and the summary are
+# printed last.
 #   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] [WHEELS=.whl] bash benchmarks/gpu_session.sh [all|test|sanitize|bench]
 # WHEELS: a folder of wheels the machine lacks (liger-kernel, trl and its few missing needs), installed into
-# /tmp/site with no network (`pip download --no-deps` them here; see the device notes in benchmarks/RESULTS.md).
+# /tmp/site with no network: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_28_x86_64 -d .whl liger-kernel trl==1.16.0 datasets==4.7.0 dill==0.4.1 multiprocess==0.70.19`
+# here (the H100 machine of 2026-11-26 had the rest), then carry .whl and dist.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
@@ -71,6 +74,9 @@ if [[ "$what" == all || "$what" == bench ]]; then
     --intermediate 4864 --lengths 1024 --batch 8 --steps 3 --no-generation \
     --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
     --out "$OUT/bench_trainer.json" 2>&1 | tee "$OUT/bench_trainer.txt"
+  stage "bench_floor with torch.compile of the reference (one shape: its compilation takes most of a minute)"
+  timeout 120 python3 benchmarks/bench_floor.py --logits 8192x151936:bfloat16 --selective none --hidden none --compile \
+    --out "$OUT/bench_floor_compile.json" 2>&1 | tee "$OUT/bench_floor_compile.txt"
 fi
 stage done
 echo
@@ -80,4 +86,5 @@ grep -h "exit:" "$OUT"/sanitizer-*.txt 2>/dev/null
 grep -h -A14 "^case .* impl .* ms .* x eager" "$OUT/bench_group_advantages.txt" 2>/dev/null | head -40
 tail -12 "$OUT/bench_overhead.txt" 2>/dev/null
 tail -8 "$OUT/bench_trainer.txt" 2>/dev/null
+sed -n '/^median ms per call/,$p' "$OUT/bench_floor_compile.txt" 2>/dev/null | grep -E "compile|copy"
 sed -n '/^median ms per call/,$p' "$OUT/bench_floor.txt" 2>/dev/null
