@@ -42,15 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `harness` and th
 import torch
 from torch import Tensor
 
+import fused_loss
 import grpo_ext
 from bench_grpo_loss_from_logits import liger_step
 from grpo_ext import reference
 from harness import checks, cli, environment, peers, reporting, timing
-from logits_inputs import TEMPERATURE, policy_logps
-from trl_style import EPSILON
+from logits_inputs import TEMPERATURE, first_rows, policy_logps
 
 BETA = 0.04
-LOSS_TYPE = "dapo"
 ENTROPY_COEF = 0.01
 # issue 32's table (the H100 figures of ../shared/gpu/H100-2026-11-26.md)
 LOGITS_CASES = (
@@ -101,18 +100,6 @@ def draw_inputs(rows: int, vocab: int, size: int | None, dtype: torch.dtype, dev
     return inputs
 
 
-def first_sequences(inputs: dict[str, Any], check_rows: int) -> dict[str, Any]:
-    """The same problem on its first sequences (at least one): the float64 check's inputs."""
-    keep = max(1, min(inputs["batch"], check_rows // inputs["length"]))
-    small = {k: (v[:keep] if isinstance(v, Tensor) and k != "weight" else v) for k, v in inputs.items()}
-    return small | {"batch": keep}
-
-
-def loss_kwargs(inputs: dict[str, Any]) -> dict[str, Any]:
-    return dict(old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"], beta=BETA, loss_type=LOSS_TYPE,
-                epsilon=EPSILON, temperature=TEMPERATURE)  # fmt: skip
-
-
 # The fused pass's layout candidates (csrc/cuda/grpo_loss_from_logits.cuh, with_layout_from_env), timed side by side.
 LAYOUTS = {
     "grpo_ext/single-read": {"GRPO_EXT_LOGITS_SINGLE_READ": "1"},
@@ -128,7 +115,7 @@ def logits_steps(inputs: dict[str, Any], device: torch.device, compile_: bool) -
                                                                                          dict[str, str]]:  # fmt: skip
     """The logits case's peers on ``inputs``; each returns ``(loss, grad_logits)``."""
     leaf = inputs["logits"].detach().requires_grad_(True)
-    ids, adv, mask, kwargs = inputs["ids"], inputs["advantages"], inputs["mask"], loss_kwargs(inputs)
+    ids, adv, mask, kwargs = inputs["ids"], inputs["advantages"], inputs["mask"], fused_loss.loss_kwargs(inputs, BETA)
 
     def fused(fn=grpo_ext.grpo_loss_from_logits, **extra):
         def step():
@@ -153,7 +140,7 @@ def logits_steps(inputs: dict[str, Any], device: torch.device, compile_: bool) -
 def logits_truth(small: dict[str, Any], entropy: bool) -> tuple[Tensor, Tensor]:
     """Loss and gradient of the float64 reference on ``small``."""
     leaf = small["logits"].detach().double().requires_grad_(True)
-    kwargs = {k: v.double() if isinstance(v, Tensor) else v for k, v in loss_kwargs(small).items()}
+    kwargs = {k: v.double() if isinstance(v, Tensor) else v for k, v in fused_loss.loss_kwargs(small, BETA).items()}
     extra = {"entropy_coef": ENTROPY_COEF} if entropy else {}
     loss = reference.grpo_loss_from_logits(leaf, small["ids"], small["advantages"].double(), small["mask"], **kwargs,
                                            **extra).loss  # fmt: skip
@@ -221,7 +208,7 @@ def logits_case(rows_n: int, vocab: int, dtype: torch.dtype, device: torch.devic
     case = f"logits N={rows_n} V={vocab} {cli.dtype_name(dtype)}"
     inputs = draw_inputs(rows_n, vocab, None, dtype, device, args.seed)
     steps, notes = logits_steps(inputs, device, args.compile)
-    small = first_sequences(inputs, args.check_rows)
+    small = first_rows(inputs, args.check_rows)
     small_steps, _ = logits_steps(small, device, False)
     small_steps.pop("compile", None)
     plain, entropy = logits_truth(small, False), logits_truth(small, True)
@@ -247,7 +234,7 @@ def selective_case(rows_n: int, vocab: int, dtype: torch.dtype, device: torch.de
     def backward():
         return torch.autograd.grad(saved.logps, leaf, upstream, retain_graph=True)[0]
 
-    small = first_sequences(inputs, args.check_rows)
+    small = first_rows(inputs, args.check_rows)
     x64 = small["logits"].detach().double().requires_grad_(True)
     truth = reference.selective_log_softmax(x64, small["ids"], temperature=TEMPERATURE, return_entropy=True)
     truth_grad = torch.autograd.grad(truth.logps, x64, upstream[: small["batch"]].double())[0]
@@ -291,9 +278,9 @@ def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: 
 
     def fused(h=hidden, w=weight, ins=inputs, mask=None, **extra):
         def step():
-            loss = grpo_ext.grpo_loss_from_hidden(h, w, ins["ids"], ins["advantages"],
-                                                  ins["mask"] if mask is None else mask, **loss_kwargs(ins),
-                                                  **extra).loss  # fmt: skip
+            kept = ins["mask"] if mask is None else mask
+            loss = grpo_ext.grpo_loss_from_hidden(h, w, ins["ids"], ins["advantages"], kept,
+                                                  **fused_loss.loss_kwargs(ins, BETA), **extra).loss  # fmt: skip
             return (loss, *torch.autograd.grad(loss, (h, w)))
 
         return step
@@ -309,10 +296,10 @@ def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: 
         f"grpo_ext/all-kept chunk={rows_n}": fused(mask=kept, chunk_size=rows_n),
         "grpo_ext/half-masked": fused(mask=half),
     }  # fmt: skip
-    small = first_sequences(inputs, args.check_rows)
+    small = first_rows(inputs, args.check_rows)
     sh = small["hidden"].detach().requires_grad_(True)
     h64, w64 = sh.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
-    kwargs64 = {k: v.double() if isinstance(v, Tensor) else v for k, v in loss_kwargs(small).items()}
+    kwargs64 = {k: v.double() if isinstance(v, Tensor) else v for k, v in fused_loss.loss_kwargs(small, BETA).items()}
     truth = reference.grpo_loss_from_hidden(h64, w64, small["ids"], small["advantages"].double(), small["mask"],
                                             **kwargs64).loss  # fmt: skip
     truth_all = (truth, *torch.autograd.grad(truth, (h64, w64)))

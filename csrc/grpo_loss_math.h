@@ -157,6 +157,18 @@ GRPO_HD void clip_flags(const TokenConsts<T>& c, T rho, T adv, T* low, T* high, 
   *cispo_clipped = ((rho > c.cispo_cap) & (adv > T(0))) ? T(1) : T(0);
 }
 
+// The clip shares of a row whose tokens share one ratio (row_share_metrics: one condition per row, every row
+// counted), written over its partial sums `slots` (kNumRowSlots + 1 of them, double on both devices).
+template <typename T>
+GRPO_HD void set_row_clip_shares(const TokenConsts<T>& c, T row_ratio, T adv, double* slots) {
+  T low, high, cispo;
+  clip_flags<T>(c, row_ratio, adv, &low, &high, &cispo);
+  slots[kSlotLow] = low;
+  slots[kSlotHigh] = high;
+  slots[kSlotRegion] = low + high;
+  slots[kSlotCispo] = cispo;
+}
+
 // l - l_old, made NaN when either is not finite (docs/math.md "Non-finite inputs"): l = -inf against a finite l_old
 // would otherwise give rho = 0 and a finite loss. x - x is 0 for a finite x and NaN otherwise (no fast-math here).
 template <typename T>

@@ -11,12 +11,10 @@ import os
 import shutil
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from grpo_ext.trainer import GRPOConfig
@@ -25,6 +23,7 @@ from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset
 from grpo_ext.trainer.metrics import TIMING_METRICS
 from grpo_ext.trainer.rollout import RowSeededSampler
 from grpo_ext.trainer.trainer import GRPOTrainer
+from trainer_utils import gloo_rank
 
 WORLD = 2
 GLOBAL_BATCH = 16
@@ -95,11 +94,7 @@ def full_params(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
     """One rank of the 2-process run: every case, then the resumed runs; results saved per rank."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
-    )
-    try:
+    with gloo_rank(rank, store, WORLD):
         results = {}
         for case in CASES:
             run_dir = Path(out_dir) / case
@@ -112,8 +107,6 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
                 resumed.train(resume_from_checkpoint=str(run_dir / "checkpoint-1"))
                 results[case]["resumed_params"] = full_params(resumed)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 # the tiny models gain nothing from threads; one keeps the tests cheap on shared cores (conftest.one_thread)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -24,7 +22,7 @@ from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset
 from grpo_ext.trainer.final_model import FinalModelWriteError
 from grpo_ext.trainer.run_folder import OutputFolderError, prepare_output_dir
 from grpo_ext.trainer.trainer import GRPOTrainer
-from trainer_utils import make_trainer, small_config, write_cli_inputs
+from trainer_utils import gloo_rank, make_trainer, small_config, write_cli_inputs
 
 # the tiny models gain nothing from threads; one keeps the tests cheap on shared cores (conftest.one_thread)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -165,11 +163,7 @@ def _distributed_trainer(out_dir: Path, fsdp: bool, lora: bool = False) -> GRPOT
 
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
-    )
-    try:
+    with gloo_rank(rank, store, WORLD):
         results = {}
         for case, options in DISTRIBUTED_CASES.items():
             trainer = _distributed_trainer(Path(out_dir) / case, **options)
@@ -177,8 +171,6 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
             results[case] = cpu_state(trainer.model)
         if rank == 0:
             torch.save(results, Path(out_dir) / "trained.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,13 @@ model in a small config, a local model folder and dataset for the CLI, metrics f
 
 from __future__ import annotations
 
+import contextlib
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import grpo_ext
 from grpo_ext.trainer import GRPOConfig
@@ -14,6 +17,19 @@ from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset
 from grpo_ext.trainer.metrics import TIMING_METRICS
 from grpo_ext.trainer.policy_logps import fused_policy_loss, plain_token_logps
 from grpo_ext.trainer.trainer import GRPOTrainer
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, store: str, world: int):
+    """One process of a gloo group over a file store (the CPU multi-process tests), torch on one thread."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def small_config(tmp_path, **overrides) -> GRPOConfig:

@@ -75,12 +75,7 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
     // vespo's phi over rows: a row without tokens has log w = 0, and phi = exp(lambda - lambda) = 1
     if (p.loss_type == LossType::kVESPO && p.per_row_advantages) partials[kSlotPhi] = 1.0;
     if (p.row_share_metrics) {  // every row counts in the row shares; a row without tokens has ratio 1
-      T low, high, cispo;
-      clip_flags<T>(consts, T(1), in.advantages.load<T>(row, 0), &low, &high, &cispo);
-      partials[kSlotLow] = low;
-      partials[kSlotHigh] = high;
-      partials[kSlotRegion] = low + high;
-      partials[kSlotCispo] = cispo;
+      set_row_clip_shares<T>(consts, T(1), in.advantages.load<T>(row, 0), partials);
     }
     return;
   }
@@ -173,14 +168,7 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
     partials[s] = s == kSlotPhi ? phi_partial : lane_sum(scratch.slot(s), n_cols);
   }
   partials[kSlotNonEmpty] = partials[kSlotMask] > 0.0 ? 1.0 : 0.0;
-  if (p.row_share_metrics) {  // one condition per row, every row counted
-    T low, high, cispo;
-    clip_flags<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), &low, &high, &cispo);
-    partials[kSlotLow] = low;
-    partials[kSlotHigh] = high;
-    partials[kSlotRegion] = low + high;
-    partials[kSlotCispo] = cispo;
-  }
+  if (p.row_share_metrics) set_row_clip_shares<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), partials);
   if (grad_row && p.sequence_level) {
     // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1), times sum_t w * dP/drho
     const double drho_sum = lane_sum(scratch.slot(kNumRowSlots), n_cols);

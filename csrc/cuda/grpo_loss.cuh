@@ -170,14 +170,7 @@ __global__ void __launch_bounds__(256)
     for (int s = 0; s <= kNumRowSlots; ++s) row_sum[s] = double(acc[s]);
     block_sum<double, kNumRowSlots + 1>(row_sum, scratch);
     if (threadIdx.x == 0) {
-      if (p.row_share_metrics) {  // one condition per row, every row counted
-        T low, high, cispo;
-        clip_flags<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), &low, &high, &cispo);
-        row_sum[kSlotLow] = low;
-        row_sum[kSlotHigh] = high;
-        row_sum[kSlotRegion] = low + high;
-        row_sum[kSlotCispo] = cispo;
-      }
+      if (p.row_share_metrics) set_row_clip_shares<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), row_sum);
       row_sum[kSlotNonEmpty] = row_sum[kSlotMask] > 0.0 ? 1.0 : 0.0;
       if (vespo && p.per_row_advantages) {
         row_sum[kSlotPhi] = vespo_phi(consts, vespo_log_w, in.advantages.load<T>(row, 0));

@@ -195,16 +195,7 @@ __device__ __forceinline__ void write_row_grad(const LogitTransform<T>& f, const
   }
 }
 
-// This thread's softmax state of x[0, n) (one rescale per vector), and the same while staging it (single-read pass).
-template <SoftCap kCap, typename T, typename In>
-__device__ __forceinline__ SoftmaxState<T> row_state(const LogitTransform<T>& f, const In* x, int64_t n) {
-  SoftmaxState<T> s{T(0), T(0), T(0)};
-  const auto z_of = [&](T logit) { return f.template z_with<kCap>(logit); };
-  for_each_in_row<T>(
-      x, n, [&](T logit) { s = add_logit(s, z_of(logit)); },
-      [&](const auto& chunk) { s = add_logits(s, chunk, z_of); });
-  return s;
-}
+// row_state (selective_log_softmax.cuh) while staging the part x[0, n) in shared memory (single-read pass).
 template <SoftCap kCap, typename T, typename In>
 __device__ __forceinline__ SoftmaxState<T> staged_row_state(const LogitTransform<T>& f, const In* x, In* staged,
                                                             int64_t n) {
@@ -394,9 +385,8 @@ void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInp
 // Threads per block of the pass kernels: row_threads, at most device.max_threads, and with blocks_per_sm blocks
 // of the single-read kernel sharing an SM, at most 1024 / blocks_per_sm (their registers: about 60 a thread).
 inline int pass_threads(int64_t vocab, int element_bytes, const RowResidency& device) {
-  int threads = row_threads(vocab, element_bytes);
-  const int cap = device.blocks_per_sm > 1 ? 1024 / int(device.blocks_per_sm) : 1024;
-  if (threads > device.max_threads) threads = device.max_threads;
+  const int threads = row_threads(vocab, element_bytes), per_sm = 1024 / int(device.blocks_per_sm);
+  const int cap = device.max_threads < per_sm ? device.max_threads : per_sm;
   return threads < cap ? threads : cap;
 }
 

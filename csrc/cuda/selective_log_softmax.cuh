@@ -88,6 +88,18 @@ __device__ __forceinline__ SoftmaxState<T> add_logits(SoftmaxState<T> s, const V
   return s;
 }
 
+// This thread's softmax state of a contiguous row x[0, n): add_logit over the scalar head and tail, add_logits over
+// each 16-byte vector (for_each_in_row); z from f with the cap code kCap.
+template <SoftCap kCap, typename T, typename In>
+__device__ __forceinline__ SoftmaxState<T> row_state(const LogitTransform<T>& f, const In* x, int64_t n) {
+  SoftmaxState<T> s{T(0), T(0), T(0)};
+  const auto z_of = [&](T logit) { return f.template z_with<kCap>(logit); };
+  for_each_in_row<T>(
+      x, n, [&](T logit) { s = add_logit(s, z_of(logit)); },
+      [&](const auto& chunk) { s = add_logits(s, chunk, z_of); });
+  return s;
+}
+
 template <typename T>
 __device__ __forceinline__ SoftmaxState<T> warp_merge(SoftmaxState<T> s) {
 #pragma unroll
@@ -126,11 +138,7 @@ __global__ void __launch_bounds__(1024)
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     SoftmaxState<T> s{T(0), T(0), T(0)};
     if (logits.col_stride == 1) {
-      const In* x = static_cast<const In*>(logits.data) + row * logits.row_stride;
-      const auto z_of = [&](T logit) { return f.template z_with<kCap>(logit); };
-      for_each_in_row<T>(
-          x, vocab, [&](T logit) { s = add_logit(s, z_of(logit)); },
-          [&](const auto& chunk) { s = add_logits(s, chunk, z_of); });
+      s = row_state<kCap>(f, static_cast<const In*>(logits.data) + row * logits.row_stride, vocab);
     } else {
       for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
         s = add_logit(s, f.template z_with<kCap>(logits.load<T>(row, v)));
