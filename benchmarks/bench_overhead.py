@@ -117,10 +117,8 @@ def native_forward(inputs: dict[str, Tensor], from_logits: bool) -> Step:
         with torch._C._AutoDispatchBelowAutograd():
             if not from_logits:
                 return ops.grpo_loss_forward.default(logps, adv, mask, *option_args, False)[0]
-            token_logps = ops.grpo_loss_from_logits_pass.default(
-                logits, ids, 0, adv, mask, None, *option_args, *logit_args, 0.0, None, False
-            )[0]
-            return ops.grpo_loss_forward.default(token_logps.view(logps.shape), adv, mask, *option_args, False)[0]
+            return ops.grpo_loss_from_logits.default(logits, ids, adv, mask, *option_args, *logit_args, 0.0, None,
+                                                     False)[0]  # fmt: skip
 
     return step
 

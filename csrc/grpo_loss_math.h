@@ -420,6 +420,29 @@ GRPO_HD T entropy_row_weight(T entropy_coef, T loss_scale, T mask_total) {
   return entropy_coef * loss_scale / (mask_total > T(1) ? mask_total : T(1));
 }
 
+// The mean entropy over the kept tokens, sum H / max(sum m, 1) (H is 0 at every token not kept: the passes write
+// it so), and the bonus' mean weighted by w, sum m w H / max(sum m w, 1) (the plain mean without weights): from the
+// float64 sums {sum H, sum m, sum m w H, sum m w} (docs/math.md section 5, "Entropy bonus").
+struct EntropyMeans {
+  double mean, weighted_mean;
+};
+GRPO_HD EntropyMeans entropy_means(const double (&sums)[4], bool weighted) {
+  const double mean = sums[0] / (sums[1] > 1.0 ? sums[1] : 1.0);
+  return {mean, weighted ? sums[2] / (sums[3] > 1.0 ? sums[3] : 1.0) : mean};
+}
+
+// The four sums of entropy_means at token (b, t): m its kept mask, h its entropy, w its entropy weight (absent: none).
+template <typename Weights>
+GRPO_HD void add_entropy_sums(double (&sums)[4], double m, double h, const Weights& w, int64_t b, int64_t t) {
+  sums[0] += h;
+  sums[1] += m;
+  if (w.present()) {
+    const double mw = m * w.template load<double>(b, t);
+    sums[2] += mw * h;
+    sums[3] += mw;
+  }
+}
+
 // dP/dl + dP/drho * rho for one token (the caller multiplies by its weight); rho = 1 when on-policy.
 template <typename T>
 GRPO_HD T token_logp_grad(const TokenConsts<T>& c, PolicyFamily family, KLKind kl, bool bias_correction, bool has_old,

@@ -1,7 +1,7 @@
 // Every op schema of grpo_ext in one STABLE_TORCH_LIBRARY block (implementations register per device in cpu/ and
 // cuda/), plus the loss options' schema fragment as a C function. How the library was built is not asked of it:
 // CMake writes it into python/grpo_ext/_build_config.py, readable before the library is loaded.
-#include "plan/loss_options.h"
+#include "plan/logits_loss.h"
 
 // The pass ops' arguments after `logits`: the ids they score, where they start in the [B, T] problem, the loss
 // inputs, per-token gradients for the second pass of sequence-level losses, the options and the logits options
@@ -40,6 +40,12 @@ STABLE_TORCH_LIBRARY(grpo_ext, m) {
         ") -> (Tensor logps, Tensor entropy, Tensor grad_logits)");
   m.def("grpo_loss_from_logits_pass_(Tensor(a!) logits, " GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA
         ") -> (Tensor logps, Tensor entropy)");
+  // grpo_loss_from_logits whole in one call (plan/logits_loss.h): the pass(es), the loss of its log-probs, the mean
+  // entropy and the entropy bonus. The `_` op writes the gradient over the logits (eager mode only).
+  m.def("grpo_loss_from_logits(Tensor logits, " GRPO_LOGITS_LOSS_SCHEMA
+        ") -> (Tensor loss, Tensor metrics, Tensor entropy_mean, Tensor grad_logits, Tensor logps, Tensor entropy)");
+  m.def("grpo_loss_from_logits_(Tensor(a!) logits, " GRPO_LOGITS_LOSS_SCHEMA
+        ") -> (Tensor loss, Tensor metrics, Tensor entropy_mean, Tensor logps, Tensor entropy)");
   // grad *= factor, skipped on the device when factor == 1 (the backward of the logits and hidden-state losses).
   m.def("scale_grad_(Tensor(a!) grad, Tensor factor) -> ()");
 }

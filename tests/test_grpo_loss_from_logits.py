@@ -251,7 +251,10 @@ def test_opcheck_and_compile(device):
                           max_completion_length=3)  # fmt: skip
     for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):
         op_args = (x.requires_grad_(True), flat_ids, adv, mask, *options.op_args(), *logit_args, 0.0, None)
-        torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits.default, op_args)
+        for compute_grad in (True, False):
+            torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits.default, (*op_args, compute_grad))
+            inplace_args = (x.detach().clone(), *op_args[1:], compute_grad)
+            torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_logits_.default, inplace_args)
 
     def fn(t):
         out = grpo_ext.grpo_loss_from_logits(t, ids, adv, mask, old_logps=old, ref_logps=ref, beta=0.1,

@@ -208,13 +208,21 @@ void loss_forward_cpu_impl(LossForwardPlan& plan) {
   for (int s = 0; s < kNumMetrics; ++s) metrics_out[s] = T(metrics[s]);
 }
 
-LossForwardResult grpo_loss_forward_cpu(GRPO_LOSS_FORWARD_PARAMS) {
-  LossForwardPlan plan = plan_grpo_loss(GRPO_LOSS_FORWARD_ARGS);
+}  // namespace
+
+void run_loss_forward_cpu(LossForwardPlan& plan) {
   if (plan.loss.scalar_type() == ScalarType::Double) {
     loss_forward_cpu_impl<double>(plan);
   } else {
     loss_forward_cpu_impl<float>(plan);
   }
+}
+
+namespace {
+
+LossForwardResult grpo_loss_forward_cpu(GRPO_LOSS_FORWARD_PARAMS) {
+  LossForwardPlan plan = plan_grpo_loss(GRPO_LOSS_FORWARD_ARGS);
+  run_loss_forward_cpu(plan);
   return plan.result();
 }
 

@@ -6,7 +6,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../plan/grpo_loss_from_logits.h"
+#include "../plan/logits_loss.h"
 #include "row_utils.h"
 
 namespace grpo_ext {
@@ -72,9 +72,18 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   const int64_t vocab = logits.vocab;
   // Before any write: a bad id must not leave half-written logits. Masked rows are never read, so their ids
   // (padding such as -100) are not checked, as on CUDA.
-  for (int64_t r = 0; r < logits.rows; ++r) {
-    const int64_t n = plan.row_offset + r;
-    if (in.mask_at<T>(n / in.seq_len, n % in.seq_len) == T(0)) continue;
+  if (logits.rows == 0) return;  // (then seq_len may be 0)
+  // (b, t) of token row_offset + r, stepped along rather than divided out at every row (two divisions cost as much
+  // as a short row's softmax).
+  const auto token_of = [&](int64_t r) {
+    return std::pair{(plan.row_offset + r) / in.seq_len, (plan.row_offset + r) % in.seq_len};
+  };
+  const auto step = [&](int64_t& b, int64_t& t) {
+    if (++t == in.seq_len) t = 0, ++b;
+  };
+  auto [check_b, check_t] = token_of(0);
+  for (int64_t r = 0; r < logits.rows; ++r, step(check_b, check_t)) {
+    if (in.mask_at<T>(check_b, check_t) == T(0)) continue;
     const int64_t id = plan.ids.load<int64_t>(r, 0);
     GRPO_CHECK(id >= 0 && id < vocab, "ids[", r, "]=", id, " is outside the vocabulary [0, ", vocab, ")");
   }
@@ -95,8 +104,8 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, logits.rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> z(vocab), exps(vocab), weighted(vocab);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = plan.row_offset + r, b = n / in.seq_len, t = n % in.seq_len;
+    auto [b, t] = token_of(begin);
+    for (int64_t r = begin; r < end; ++r, step(b, t)) {
       const T m = in.mask_at<T>(b, t);
       In* grad_row = want_grad ? (grad_in_logits ? grad + logits.offset(r) : grad + r * vocab) : nullptr;
       if (m == T(0)) {  // never read; a zero gradient
@@ -181,6 +190,53 @@ std::tuple<Tensor, Tensor> grpo_loss_from_logits_pass_inplace_cpu(GRPO_LOSS_FROM
   return {plan.logps, plan.entropy};
 }
 
+// The mean entropy over the kept tokens from float64 sums in token order (entropy_means), and the bonus taken off
+// the loss.
+template <typename T>
+void entropy_mean_impl(const LossInputs& in, const StridedMatrix& weights, const T* entropy, double bonus_scale,
+                       T* loss, T* mean) {
+  double sums[4] = {};
+  for (int64_t b = 0; b < in.batch; ++b) {
+    for (int64_t t = 0; t < in.seq_len; ++t) {
+      add_entropy_sums(sums, in.mask_at<double>(b, t), double(entropy[b * in.seq_len + t]), weights, b, t);
+    }
+  }
+  const EntropyMeans means = entropy_means(sums, weights.present());
+  *mean = T(means.mean);
+  if (bonus_scale != 0.0) *loss = T(double(*loss) - bonus_scale * means.weighted_mean);
+}
+
+// The CPU kernels of logits_loss (plan/logits_loss.h).
+struct CpuLogitsLoss {
+  void pass(LogitsPassPlan& plan, bool /*grad_in_logits: the plan points at the logits already*/) {
+    run_logits_pass(plan);
+  }
+  void loss(LossForwardPlan& plan) { run_loss_forward_cpu(plan); }
+  Tensor entropy(const LogitsPassPlan& plan, const Tensor& entropy, double bonus_scale, Tensor& loss) {
+    Tensor mean = new_empty(entropy, {}, entropy.scalar_type());
+    if (entropy.scalar_type() == ScalarType::Double) {
+      entropy_mean_impl<double>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<double>(), bonus_scale,
+                                loss.mutable_data_ptr<double>(), mean.mutable_data_ptr<double>());
+    } else {
+      entropy_mean_impl<float>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<float>(), bonus_scale,
+                               loss.mutable_data_ptr<float>(), mean.mutable_data_ptr<float>());
+    }
+    return mean;
+  }
+};
+
+LogitsLossResult grpo_loss_from_logits_cpu(GRPO_LOGITS_LOSS_PARAMS) {
+  CpuLogitsLoss device;
+  return logits_loss(device, GRPO_LOGITS_LOSS_ARGS, /*inplace=*/false);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grpo_loss_from_logits_inplace_cpu(GRPO_LOGITS_LOSS_PARAMS) {
+  check_inplace_logits(logits);
+  CpuLogitsLoss device;
+  auto [loss, metrics, mean, grad, logps, entropy] = logits_loss(device, GRPO_LOGITS_LOSS_ARGS, /*inplace=*/true);
+  return {loss, metrics, mean, logps, entropy};
+}
+
 // grad *= factor unless factor is exactly 1 (reading a CPU scalar costs no device sync).
 void scale_grad_cpu(Tensor& grad, const Tensor& factor) {
   GRPO_CHECK(factor.numel() == 1, "factor must have one element, got shape ", shape(factor));
@@ -195,6 +251,8 @@ STABLE_TORCH_LIBRARY_IMPL(grpo_ext, CPU, m) {
   m.impl("grpo_loss_from_logits_pass", TORCH_BOX(&grpo_loss_from_logits_pass_cpu));
   m.impl("grpo_loss_from_logits_pass_", TORCH_BOX(&grpo_loss_from_logits_pass_inplace_cpu));
   m.impl("scale_grad_", TORCH_BOX(&scale_grad_cpu));
+  m.impl("grpo_loss_from_logits", TORCH_BOX(&grpo_loss_from_logits_cpu));
+  m.impl("grpo_loss_from_logits_", TORCH_BOX(&grpo_loss_from_logits_inplace_cpu));
 }
 
 }  // namespace grpo_ext

@@ -20,15 +20,22 @@ void forward_impl(LossForwardPlan& plan, cudaStream_t stream) {
   check_launch();
 }
 
-LossForwardResult grpo_loss_forward_cuda(GRPO_LOSS_FORWARD_PARAMS) {
-  const CudaCall call(logps, "logps");
-  LossForwardPlan plan = plan_grpo_loss(GRPO_LOSS_FORWARD_ARGS);
-  const cudaStream_t stream = call.stream();
+}  // namespace
+
+void run_loss_forward_cuda(LossForwardPlan& plan, cudaStream_t stream) {
   if (plan.loss.scalar_type() == ScalarType::Double) {
     forward_impl<double>(plan, stream);
   } else {
     forward_impl<float>(plan, stream);
   }
+}
+
+namespace {
+
+LossForwardResult grpo_loss_forward_cuda(GRPO_LOSS_FORWARD_PARAMS) {
+  const CudaCall call(logps, "logps");
+  LossForwardPlan plan = plan_grpo_loss(GRPO_LOSS_FORWARD_ARGS);
+  run_loss_forward_cuda(plan, call.stream());
   return plan.result();
 }
 

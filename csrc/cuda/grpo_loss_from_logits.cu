@@ -1,8 +1,9 @@
 // CUDA binding of the fused GRPO loss from logits: validate, allocate, pick the dtypes, launch on the current stream.
 
-#include "../plan/grpo_loss_from_logits.h"
+#include "../plan/logits_loss.h"
 #include "device.h"
 #include "grpo_loss_from_logits.cuh"
+#include "kept_entropy.cuh"
 
 namespace grpo_ext {
 namespace {
@@ -71,6 +72,41 @@ std::tuple<Tensor, Tensor> grpo_loss_from_logits_pass_inplace_cuda(GRPO_LOSS_FRO
   return {plan.logps, plan.entropy};
 }
 
+// The CUDA kernels of logits_loss (plan/logits_loss.h), on the call's device and stream.
+struct CudaLogitsLoss {
+  const CudaCall& call;
+  void pass(LogitsPassPlan& plan, bool grad_in_logits) { run_logits_pass(plan, grad_in_logits, call); }
+  void loss(LossForwardPlan& plan) { run_loss_forward_cuda(plan, call.stream()); }
+  Tensor entropy(const LogitsPassPlan& plan, const Tensor& entropy, double bonus_scale, Tensor& loss) {
+    Tensor mean = new_empty(entropy, {}, entropy.scalar_type());
+    if (entropy.scalar_type() == ScalarType::Double) {
+      launch_kept_entropy_mean<double>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<double>(),
+                                       bonus_scale, loss.mutable_data_ptr<double>(), mean.mutable_data_ptr<double>(),
+                                       call.stream());
+    } else {
+      launch_kept_entropy_mean<float>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<float>(),
+                                      bonus_scale, loss.mutable_data_ptr<float>(), mean.mutable_data_ptr<float>(),
+                                      call.stream());
+    }
+    check_launch();
+    return mean;
+  }
+};
+
+LogitsLossResult grpo_loss_from_logits_cuda(GRPO_LOGITS_LOSS_PARAMS) {
+  const CudaCall call(logits, "logits");
+  CudaLogitsLoss device{call};
+  return logits_loss(device, GRPO_LOGITS_LOSS_ARGS, /*inplace=*/false);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grpo_loss_from_logits_inplace_cuda(GRPO_LOGITS_LOSS_PARAMS) {
+  const CudaCall call(logits, "logits");
+  check_inplace_logits(logits);
+  CudaLogitsLoss device{call};
+  auto [loss, metrics, mean, grad, logps, entropy] = logits_loss(device, GRPO_LOGITS_LOSS_ARGS, /*inplace=*/true);
+  return {loss, metrics, mean, logps, entropy};
+}
+
 void scale_grad_cuda(Tensor& grad, const Tensor& factor) {
   const CudaCall call(grad, "grad");
   GRPO_CHECK(factor.numel() == 1, "factor must have one element, got shape ", shape(factor));
@@ -100,6 +136,8 @@ STABLE_TORCH_LIBRARY_IMPL(grpo_ext, CUDA, m) {
   m.impl("grpo_loss_from_logits_pass", TORCH_BOX(&grpo_loss_from_logits_pass_cuda));
   m.impl("grpo_loss_from_logits_pass_", TORCH_BOX(&grpo_loss_from_logits_pass_inplace_cuda));
   m.impl("scale_grad_", TORCH_BOX(&scale_grad_cuda));
+  m.impl("grpo_loss_from_logits", TORCH_BOX(&grpo_loss_from_logits_cuda));
+  m.impl("grpo_loss_from_logits_", TORCH_BOX(&grpo_loss_from_logits_inplace_cuda));
 }
 
 }  // namespace grpo_ext

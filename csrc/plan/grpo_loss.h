@@ -20,6 +20,13 @@ inline LossForwardPlan plan_grpo_loss(const Tensor& logps, const Tensor& advanta
                           completion_mask, options, compute_grad);
 }
 
+// The forward's kernels on the CPU (cpu/grpo_loss.cpp) and on CUDA (cuda/grpo_loss.cu), for the ops that compose
+// the loss with others (plan/logits_loss.h).
+void run_loss_forward_cpu(LossForwardPlan& plan);
+#ifdef __CUDACC__
+void run_loss_forward_cuda(LossForwardPlan& plan, cudaStream_t stream);
+#endif
+
 inline void check_loss_backward(const Tensor& grad_loss, const Tensor& grad_raw, const Tensor& grad_scale,
                                 ScalarType out_dtype) {
   GRPO_CHECK(grad_loss.numel() == 1, "grad_loss must have one element, got shape ", shape(grad_loss));

@@ -115,6 +115,31 @@ inline void mul_(const Tensor& self, const Tensor& other) {
   (void)torch::stable::detail::to<Tensor>(stack[0]);
 }
 
+// self * other (aten::mul.Tensor), a new tensor.
+inline Tensor mul(const Tensor& self, const Tensor& other) {
+  std::array<StableIValue, 2> stack{torch::stable::detail::from(self), torch::stable::detail::from(other)};
+  call_aten("aten::mul", "Tensor", stack);
+  return torch::stable::detail::to<Tensor>(stack[0]);
+}
+
+// The contiguous `t` viewed with the contiguous shape `sizes` (as many elements), without a trip through the
+// dispatcher.
+inline Tensor view_contiguous(const Tensor& t, torch::headeronly::IntHeaderOnlyArrayRef sizes) {
+  const size_t dim = sizes.size();
+  GRPO_CHECK(dim <= 8, "grpo_ext: at most 8 dimensions, got ", dim);
+  int64_t view_strides[8], numel = 1;
+  for (size_t d = dim; d-- > 0;) {
+    view_strides[d] = numel;
+    numel *= sizes[d];
+  }
+  GRPO_CHECK(t.is_contiguous() && t.numel() == numel, "grpo_ext: cannot view ", shape(t), " as ", Dims{sizes});
+  AtenTensorHandle handle = nullptr;
+  GRPO_CHECK(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(dim), sizes.data(), view_strides,
+                                            /*offset_increment=*/0, &handle) == AOTI_TORCH_SUCCESS,
+             "grpo_ext: viewing a tensor as ", Dims{sizes}, " failed");
+  return Tensor(handle);
+}
+
 inline bool is_inference(const Tensor& self) {
   std::array<StableIValue, 1> stack{torch::stable::detail::from(self)};
   call_aten("aten::is_inference", "", stack);

@@ -21,7 +21,7 @@ LOSS_GRAD = (1e-4, 1e-6)  # d loss / d logps (test_grpo_loss)
 LOGITS_GRAD = (1e-4, 1e-7)  # d loss / d logits (test_grpo_loss_from_logits)
 
 # Ops that write into their first argument, and how many outputs they return besides it.
-INPLACE = {"grpo_loss_from_logits_pass_": 2, "scale_grad_": 0}
+INPLACE = {"grpo_loss_from_logits_pass_": 2, "grpo_loss_from_logits_": 5, "scale_grad_": 0}
 
 
 def _as_float64(value):

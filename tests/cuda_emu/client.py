@@ -51,7 +51,7 @@ _ENV = {
     "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
 }
 # Ops that write into their first argument: how many of the driver's outputs the torch op returns.
-_INPLACE_RETURNS = {"grpo_loss_from_logits_pass_": 2, "scale_grad_": 0}
+_INPLACE_RETURNS = {"grpo_loss_from_logits_pass_": 2, "grpo_loss_from_logits_": 5, "scale_grad_": 0}
 
 
 class EmuError(AssertionError):

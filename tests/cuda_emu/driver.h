@@ -70,7 +70,8 @@ class Args {
   bool boolean();
   std::string string();
   DType dtype();
-  void done() const;  // every argument was read
+  void done() const;                                            // every argument was read
+  const std::vector<Value>& values() const { return values_; }  // all of them, for an op that composes others
 
  private:
   const Value& next(Value::Kind kind, const char* what);

@@ -106,6 +106,10 @@ MUTATIONS = [
     Mutation("0 * -inf", "logits pass: the entropy bonus's term takes a -inf logit's d as is (0 * -inf = NaN)",
              "cuda/grpo_loss_from_logits.cuh", "(fmax(d, std::numeric_limits<T>::lowest()) - mean_shift)",
              "(d - mean_shift)"),
+    Mutation("lost rows", "kept entropy mean: each warp's second row skipped (a batch of more rows than warps)",
+             "cuda/kept_entropy.cuh", "b += num_warps", "b += 2 * num_warps"),
+    Mutation("weights ignored", "kept entropy mean: the bonus takes the plain mean where entropy_weights were given",
+             "cuda/kept_entropy.cuh", "entropy_means(sums, entropy_weights.present())", "entropy_means(sums, false)"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

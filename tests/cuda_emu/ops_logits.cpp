@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include "cuda/grpo_loss_from_logits.cuh"
+#include "cuda/kept_entropy.cuh"
 #include "cuda/selective_log_softmax.cuh"
 #include "driver.h"
 #include "loss_plan.h"
@@ -185,6 +186,105 @@ std::vector<Tensor> logits_pass_inplace(Args& a) {
   return logits_pass(a, true);
 }
 
+// Value helpers for the argument lists logits_loss builds.
+Value tensor_value(const Tensor& t) {
+  Value v;
+  v.kind = Value::Kind::kTensor;
+  v.tensor = t;
+  return v;
+}
+Value scalar_value(Value::Kind kind, double x) {
+  Value v;
+  v.kind = kind;
+  v.i = static_cast<int64_t>(x);
+  v.f = x;
+  return v;
+}
+
+// `t` (contiguous) viewed with the contiguous shape `sizes`: the same storage.
+Tensor view_contiguous(const Tensor& t, const std::vector<int64_t>& sizes) {
+  Tensor view = t;
+  view.sizes = sizes;
+  view.strides.assign(sizes.size(), 1);
+  for (size_t d = sizes.size(); d-- > 1;) view.strides[d - 1] = view.strides[d] * sizes[d];
+  return view;
+}
+
+// grpo_loss_from_logits and grpo_loss_from_logits_: plan/logits_loss.h's logits_loss over this device's pass and
+// loss forward (the ops above and in ops_loss.cpp, called with the arguments the composition hands them), then the
+// kept-entropy kernel (cuda/grpo_loss_from_logits.cu's CudaLogitsLoss::entropy).
+std::vector<Tensor> logits_loss(Args& a, bool inplace) {
+  const std::vector<Value>& v = a.values();
+  // logits, ids, advantages, completion_mask, the loss options, then 6: the logit options, the bonus, compute_grad
+  if (v.size() < 10) bad_args("grpo_loss_from_logits: too few arguments");
+  const Tensor logits = v[0].tensor, ids = v[1].tensor, advantages = v[2].tensor, mask = v[3].tensor;
+  const auto option_begin = v.begin() + 4, option_end = v.end() - 6;
+  const Value &temperature = v.end()[-6], &logit_scale = v.end()[-5], &logit_softcap = v.end()[-4];
+  const Value &coef = v.end()[-3], &weights = v.end()[-2];
+  const bool compute_grad = v.end()[-1].i != 0;
+  const int64_t batch = mask.size(0), seq_len = mask.size(1);
+  const DType acc = accumulate_type(logits.dtype);
+  // The options as the loss plans read them: the loss type, the level and loss_scale.
+  Args option_args("options", std::vector<Value>(option_begin, option_end));
+  const LossPlan options = plan_loss_inputs(batch, seq_len, std::nullopt, acc, advantages, mask, option_args, false,
+                                            false);  // fmt: skip
+  const bool whole_rows =
+      compute_grad && (options.params.sequence_level || options.params.loss_type == grpo_ext::LossType::kVESPO);
+  const auto run_pass_op = [&](const Value& token_grad, double entropy_coef, const Value& entropy_weights, bool grad,
+                               bool in_place) {
+    std::vector<Value> args{tensor_value(logits),     tensor_value(ids),  scalar_value(Value::Kind::kInt, 0),
+                            tensor_value(advantages), tensor_value(mask), token_grad};
+    args.insert(args.end(), option_begin, option_end);
+    args.insert(args.end(), {temperature, logit_scale, logit_softcap, scalar_value(Value::Kind::kFloat, entropy_coef),
+                             entropy_weights, scalar_value(Value::Kind::kBool, grad)});
+    Args pass_args(in_place ? "grpo_loss_from_logits_pass_" : "grpo_loss_from_logits_pass", args);
+    return logits_pass(pass_args, in_place);
+  };
+  const Value none;
+  const std::vector<Tensor> pass = whole_rows ? run_pass_op(none, 0.0, none, false, false)
+                                              : run_pass_op(none, coef.f, weights, compute_grad, inplace);
+  const Tensor logps = pass[0], entropy = pass[1];
+  Tensor grad = pass[2];
+  std::vector<Value> loss_values{tensor_value(view_contiguous(logps, {batch, seq_len})), tensor_value(advantages),
+                                 tensor_value(mask)};
+  loss_values.insert(loss_values.end(), option_begin, option_end);
+  loss_values.push_back(scalar_value(Value::Kind::kBool, whole_rows));
+  Args loss_args("grpo_loss_forward", loss_values);
+  const std::vector<Tensor> loss = op_table().at("grpo_loss_forward")(loss_args);
+  if (whole_rows) {  // token_grad = grad_raw * grad_scale, as aten::mul computes it on the device
+    const Tensor token_grad = empty({batch * seq_len}, acc);
+    for (int64_t i = 0; i < batch * seq_len; ++i) {
+      if (acc == DType::kFloat64) {
+        token_grad.data_as<double>()[i] = loss[2].data_as<double>()[i] * loss[3].data_as<double>()[0];
+      } else {
+        token_grad.data_as<float>()[i] = loss[2].data_as<float>()[i] * loss[3].data_as<float>()[0];
+      }
+    }
+    grad = run_pass_op(tensor_value(token_grad), coef.f, weights, true, inplace)[2];
+  }
+  grpo_ext::StridedMatrix weights_view;
+  if (weights.kind == Value::Kind::kTensor) weights_view = matrix_view(weights.tensor, batch, seq_len, false);
+  const double bonus_scale = coef.f == 0.0 ? 0.0 : coef.f * options.loss_scale;
+  const Tensor mean = empty({}, acc);
+  if (acc == DType::kFloat64) {
+    grpo_ext::launch_kept_entropy_mean<double>(options.inputs, weights_view, entropy.data_as<double>(), bonus_scale,
+                                               loss[0].data_as<double>(), mean.data_as<double>(), nullptr);
+  } else {
+    grpo_ext::launch_kept_entropy_mean<float>(options.inputs, weights_view, entropy.data_as<float>(), bonus_scale,
+                                              loss[0].data_as<float>(), mean.data_as<float>(), nullptr);
+  }
+  if (inplace) return {loss[0], loss[1], mean, logps, entropy, logits};  // the written argument last
+  if (grad.numel() > 0) grad = view_contiguous(grad, logits.sizes);
+  return {loss[0], loss[1], mean, grad, logps, entropy};
+}
+
+std::vector<Tensor> logits_loss_new(Args& a) {
+  return logits_loss(a, false);
+}
+std::vector<Tensor> logits_loss_inplace(Args& a) {
+  return logits_loss(a, true);
+}
+
 std::vector<Tensor> scale_grad(Args& a) {
   const Tensor grad = a.tensor(), factor = a.tensor();
   a.done();
@@ -209,6 +309,8 @@ const RegisterOp kSoftmaxBackward("selective_log_softmax_backward", selective_lo
 const RegisterOp kPass("grpo_loss_from_logits_pass", logits_pass_new);
 const RegisterOp kPassInplace("grpo_loss_from_logits_pass_", logits_pass_inplace);
 const RegisterOp kScaleGrad("scale_grad_", scale_grad);
+const RegisterOp kLogitsLoss("grpo_loss_from_logits", logits_loss_new);
+const RegisterOp kLogitsLossInplace("grpo_loss_from_logits_", logits_loss_inplace);
 
 }  // namespace
 }  // namespace cuda_emu

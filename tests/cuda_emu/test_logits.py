@@ -1,5 +1,6 @@
 """The logits kernels on the emulated device, driven by their launchers: selective_log_softmax's forward and backward,
-and the fused pass of grpo_loss_from_logits (its row weights, the pass in a new tensor and in place, scale_grad_). V
+the fused pass of grpo_loss_from_logits (its row weights, the pass in a new tensor and in place, scale_grad_) and the
+whole op in one call (the pass(es), the loss, the kept-entropy kernel). V
 from 1 to 50257 (never a multiple of a block or vector width), every float dtype, temperature != 1, logit_scale and
 logit_softcap, strided and 3-D logits, masked rows holding NaN and padding ids, -inf and NaN logits, chunked rows
 (row_offset), batches over 32 rows (the row-weights kernel's warp loop wraps), every loss type at both importance
@@ -184,6 +185,47 @@ def test_logits_pass_every_loss(emu, loss_type, level):
     token_grad = (grad_raw * grad_scale).reshape(-1)
     check_op(emu, "grpo_loss_from_logits_pass", *pass_args(x, flat_ids, adv, mask, token_grad=token_grad, **options),
              tol=PASS_TOL, names=PASS_NAMES)  # fmt: skip
+
+
+LOGITS_LOSS_TOL = [LOSS, LOSS, VALUES, LOGITS_GRAD, VALUES, VALUES]  # loss, metrics, mean entropy, grad, logps, H
+LOGITS_LOSS_NAMES = ("loss", "metrics", "entropy_mean", "grad_logits", "logps", "entropy")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_logits_loss_whole_op(emu, loss_type, level):
+    """grpo_loss_from_logits in one call (plan/logits_loss.h over this device's pass, loss forward and kept-entropy
+    kernel): every loss type at both levels (one pass, or two around the loss' d loss / d logp), the entropy bonus
+    with and without weights, a sample mask, the gradient in a new tensor, over the logits, and not at all."""
+    case = LOSS_TYPES.index(loss_type) * 2 + (level == "sequence")
+    dtype = DTYPES[case % len(DTYPES)]
+    logits, ids, adv, mask, old, ref = make_problem(seed=20 + case)
+    g = torch.Generator().manual_seed(case)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    is_weights = (0.5 + torch.rand(4, 6, generator=g, dtype=torch.float64)).to(acc)
+    options = loss_options(loss_type, level, old.to(acc), ref.to(acc), is_weights, torch.tensor([True, True, False,
+                                                                                                 True]))  # fmt: skip
+    resolved = validate_grpo_loss_args(torch.empty(4, 6), adv.to(acc), mask, LossOptions(**options))
+    weights = torch.rand(4, 6, generator=g, dtype=torch.float64).to(acc) if case % 3 == 0 else None
+    x, flat_ids = logits.to(dtype), ids.reshape(-1)
+    for entropy_coef, compute_grad in ((0.0, True), (0.03, True), (0.03, False)):
+        args = (x, flat_ids, adv.to(acc), mask, *resolved.op_args(), 0.9, 1.0, 0.0, entropy_coef,
+                weights if entropy_coef else None, compute_grad)  # fmt: skip
+        check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES)
+    in_place = (x.clone(), *args[1:-1], True)
+    check_op(emu, "grpo_loss_from_logits_", *in_place, tol=[LOSS, LOSS, VALUES, VALUES, VALUES, LOGITS_GRAD],
+             names=LOGITS_LOSS_NAMES[:3] + LOGITS_LOSS_NAMES[4:] + ("logits (the gradient)",))  # fmt: skip
+
+
+def test_logits_loss_more_rows_than_warps(emu):
+    """40 rows of [B, T]: the kept-entropy kernel's warps take a second row each (1024 threads, 32 warps)."""
+    logits, ids, adv, mask, old, _ = make_problem(40, 3, 7, seed=41)
+    weights = torch.rand(40, 3, generator=torch.Generator().manual_seed(2))
+    resolved = validate_grpo_loss_args(torch.empty(40, 3), adv.float(), mask, LossOptions(old_logps=old.float()))
+    for entropy_weights in (None, weights):
+        args = (logits.float(), ids.reshape(-1), adv.float(), mask, *resolved.op_args(), 1.0, 1.0, 0.0, 0.05,
+                entropy_weights, True)  # fmt: skip
+        check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)

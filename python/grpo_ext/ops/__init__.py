@@ -25,6 +25,8 @@ OP_NAMES = (
     "grpo_loss_from_logits_pass",
     "grpo_loss_from_logits_pass_",
     "scale_grad_",
+    "grpo_loss_from_logits",
+    "grpo_loss_from_logits_",
 )
 
 __all__ = [

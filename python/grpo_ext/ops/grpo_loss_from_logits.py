@@ -1,19 +1,19 @@
 """grpo_loss_from_logits: the fused GRPO loss from logits (docs/math.md sections 2-7).
 
 One pass per logits row computes the log-prob, the entropy and d loss / d logp and writes the row's gradient during
-the forward. The ops ``torch.ops.grpo_ext.grpo_loss_from_logits_pass`` (and ``_pass_``, in place) and
-``scale_grad_``: kernels in csrc/cuda/grpo_loss_from_logits.cuh and csrc/cpu/grpo_loss_from_logits.cpp, planning in
-csrc/plan/grpo_loss_from_logits.h. Here: the typed wrapper, the fakes, the eager autograd and the composite op
-``grpo_ext::grpo_loss_from_logits`` that torch.compile traces. The helpers here are shared with
-grpo_loss_from_hidden.
-"""
+the forward. The op ``torch.ops.grpo_ext.grpo_loss_from_logits`` (and ``grpo_loss_from_logits_``, in place) is the
+whole forward in one call: composed in csrc/plan/logits_loss.h from the pass (kernels in
+csrc/cuda/grpo_loss_from_logits.cuh and csrc/cpu/grpo_loss_from_logits.cpp, planning in
+csrc/plan/grpo_loss_from_logits.h), grpo_loss' forward and the mean entropy (csrc/cuda/kept_entropy.cuh). The pass
+alone is ``grpo_loss_from_logits_pass`` (and ``_pass_``), which grpo_loss_from_hidden runs over chunks of rows;
+``scale_grad_`` is the backward. Here: the typed wrapper, the fakes, the eager autograd and the autograd that
+torch.compile uses. The helpers here are shared with grpo_loss_from_hidden."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .. import _native
 from ..results import GRPOLossOutput, GRPOLossTokenOutput
 from ..validation_loss import resolve_fused_loss_args
 from ..validation_values import check_bool, check_finite, validate_logit_options
@@ -49,22 +49,6 @@ def _in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` as a factor of a ``dtype`` product: converted when floating (so that no other float type promotes the
     product), as it is when integer or bool (a ``dtype`` tensor times it is ``dtype``, the same values)."""
     return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-
-
-def kept_mean_entropy(entropy: Tensor, completion_mask: Tensor, sample_mask: Tensor | None) -> Tensor:
-    """:func:`masked_mean_entropy` without weights, of an ``entropy`` that is 0 at every token not kept (as the logits
-    passes write it) and masks of 0s and 1s (docs/math.md): ``sum H / max(sum m, 1)``, the same value in 4 small ops.
-
-    ``sum H`` adds the same values as ``sum H * m`` in the same order (``H * 1 = H``, ``0 * 0 = 0``); ``sum m`` is an
-    exact count either way: an integer or bool mask on the CPU is counted (``count_nonzero``, the CPU's cheapest
-    reduction), any other summed (one kernel on CUDA; a NaN in a floating mask, unchecked there, keeps the mean NaN).
-    """
-    mask = completion_mask if sample_mask is None else completion_mask * sample_mask.unsqueeze(1)
-    if mask.is_cpu and not mask.is_floating_point():
-        kept = torch.count_nonzero(mask)
-    else:
-        kept = mask.sum(dtype=entropy.dtype)
-    return entropy.sum().div_(kept.clamp_min_(1))
 
 
 def with_entropy_bonus(loss: Tensor, entropy: Tensor, entropy_mean: Tensor, completion_mask: Tensor,
@@ -113,52 +97,28 @@ def _logits_loss_forward(
     """The fused forward on ``[N, V]``/``[B, T, V]`` logits: (loss, metrics vector, mean entropy, d loss/d logits,
     ``[N]`` log-probs, ``[N]`` entropy). ``option_args``: ``options.op_args()`` when the caller has them already.
 
-    Token-level losses: one pass over the logits (log-probs, entropy and the gradient), then the [B, T] loss op
-    for the loss and metrics. Sequence level and vespo: the log-probs first, the loss op's d loss / d logp, then a
-    second pass that writes the gradient. In place, the gradient is written over ``logits`` (returned as the gradient).
-    The entropy bonus' gradient is written by the pass that writes the gradient.
+    One native op call (csrc/plan/logits_loss.h): the pass over the logits (log-probs, entropy and, token-level, the
+    gradient; sequence level and vespo take a second pass with the loss' d loss / d logp), the loss of its log-probs,
+    the mean entropy over the kept tokens and the entropy bonus. In place, the gradient is written over ``logits``
+    (returned as the gradient).
     """
-    args = (logits, ids, advantages, completion_mask, options, logit, compute_grad, inplace, entropy_coef,
-            entropy_weights, options.op_args() if option_args is None else option_args)  # fmt: skip
+    args = (logits, ids, advantages, completion_mask, *(options.op_args() if option_args is None else option_args),
+            *logit.op_args(), entropy_coef, entropy_weights, compute_grad)  # fmt: skip
+    op = _LOGITS_LOSS_INPLACE if inplace else _LOGITS_LOSS
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return _logits_loss_passes(*args)
-    with below_autograd():  # grad mode is off: past the autograd key, as its registrations would hand the ops on
-        return _logits_loss_passes(*args)
-
-
-_PASS = torch.ops.grpo_ext.grpo_loss_from_logits_pass.default
-_PASS_INPLACE = torch.ops.grpo_ext.grpo_loss_from_logits_pass_.default
-_LOSS_FORWARD = torch.ops.grpo_ext.grpo_loss_forward.default
-
-
-def _logits_loss_passes(logits: Tensor, ids: Tensor, advantages: Tensor, completion_mask: Tensor, options: LossOptions,
-                        logit: LogitOptions, compute_grad: bool, inplace: bool, entropy_coef: float,
-                        entropy_weights: Tensor | None, option_args: tuple) -> tuple:  # fmt: skip
-    """:func:`_logits_loss_forward`'s work, with the options' native arguments ``option_args``."""
-    batch, length = completion_mask.shape
-    pass_op = _PASS_INPLACE if inplace else _PASS
-    logit_args = logit.op_args()
-    if compute_grad and options.gradient_needs_whole_rows:
-        logps, entropy, _ = _PASS(
-            logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, 0.0, None, False
-        )
-        loss, metrics, grad_raw, grad_scale = _LOSS_FORWARD(
-            logps.view(batch, length), advantages, completion_mask, *option_args, True
-        )
-        token_grad = (grad_raw * grad_scale).reshape(-1)
-        out = pass_op(logits, ids, 0, advantages, completion_mask, token_grad, *option_args, *logit_args,
-                      entropy_coef, entropy_weights, True)  # fmt: skip
+        out = op(*args)
     else:
-        out = pass_op(logits, ids, 0, advantages, completion_mask, None, *option_args, *logit_args, entropy_coef,
-                      entropy_weights, compute_grad)  # fmt: skip
-        logps, entropy = out[0], out[1]
-        loss, metrics, _, _ = _LOSS_FORWARD(logps.view(batch, length), advantages, completion_mask, *option_args, False)
-    grad = None
-    if compute_grad:
-        grad = logits if inplace else out[2].view_as(logits)  # view_as: a torch.Size argument parses slower
-    entropy_mean = kept_mean_entropy(entropy, completion_mask, options.sample_mask)
-    loss = with_entropy_bonus(loss, entropy, entropy_mean, completion_mask, options, entropy_coef, entropy_weights)
-    return loss, metrics, entropy_mean, grad, logps, entropy
+        with below_autograd():  # grad mode is off: past the autograd key, as its registration would hand the op on
+            out = op(*args)
+    if inplace:
+        loss, metrics, entropy_mean, logps, entropy = out
+        return loss, metrics, entropy_mean, logits if compute_grad else None, logps, entropy
+    loss, metrics, entropy_mean, grad, logps, entropy = out
+    return loss, metrics, entropy_mean, grad if compute_grad else None, logps, entropy
+
+
+_LOGITS_LOSS = torch.ops.grpo_ext.grpo_loss_from_logits.default
+_LOGITS_LOSS_INPLACE = torch.ops.grpo_ext.grpo_loss_from_logits_.default
 
 
 def check_ids_and_mask(rows: int, device: torch.device, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
@@ -277,25 +237,6 @@ class _LogitsLossFunction(torch.autograd.Function):
         return scale_grad(grad, grad_loss), None, None, None, None, None, None, None, None, None, None
 
 
-# The fused loss as one opaque op for torch.compile: (loss, metrics vector, mean entropy, d loss / d logits, [N]
-# log-probs, [N] entropy).
-torch.library.define(
-    "grpo_ext::grpo_loss_from_logits",
-    f"(Tensor logits, Tensor ids, Tensor advantages, Tensor completion_mask, {_native.LOSS_OPTIONS_SCHEMA}"
-    "float temperature, float logit_scale, float logit_softcap, float entropy_coef, Tensor? entropy_weights) -> "
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-)
-
-
-@torch.library.impl("grpo_ext::grpo_loss_from_logits", "CompositeExplicitAutograd")
-def _grpo_loss_from_logits_impl(logits, ids, advantages, completion_mask, *options_and_logit):
-    *options, temperature, logit_scale, logit_softcap, entropy_coef, entropy_weights = options_and_logit
-    options = LossOptions.from_op_args(tuple(options))
-    logit = logit_options_from_op_args(temperature, logit_scale, logit_softcap)
-    return _logits_loss_forward(logits, ids, advantages, completion_mask, options, logit, True, False, entropy_coef,
-                                entropy_weights)  # fmt: skip
-
-
 def logit_options_from_op_args(temperature: float, logit_scale: float, logit_softcap: float) -> LogitOptions:
     """The LogitOptions of a composite op's ``(temperature, logit_scale, logit_softcap)`` arguments (0: no cap)."""
     return LogitOptions(temperature, logit_scale, logit_softcap if logit_softcap > 0 else None)
@@ -303,22 +244,33 @@ def logit_options_from_op_args(temperature: float, logit_scale: float, logit_sof
 
 @torch.library.register_fake("grpo_ext::grpo_loss_from_logits")
 def _grpo_loss_from_logits_fake(logits, ids, advantages, completion_mask, *args):
+    compute_grad = args[-1]
     dtype = accumulate_dtype(logits.dtype)
     rows = _logits_rows(logits)
     return (
         logits.new_empty((), dtype=dtype),
         logits.new_empty((NUM_METRICS,), dtype=dtype),
         logits.new_empty((), dtype=dtype),
-        torch.empty_like(logits, memory_format=torch.contiguous_format),
+        logits.new_empty(logits.shape if compute_grad else (0,)),
         logits.new_empty((rows,), dtype=dtype),
         logits.new_empty((rows,), dtype=dtype),
     )
 
 
+@torch.library.register_fake("grpo_ext::grpo_loss_from_logits_")
+def _grpo_loss_from_logits_inplace_fake(logits, ids, advantages, completion_mask, *args):
+    # the functional op's outputs without the gradient (written over the logits)
+    loss, metrics, entropy_mean, _, logps, entropy = _grpo_loss_from_logits_fake(
+        logits, ids, advantages, completion_mask, *args[:-1], False
+    )
+    return loss, metrics, entropy_mean, logps, entropy
+
+
 def _logits_op_setup_context(ctx, inputs, output) -> None:
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(output[3])
-    ctx.mark_non_differentiable(*output[1:])
+    # compute_grad=False (the last input): no gradient was written, so the loss is not differentiable either
+    ctx.mark_non_differentiable(*(output[1:] if inputs[-1] else output))
 
 
 def _logits_op_backward(ctx, grad_loss, *unused):
@@ -418,9 +370,9 @@ def grpo_loss_from_logits(
             entropy_weights, option_args,
         )  # fmt: skip
     elif torch.compiler.is_compiling():
-        loss, metrics, entropy, _, token_logps, token_entropy = torch.ops.grpo_ext.grpo_loss_from_logits(
+        loss, metrics, entropy, _, token_logps, token_entropy = _LOGITS_LOSS(
             logits, flat_ids, advantages, completion_mask, *option_args, *logit.op_args(), entropy_coef,
-            entropy_weights,
+            entropy_weights, True,
         )  # fmt: skip
     else:
         detached: list[Tensor] = []

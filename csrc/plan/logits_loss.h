@@ -1,0 +1,86 @@
+// grpo_loss_from_logits in one op call (docs/math.md sections 2-7): the pass over the logits rows, the [B, T] loss
+// of the log-probs it wrote, the mean entropy over the kept tokens and the entropy bonus. Written once here; each
+// device supplies its kernels (cpu/grpo_loss_from_logits.cpp, cuda/grpo_loss_from_logits.cu).
+//
+// Why one op: on a small batch a call is mostly each op's fixed host cost (Python parsing about 35 arguments, the
+// dispatcher), and on a GPU that host time is the step's time. Composed in Python, the same work took two ops of 35
+// arguments and four small ones for the entropy's mean (benchmarks/bench_overhead.py).
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include "grpo_loss.h"
+#include "grpo_loss_from_logits.h"
+
+#define GRPO_LOGITS_LOSS_SCHEMA                                                                                   \
+  "Tensor ids, Tensor advantages, Tensor completion_mask, " GRPO_LOSS_OPTIONS_SCHEMA                              \
+  "float temperature, float logit_scale, float logit_softcap, float entropy_coef, Tensor? entropy_weights, bool " \
+  "compute_grad"
+#define GRPO_LOGITS_LOSS_PARAMS                                                                                  \
+  const Tensor &logits, const Tensor &ids, const Tensor &advantages, const Tensor &completion_mask,              \
+      GRPO_LOSS_OPTION_PARAMS double temperature, double logit_scale, double logit_softcap, double entropy_coef, \
+      const std::optional<Tensor>&entropy_weights, bool compute_grad
+#define GRPO_LOGITS_LOSS_ARGS                                                                                 \
+  logits, ids, advantages, completion_mask, GRPO_LOSS_OPTION_VALUES, temperature, logit_scale, logit_softcap, \
+      entropy_coef, entropy_weights, compute_grad
+
+namespace grpo_ext {
+
+// (loss, metrics, mean entropy over the kept tokens, d loss / d logits in the logits' shape, contiguous (empty when
+// not computed, or written over the logits), [N] log-probs, [N] entropy): the loss, metrics and mean entropy in the
+// accumulate dtype.
+using LogitsLossResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// grad_raw * grad_scale of a loss plan run with compute_grad, as the [N] per-token d loss / d logp of the second
+// pass (the sequence-level losses).
+inline Tensor token_grad_of(const LossForwardPlan& plan) {
+  return torch::stable::reshape(mul(plan.grad_raw, plan.grad_scale), {plan.inputs.batch * plan.inputs.seq_len});
+}
+
+// The whole loss on `device`, which provides
+//   pass(LogitsPassPlan&, bool grad_in_logits): the fused pass over the plan's rows;
+//   loss(LossForwardPlan&): grpo_loss' forward of the plan;
+//   entropy(const LogitsPassPlan&, const Tensor& entropy, double bonus_scale, Tensor& loss) -> the mean entropy
+//     (entropy_means in grpo_loss_math.h), with loss -= bonus_scale * (the bonus' mean) in place when bonus_scale
+//     != 0.
+// `inplace`: the gradient is written over `logits` (the caller checked them with check_inplace_logits).
+template <typename Device>
+LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor& ids, const Tensor& advantages,
+                             const Tensor& completion_mask, const LossOptionArgs& options, double temperature,
+                             double logit_scale, double logit_softcap, double entropy_coef,
+                             const std::optional<Tensor>& entropy_weights, bool compute_grad, bool inplace) {
+  const std::optional<Tensor> none;
+  const auto plan_pass = [&](const std::optional<Tensor>& token_grad, double coef, const std::optional<Tensor>& weights,
+                             bool grad, bool in_place) {
+    return plan_grpo_loss_from_logits(logits, ids, 0, advantages, completion_mask, token_grad, options, temperature,
+                                      logit_scale, logit_softcap, coef, weights, grad, in_place);
+  };
+  // A sequence-level ratio (GSPO) or vespo's weight needs a row's every log-prob before any token's gradient: the
+  // log-probs first, then the loss' d loss / d logp, then a second pass that writes the gradient.
+  const bool whole_rows = compute_grad && (options.importance_sampling_level != "token" ||
+                                           parse_loss_type(options.loss_type) == LossType::kVESPO);
+  LogitsPassPlan pass = whole_rows ? plan_pass(none, 0.0, none, false, false)
+                                   : plan_pass(none, entropy_coef, entropy_weights, compute_grad, inplace);
+  device.pass(pass, inplace && !whole_rows);
+  const int64_t batch = pass.loss.inputs.batch, seq_len = pass.loss.inputs.seq_len;
+  LossForwardPlan loss =
+      plan_grpo_loss(view_contiguous(pass.logps, {batch, seq_len}), advantages, completion_mask, options, whole_rows);
+  device.loss(loss);
+  Tensor grad = pass.grad_logits;
+  if (whole_rows) {
+    const std::optional<Tensor> token_grad = token_grad_of(loss);  // held: the plan keeps a pointer into it
+    LogitsPassPlan second = plan_pass(token_grad, entropy_coef, entropy_weights, true, inplace);
+    device.pass(second, inplace);
+    grad = second.grad_logits;
+  }
+  const double bonus_scale = entropy_coef == 0.0 ? 0.0 : entropy_coef * options.loss_scale;
+  if (entropy_weights.has_value() && !pass.entropy_weights.present()) {  // the first of two passes had none
+    pass.entropy_weights = matrix_view(*entropy_weights, batch, seq_len, "entropy_weights", false);
+  }
+  Tensor entropy_mean = device.entropy(pass, pass.entropy, bonus_scale, loss.loss);
+  if (grad.numel() > 0) grad = view_contiguous(grad, logits.sizes());  // [N, V] as the logits' [B, T, V]
+  return {loss.loss, loss.metrics, entropy_mean, grad, pass.logps, pass.entropy};
+}
+
+}  // namespace grpo_ext
