@@ -103,7 +103,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   In* grad = static_cast<In*>(plan.grad_data);
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, logits.rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> z(vocab), exps(vocab), weighted(vocab);
+    std::vector<T> z(vocab), exps(want_grad ? vocab : 0);
     auto [b, t] = token_of(begin);
     for (int64_t r = begin; r < end; ++r, step(b, t)) {
       const T m = in.mask_at<T>(b, t);
@@ -115,7 +115,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
         continue;
       }
       load_scaled_row<T, In, kCapped>(logits, r, f, z.data());
-      const cpu::RowSoftmax s = cpu::row_softmax(z.data(), vocab, exps.data(), weighted.data());
+      const cpu::RowSoftmax s = cpu::row_softmax(z.data(), vocab, want_grad ? exps.data() : nullptr);
       const int64_t id = plan.ids.load<int64_t>(r, 0);
       const T logp = T(double(z[id]) - s.lse);
       logps[r] = logp;

@@ -85,8 +85,11 @@ T lane_max(const T* x, int64_t n) {
   }
   T lanes[kLanes];
   memcpy(lanes, vectors, sizeof(lanes));
+  // A tree (4 dependent selects, not 15); NaN is still skipped: a lane is NaN only when x[0] is, and then all are.
+  for (int width = kLanes / 2; width > 0; width >>= 1) {
+    for (int j = 0; j < width; ++j) lanes[j] = lanes[j + width] > lanes[j] ? lanes[j + width] : lanes[j];
+  }
   T best = lanes[0];
-  for (int j = 1; j < kLanes; ++j) best = lanes[j] > best ? lanes[j] : best;
   for (; t < n; ++t) best = x[t] > best ? x[t] : best;
   return best;
 }
@@ -98,34 +101,74 @@ struct RowSoftmax {
   double mean_z;  // E_p[z]; the entropy is lse - mean_z
 };
 
-// exps[v] = exp(d_v) and weighted[v] = exp(d_v) * d_v for d_v = z_v - z_max: the softmax row's one loop with an
-// exp, straight-line code that the compiler vectorizes (math_exp_rows is branch-free).
+// A fixed tree over 16 float lanes, in double: the lanes' sum in 4 dependent adds (a chain of 16 would cost a short
+// row more than its softmax).
 template <typename T>
-__attribute__((always_inline)) inline void softmax_exps_loop(const T* __restrict__ z, int64_t n, T z_max,
-                                                             T* __restrict__ exps, T* __restrict__ weighted) {
-  for (int64_t v = 0; v < n; ++v) {
-    const T d = z[v] - z_max;
-    // exp underflows to 0 below -104 in float anyway; a -inf logit adds exactly nothing (not 0 * -inf). The test is
-    // !(d <= -100), not d > -100: a NaN logit must count and make the row NaN, as in torch.log_softmax (lane_max
-    // skips NaN, so nothing else would notice it).
-    const bool counts = !(d <= T(-100));
-    const T e = math_exp_rows(counts ? d : T(-100));
-    exps[v] = counts ? e : T(0);
-    weighted[v] = counts ? e * d : T(0);
+inline double tree_sum16(const T (&lanes)[16]) {
+  double level[8];
+  for (int j = 0; j < 8; ++j) level[j] = double(lanes[j]) + double(lanes[j + 8]);
+  for (int width = 4; width > 0; width >>= 1) {
+    for (int j = 0; j < width; ++j) level[j] += level[j + width];
   }
+  return level[0];
+}
+
+// The row's one loop with an exp, straight-line code that the compiler vectorizes (math_exp_rows is branch-free):
+// e_v = exp(d_v) for d_v = z_v - z_max, summed alone and weighted by d_v in 16 float lanes (lane j takes v = j mod
+// 16, the last n mod 16 in double), both finished by tree_sum16; with kStore, exps[v] = e_v as well (the gradient's
+// p_v = exps[v] / sum). sums = {sum e, sum e d}.
+template <typename T, bool kStore>
+__attribute__((always_inline)) inline void softmax_sums_loop(const T* __restrict__ z, int64_t n, T z_max,
+                                                             T* __restrict__ exps, double (&sums)[2]) {
+  constexpr int kLanes = 16;
+  // exp underflows to 0 below -104 in float anyway; a -inf logit adds exactly nothing (not 0 * -inf). The test is
+  // !(d <= -100), not d > -100: a NaN logit must count and make the row NaN, as in torch.log_softmax (lane_max
+  // skips NaN, so nothing else would notice it).
+  const auto term = [z_max](T z_v, T& e, T& weighted) {
+    const T d = z_v - z_max;
+    const bool counts = !(d <= T(-100));
+    const T exp_d = math_exp_rows(counts ? d : T(-100));
+    e = counts ? exp_d : T(0);
+    weighted = counts ? exp_d * d : T(0);
+  };
+  T lane_e[kLanes] = {}, lane_w[kLanes] = {};
+  int64_t v = 0;
+  for (; v + kLanes <= n; v += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      T e, weighted;
+      term(z[v + j], e, weighted);
+      if constexpr (kStore) exps[v + j] = e;
+      lane_e[j] += e;
+      lane_w[j] += weighted;
+    }
+  }
+  double tail_e = 0.0, tail_w = 0.0;
+  for (; v < n; ++v) {
+    T e, weighted;
+    term(z[v], e, weighted);
+    if constexpr (kStore) exps[v] = e;
+    tail_e += double(e);
+    tail_w += double(weighted);
+  }
+  sums[0] = tree_sum16(lane_e) + tail_e;
+  sums[1] = tree_sum16(lane_w) + tail_w;
 }
 
 // That loop compiled twice in float, for baseline x86-64 (SSE2, 4 floats a vector) and for AVX2 (8), chosen at run
 // time as grpo_loss.cpp chooses its token loop. Every element is computed alone by the same operations (no FMA in
-// either), so both copies write the same bits.
+// either) and summed into the same lane, so both copies give the same bits.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // GCC on x86-64: loops compiled a second time for AVX2 (a function target), picked at run time by cpu_has_avx2().
 #define GRPO_EXT_X86_AVX2 1
 namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2")
-inline void softmax_exps(const float* z, int64_t n, float z_max, float* exps, float* weighted) {
-  softmax_exps_loop(z, n, z_max, exps, weighted);
+inline void softmax_sums(const float* z, int64_t n, float z_max, float* exps, double (&sums)[2]) {
+  if (exps != nullptr) {
+    softmax_sums_loop<float, true>(z, n, z_max, exps, sums);
+  } else {
+    softmax_sums_loop<float, false>(z, n, z_max, exps, sums);
+  }
 }
 #pragma GCC pop_options
 }  // namespace isa_avx2
@@ -141,23 +184,29 @@ inline bool cpu_has_avx2() {
 #endif
 }
 
-// Two vectorized passes over z[0..n) (n >= 1): the max, then exps[v] = exp(z_v - max), which the caller may reuse
-// for the gradient (p_v = exps[v] / sum). `weighted` is scratch of n values.
+// Two vectorized passes over z[0..n) (n >= 1): the max, then the sums of softmax_sums_loop; `exps` (n values, or
+// null) receives exp(z_v - max) for the gradient.
 template <typename T>
-RowSoftmax row_softmax(const T* z, int64_t n, T* exps, T* weighted) {
+RowSoftmax row_softmax(const T* z, int64_t n, T* exps) {
   const T z_max = lane_max(z, n);
+  double sums[2];
   bool done = false;
 #ifdef GRPO_EXT_X86_AVX2
   if constexpr (std::is_same_v<T, float>) {
     if (cpu_has_avx2()) {
-      isa_avx2::softmax_exps(z, n, z_max, exps, weighted);
+      isa_avx2::softmax_sums(z, n, z_max, exps, sums);
       done = true;
     }
   }
 #endif
-  if (!done) softmax_exps_loop(z, n, z_max, exps, weighted);
-  const double sum = lane_sum(exps, n);
-  return {sum, double(z_max) + std::log(sum), double(z_max) + lane_sum(weighted, n) / sum};
+  if (!done) {
+    if (exps != nullptr) {
+      softmax_sums_loop<T, true>(z, n, z_max, exps, sums);
+    } else {
+      softmax_sums_loop<T, false>(z, n, z_max, exps, sums);
+    }
+  }
+  return {sums[0], double(z_max) + std::log(sums[0]), double(z_max) + sums[1] / sums[0]};
 }
 
 }  // namespace cpu

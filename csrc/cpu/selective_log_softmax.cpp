@@ -27,7 +27,7 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
   std::atomic<int64_t> bad_row{-1};
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, plan.rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> buffer(vocab), exps(vocab), weighted(vocab);
+    std::vector<T> buffer(vocab);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t id = plan.ids.load<int64_t>(row, 0);
       if (id < 0 || id >= vocab) {
@@ -37,7 +37,7 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
       const T* x = row_values(plan.logits, row, vocab, buffer.data());
       T* z = buffer.data();
       for (int64_t v = 0; v < vocab; ++v) z[v] = f.template z_of<kCapped>(x[v]);
-      const cpu::RowSoftmax s = cpu::row_softmax(z, vocab, exps.data(), weighted.data());
+      const cpu::RowSoftmax s = cpu::row_softmax<T>(z, vocab, nullptr);
       logps[row] = T(double(z[id]) - s.lse);
       if (entropy) entropy[row] = T(s.lse - s.mean_z);
       stats[row * kSoftmaxStats] = T(s.lse);

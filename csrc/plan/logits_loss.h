@@ -51,10 +51,14 @@ LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor&
                              double logit_scale, double logit_softcap, double entropy_coef,
                              const std::optional<Tensor>& entropy_weights, bool compute_grad, bool inplace) {
   const std::optional<Tensor> none;
+  // [B, T] ids of the mask's shape, contiguous, are the [N] the pass plans (so the caller need not reshape them).
+  const Tensor flat_ids = ids.dim() == 2 && same_shape(ids, completion_mask) && ids.is_contiguous()
+                              ? view_contiguous(ids, {ids.numel()})
+                              : ids;
   const auto plan_pass = [&](const std::optional<Tensor>& token_grad, double coef, const std::optional<Tensor>& weights,
                              bool grad, bool in_place) {
-    return plan_grpo_loss_from_logits(logits, ids, 0, advantages, completion_mask, token_grad, options, temperature,
-                                      logit_scale, logit_softcap, coef, weights, grad, in_place);
+    return plan_grpo_loss_from_logits(logits, flat_ids, 0, advantages, completion_mask, token_grad, options,
+                                      temperature, logit_scale, logit_softcap, coef, weights, grad, in_place);
   };
   // A sequence-level ratio (GSPO) or vespo's weight needs a row's every log-prob before any token's gradient: the
   // log-probs first, then the loss' d loss / d logp, then a second pass that writes the gradient.

@@ -217,7 +217,10 @@ std::vector<Tensor> logits_loss(Args& a, bool inplace) {
   const std::vector<Value>& v = a.values();
   // logits, ids, advantages, completion_mask, the loss options, then 6: the logit options, the bonus, compute_grad
   if (v.size() < 10) bad_args("grpo_loss_from_logits: too few arguments");
-  const Tensor logits = v[0].tensor, ids = v[1].tensor, advantages = v[2].tensor, mask = v[3].tensor;
+  const Tensor logits = v[0].tensor, advantages = v[2].tensor, mask = v[3].tensor;
+  const bool ids_as_mask =
+      v[1].tensor.sizes == mask.sizes && v[1].tensor.strides == std::vector<int64_t>{mask.size(1), 1};
+  const Tensor ids = ids_as_mask ? view_contiguous(v[1].tensor, {v[1].tensor.numel()}) : v[1].tensor;  // [B, T] as [N]
   const auto option_begin = v.begin() + 4, option_end = v.end() - 6;
   const Value &temperature = v.end()[-6], &logit_scale = v.end()[-5], &logit_softcap = v.end()[-4];
   const Value &coef = v.end()[-3], &weights = v.end()[-2];

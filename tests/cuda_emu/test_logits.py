@@ -218,12 +218,13 @@ def test_logits_loss_whole_op(emu, loss_type, level):
 
 
 def test_logits_loss_more_rows_than_warps(emu):
-    """40 rows of [B, T]: the kept-entropy kernel's warps take a second row each (1024 threads, 32 warps)."""
+    """40 rows of [B, T]: the kept-entropy kernel's warps take a second row each (1024 threads, 32 warps); the ids as
+    [N] and as [B, T] (the op's own view)."""
     logits, ids, adv, mask, old, _ = make_problem(40, 3, 7, seed=41)
     weights = torch.rand(40, 3, generator=torch.Generator().manual_seed(2))
     resolved = validate_grpo_loss_args(torch.empty(40, 3), adv.float(), mask, LossOptions(old_logps=old.float()))
-    for entropy_weights in (None, weights):
-        args = (logits.float(), ids.reshape(-1), adv.float(), mask, *resolved.op_args(), 1.0, 1.0, 0.0, 0.05,
+    for entropy_weights, op_ids in ((None, ids.reshape(-1)), (weights, ids)):  # the ids as [N], and as [B, T]
+        args = (logits.float(), op_ids, adv.float(), mask, *resolved.op_args(), 1.0, 1.0, 0.0, 0.05,
                 entropy_weights, True)  # fmt: skip
         check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES)
 

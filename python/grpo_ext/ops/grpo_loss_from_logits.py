@@ -143,7 +143,8 @@ _ID_DTYPES = (torch.int64, torch.int32)
 
 
 def check_logits_shapes(logits: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
-    """Checks the logits/ids/mask shapes; returns the ids flattened to ``[N]``."""
+    """Checks the logits/ids/mask shapes; returns the ids as the op takes them: ``[N]``, or the ``[B, T]`` ids
+    themselves when contiguous (the op views them as ``[N]``: no reshape call here)."""
     if isinstance(logits, Tensor) and isinstance(completion_ids, Tensor) and isinstance(completion_mask, Tensor):
         # the usual call ([B, T, V] logits, [B, T] ids and mask) vouched for at once; any other takes the checks below
         shape, mask_shape = logits.shape, completion_mask.shape
@@ -151,7 +152,7 @@ def check_logits_shapes(logits: Tensor, completion_ids: Tensor, completion_mask:
                 and completion_ids.shape == mask_shape and completion_ids.dtype in _ID_DTYPES):  # fmt: skip
             device = logits.device
             if completion_ids.device == device and completion_mask.device == device:
-                return completion_ids.reshape(-1)
+                return completion_ids if completion_ids.is_contiguous() else completion_ids.reshape(-1)
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
     if logits.dim() not in (2, 3):
