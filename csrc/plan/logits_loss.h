@@ -3,8 +3,8 @@
 // device supplies its kernels (cpu/grpo_loss_from_logits.cpp, cuda/grpo_loss_from_logits.cu).
 //
 // Why one op: on a small batch a call is mostly each op's fixed host cost (Python parsing about 35 arguments, the
-// dispatcher), and on a GPU that host time is the step's time. Composed in Python, the same work took two ops of 35
-// arguments and four small ones for the entropy's mean (benchmarks/bench_overhead.py).
+// dispatcher), and on a GPU that host time is the step's time. Composed in Python, the same work took two ops (37 and
+// 29 arguments) and four small ones for the entropy's mean (benchmarks/bench_overhead.py, benchmarks/NOTES.md).
 #pragma once
 
 #include <optional>
@@ -83,7 +83,7 @@ LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor&
     pass.entropy_weights = matrix_view(*entropy_weights, batch, seq_len, "entropy_weights", false);
   }
   Tensor entropy_mean = device.entropy(pass, pass.entropy, bonus_scale, loss.loss);
-  if (grad.numel() > 0) grad = view_contiguous(grad, logits.sizes());  // [N, V] as the logits' [B, T, V]
+  if (compute_grad && !inplace) grad = view_contiguous(grad, logits.sizes());  // [N, V] as the logits' [B, T, V]
   return {loss.loss, loss.metrics, entropy_mean, grad, pass.logps, pass.entropy};
 }
 

@@ -277,7 +277,7 @@ std::vector<Tensor> logits_loss(Args& a, bool inplace) {
                                               loss[0].data_as<float>(), mean.data_as<float>(), nullptr);
   }
   if (inplace) return {loss[0], loss[1], mean, logps, entropy, logits};  // the written argument last
-  if (grad.numel() > 0) grad = view_contiguous(grad, logits.sizes);
+  if (compute_grad) grad = view_contiguous(grad, logits.sizes);          // [N, V] as the logits' [B, T, V]
   return {loss[0], loss[1], mean, grad, logps, entropy};
 }
 
