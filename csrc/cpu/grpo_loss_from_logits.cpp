@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../logits_loss_math.h"
 #include "../plan/logits_loss.h"
 #include "row_utils.h"
 
@@ -72,18 +73,9 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   const int64_t vocab = logits.vocab;
   // Before any write: a bad id must not leave half-written logits. Masked rows are never read, so their ids
   // (padding such as -100) are not checked, as on CUDA.
-  if (logits.rows == 0) return;  // (then seq_len may be 0)
-  // (b, t) of token row_offset + r, stepped along rather than divided out at every row (two divisions cost as much
-  // as a short row's softmax).
-  const auto token_of = [&](int64_t r) {
-    return std::pair{(plan.row_offset + r) / in.seq_len, (plan.row_offset + r) % in.seq_len};
-  };
-  const auto step = [&](int64_t& b, int64_t& t) {
-    if (++t == in.seq_len) t = 0, ++b;
-  };
-  auto [check_b, check_t] = token_of(0);
-  for (int64_t r = 0; r < logits.rows; ++r, step(check_b, check_t)) {
-    if (in.mask_at<T>(check_b, check_t) == T(0)) continue;
+  for (int64_t r = 0; r < logits.rows; ++r) {
+    const int64_t n = plan.row_offset + r;
+    if (in.mask_at<T>(n / in.seq_len, n % in.seq_len) == T(0)) continue;
     const int64_t id = plan.ids.load<int64_t>(r, 0);
     GRPO_CHECK(id >= 0 && id < vocab, "ids[", r, "]=", id, " is outside the vocabulary [0, ", vocab, ")");
   }
@@ -104,8 +96,8 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, logits.rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> z(vocab), exps(want_grad ? vocab : 0);
-    auto [b, t] = token_of(begin);
-    for (int64_t r = begin; r < end; ++r, step(b, t)) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = plan.row_offset + r, b = n / in.seq_len, t = n % in.seq_len;
       const T m = in.mask_at<T>(b, t);
       In* grad_row = want_grad ? (grad_in_logits ? grad + logits.offset(r) : grad + r * vocab) : nullptr;
       if (m == T(0)) {  // never read; a zero gradient
@@ -212,7 +204,8 @@ struct CpuLogitsLoss {
     run_logits_pass(plan);
   }
   void loss(LossForwardPlan& plan) { run_loss_forward_cpu(plan); }
-  Tensor entropy(const LogitsPassPlan& plan, const Tensor& entropy, double bonus_scale, Tensor& loss) {
+  Tensor entropy(const LogitsPassPlan& plan, double bonus_scale, Tensor& loss) {
+    const Tensor& entropy = plan.entropy;
     Tensor mean = new_empty(entropy, {}, entropy.scalar_type());
     if (entropy.scalar_type() == ScalarType::Double) {
       entropy_mean_impl<double>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<double>(), bonus_scale,

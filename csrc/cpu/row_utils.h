@@ -154,6 +154,17 @@ __attribute__((always_inline)) inline void softmax_sums_loop(const T* __restrict
   sums[1] = tree_sum16(lane_w) + tail_w;
 }
 
+// softmax_sums_loop storing exps only where they are asked for (exps != nullptr: the gradient needs them).
+template <typename T>
+__attribute__((always_inline)) inline void softmax_sums_any(const T* z, int64_t n, T z_max, T* exps,
+                                                            double (&sums)[2]) {
+  if (exps != nullptr) {
+    softmax_sums_loop<T, true>(z, n, z_max, exps, sums);
+  } else {
+    softmax_sums_loop<T, false>(z, n, z_max, exps, sums);
+  }
+}
+
 // That loop compiled twice in float, for baseline x86-64 (SSE2, 4 floats a vector) and for AVX2 (8), chosen at run
 // time as grpo_loss.cpp chooses its token loop. Every element is computed alone by the same operations (no FMA in
 // either) and summed into the same lane, so both copies give the same bits.
@@ -164,11 +175,7 @@ namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2")
 inline void softmax_sums(const float* z, int64_t n, float z_max, float* exps, double (&sums)[2]) {
-  if (exps != nullptr) {
-    softmax_sums_loop<float, true>(z, n, z_max, exps, sums);
-  } else {
-    softmax_sums_loop<float, false>(z, n, z_max, exps, sums);
-  }
+  softmax_sums_any(z, n, z_max, exps, sums);
 }
 #pragma GCC pop_options
 }  // namespace isa_avx2
@@ -199,13 +206,7 @@ RowSoftmax row_softmax(const T* z, int64_t n, T* exps) {
     }
   }
 #endif
-  if (!done) {
-    if (exps != nullptr) {
-      softmax_sums_loop<T, true>(z, n, z_max, exps, sums);
-    } else {
-      softmax_sums_loop<T, false>(z, n, z_max, exps, sums);
-    }
-  }
+  if (!done) softmax_sums_any(z, n, z_max, exps, sums);
   return {sums[0], double(z_max) + std::log(sums[0]), double(z_max) + sums[1] / sums[0]};
 }
 

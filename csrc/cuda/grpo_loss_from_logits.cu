@@ -77,7 +77,8 @@ struct CudaLogitsLoss {
   const CudaCall& call;
   void pass(LogitsPassPlan& plan, bool grad_in_logits) { run_logits_pass(plan, grad_in_logits, call); }
   void loss(LossForwardPlan& plan) { run_loss_forward_cuda(plan, call.stream()); }
-  Tensor entropy(const LogitsPassPlan& plan, const Tensor& entropy, double bonus_scale, Tensor& loss) {
+  Tensor entropy(const LogitsPassPlan& plan, double bonus_scale, Tensor& loss) {
+    const Tensor& entropy = plan.entropy;
     Tensor mean = new_empty(entropy, {}, entropy.scalar_type());
     if (entropy.scalar_type() == ScalarType::Double) {
       launch_kept_entropy_mean<double>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<double>(),

@@ -18,7 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "../grpo_loss_math.h"
+#include "../logits_loss_math.h"
 #include "cluster.cuh"
 #include "launch.cuh"
 #include "reduce.cuh"

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "../grpo_loss_math.h"
+#include "../logits_loss_math.h"
 #include "launch.cuh"
 #include "reduce.cuh"
 

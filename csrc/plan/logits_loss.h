@@ -35,15 +35,15 @@ using LogitsLossResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tens
 // grad_raw * grad_scale of a loss plan run with compute_grad, as the [N] per-token d loss / d logp of the second
 // pass (the sequence-level losses).
 inline Tensor token_grad_of(const LossForwardPlan& plan) {
-  return torch::stable::reshape(mul(plan.grad_raw, plan.grad_scale), {plan.inputs.batch * plan.inputs.seq_len});
+  return view_contiguous(mul(plan.grad_raw, plan.grad_scale), {plan.inputs.batch * plan.inputs.seq_len});
 }
 
 // The whole loss on `device`, which provides
 //   pass(LogitsPassPlan&, bool grad_in_logits): the fused pass over the plan's rows;
 //   loss(LossForwardPlan&): grpo_loss' forward of the plan;
-//   entropy(const LogitsPassPlan&, const Tensor& entropy, double bonus_scale, Tensor& loss) -> the mean entropy
-//     (entropy_means in grpo_loss_math.h), with loss -= bonus_scale * (the bonus' mean) in place when bonus_scale
-//     != 0.
+//   entropy(const LogitsPassPlan&, double bonus_scale, Tensor& loss) -> the mean of the plan's entropy over the kept
+//     tokens (entropy_means in logits_loss_math.h), with loss -= bonus_scale * (the bonus' mean) in place when
+//     bonus_scale != 0.
 // `inplace`: the gradient is written over `logits` (the caller checked them with check_inplace_logits).
 template <typename Device>
 LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor& ids, const Tensor& advantages,
@@ -64,7 +64,8 @@ LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor&
   // log-probs first, then the loss' d loss / d logp, then a second pass that writes the gradient.
   const bool whole_rows = compute_grad && (options.importance_sampling_level != "token" ||
                                            parse_loss_type(options.loss_type) == LossType::kVESPO);
-  LogitsPassPlan pass = whole_rows ? plan_pass(none, 0.0, none, false, false)
+  // (the first of two passes writes no gradient, so no bonus term; its plan still views the bonus' weights)
+  LogitsPassPlan pass = whole_rows ? plan_pass(none, 0.0, entropy_weights, false, false)
                                    : plan_pass(none, entropy_coef, entropy_weights, compute_grad, inplace);
   device.pass(pass, inplace && !whole_rows);
   const int64_t batch = pass.loss.inputs.batch, seq_len = pass.loss.inputs.seq_len;
@@ -79,10 +80,7 @@ LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor&
     grad = second.grad_logits;
   }
   const double bonus_scale = entropy_coef == 0.0 ? 0.0 : entropy_coef * options.loss_scale;
-  if (entropy_weights.has_value() && !pass.entropy_weights.present()) {  // the first of two passes had none
-    pass.entropy_weights = matrix_view(*entropy_weights, batch, seq_len, "entropy_weights", false);
-  }
-  Tensor entropy_mean = device.entropy(pass, pass.entropy, bonus_scale, loss.loss);
+  Tensor entropy_mean = device.entropy(pass, bonus_scale, loss.loss);
   if (compute_grad && !inplace) grad = view_contiguous(grad, logits.sizes());  // [N, V] as the logits' [B, T, V]
   return {loss.loss, loss.metrics, entropy_mean, grad, pass.logps, pass.entropy};
 }

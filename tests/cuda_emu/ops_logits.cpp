@@ -244,7 +244,7 @@ std::vector<Tensor> logits_loss(Args& a, bool inplace) {
     return logits_pass(pass_args, in_place);
   };
   const Value none;
-  const std::vector<Tensor> pass = whole_rows ? run_pass_op(none, 0.0, none, false, false)
+  const std::vector<Tensor> pass = whole_rows ? run_pass_op(none, 0.0, weights, false, false)
                                               : run_pass_op(none, coef.f, weights, compute_grad, inplace);
   const Tensor logps = pass[0], entropy = pass[1];
   Tensor grad = pass[2];
