@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo_ext  # noqa: F401  (registers the ops)
+import grpo_ext
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 NEG_ZERO_BITS = 0x80000000
@@ -113,33 +113,51 @@ CHECK_CPP = r"""
 #include <vector>
 #include "fast_math.h"
 
-void exp_baseline(const float* x, float* y, long n) {
-  for (long i = 0; i < n; ++i) y[i] = grpo_ext::host_expf_rows(x[i]);
-}
+// Each exp of the rows as a loop, compiled three times as csrc/cpu/row_utils.h compiles the softmax loops: baseline
+// x86-64, AVX2 and AVX-512F (no FMA contraction there, as in row_utils.h).
+#define EXP_LOOPS(suffix)                                                                    \
+  void rows_##suffix(const float* x, float* y, long n) {                                     \
+    for (long i = 0; i < n; ++i) y[i] = grpo_ext::host_expf_rows(x[i]);                      \
+  }                                                                                          \
+  void nonpositive_##suffix(const float* x, float* y, long n) {                              \
+    for (long i = 0; i < n; ++i) y[i] = grpo_ext::host_expf_nonpositive(x[i]);               \
+  }
+EXP_LOOPS(baseline)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC target("avx2")
-void exp_avx2(const float* x, float* y, long n) {
-  for (long i = 0; i < n; ++i) y[i] = grpo_ext::host_expf_rows(x[i]);
-}
+EXP_LOOPS(avx2)
 #pragma GCC pop_options
-bool has_avx2() { return __builtin_cpu_supports("avx2"); }
+#pragma GCC push_options
+#pragma GCC target("avx512f,prefer-vector-width=512")
+#pragma GCC optimize("fp-contract=off")
+EXP_LOOPS(avx512)
+#pragma GCC pop_options
+bool has(const char* isa) { return isa[4] == '2' ? __builtin_cpu_supports("avx2") : __builtin_cpu_supports("avx512f"); }
 #else
-void exp_avx2(const float* x, float* y, long n) { exp_baseline(x, y, n); }
-bool has_avx2() { return false; }
+EXP_LOOPS(avx2)
+EXP_LOOPS(avx512)
+bool has(const char*) { return false; }
 #endif
 
-// stdin: float32 values; stdout: exp of each from the baseline loop, then from the AVX2 loop (or the baseline again).
+using Loop = void (*)(const float*, float*, long);
+
+// stdin: float32 values; stdout: host_expf_rows of each from the baseline, AVX2 and AVX-512 loops, then
+// host_expf_nonpositive's three (a copy this CPU cannot run is the baseline's again).
 int main() {
   std::vector<float> x;
   float buffer[4096];
   size_t got;
   while ((got = fread(buffer, sizeof(float), 4096, stdin)) > 0) x.insert(x.end(), buffer, buffer + got);
-  std::vector<float> a(x.size()), b(x.size());
-  exp_baseline(x.data(), a.data(), long(x.size()));
-  (has_avx2() ? exp_avx2 : exp_baseline)(x.data(), b.data(), long(x.size()));
-  fwrite(a.data(), sizeof(float), a.size(), stdout);
-  fwrite(b.data(), sizeof(float), b.size(), stdout);
+  std::vector<float> y(x.size());
+  const Loop loops[6] = {rows_baseline,        has("avx2") ? rows_avx2 : rows_baseline,
+                         has("avx512f") ? rows_avx512 : rows_baseline, nonpositive_baseline,
+                         has("avx2") ? nonpositive_avx2 : nonpositive_baseline,
+                         has("avx512f") ? nonpositive_avx512 : nonpositive_baseline};
+  for (Loop loop : loops) {
+    loop(x.data(), y.data(), long(x.size()));
+    fwrite(y.data(), sizeof(float), y.size(), stdout);
+  }
   return 0;
 }
 """
@@ -159,18 +177,25 @@ def exp_program(tmp_path_factory) -> Path:
     return program
 
 
-def host_exp(program: Path, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def host_exps(program: Path, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """host_expf_rows(x) from its baseline, AVX2 and AVX-512 loops, then host_expf_nonpositive(x) from its three."""
     out = subprocess.run([str(program)], input=x.numpy().tobytes(), capture_output=True, check=True).stdout
-    y = torch.frombuffer(bytearray(out), dtype=torch.float32)
-    return y[: x.numel()], y[x.numel() :]
+    return torch.frombuffer(bytearray(out), dtype=torch.float32).view(6, x.numel()).unbind()
+
+
+def host_exp(program: Path, x: torch.Tensor) -> torch.Tensor:
+    """host_expf_rows(x), after checking that its three copies give the same bits."""
+    baseline, avx2, avx512 = host_exps(program, x)[:3]
+    assert torch.equal(baseline.view(torch.int32), avx2.view(torch.int32))
+    assert torch.equal(baseline.view(torch.int32), avx512.view(torch.int32))
+    return baseline
 
 
 def test_host_expf_rows_special_values(exp_program):
     inf, nan = float("inf"), float("nan")
     x = torch.tensor([-inf, -1e30, -200.0, -104.0, -103.98, -103.9, -100.0, -87.5, 0.0, -0.0, 1e-40, 88.72,
                       88.7228, 88.723, 89.0, 200.0, inf, nan])  # fmt: skip
-    baseline, avx2 = host_exp(exp_program, x)
-    assert torch.equal(baseline.view(torch.int32), avx2.view(torch.int32))
+    baseline = host_exp(exp_program, x)
     assert baseline[:4].tolist() == [0.0, 0.0, 0.0, 0.0]  # exp(-104) < 2^-150 rounds to 0; -inf gives 0
     assert baseline[13:17].tolist() == [inf] * 4  # above log(FLT_MAX) = 88.72284
     assert torch.isnan(baseline[17])
@@ -180,12 +205,82 @@ def test_host_expf_rows_special_values(exp_program):
 
 def test_host_expf_rows_dense_within_2_ulp(exp_program):
     # Every 199th float of [-104, 0] (underflow to subnormals and to 0 included) and of [0, 88.72] (up to the largest
-    # finite result), every 7th of [-104, -87]; the baseline and AVX2 loops agree bit for bit.
+    # finite result), every 7th of [-104, -87]; the baseline, AVX2 and AVX-512 loops agree bit for bit.
     x = torch.cat([floats_between(NEG_ZERO_BITS, 0xC2D00000, 199), floats_between(0, 0x42B17217, 199),
                    floats_between(0xC2AE0000, 0xC2D00000, 7)])  # fmt: skip
-    baseline, avx2 = host_exp(exp_program, x)
-    assert torch.equal(baseline.view(torch.int32), avx2.view(torch.int32))
+    baseline = host_exp(exp_program, x)
     assert torch.isfinite(baseline).all()
     dist = ulp_distance(baseline, x)
     worst = int(dist.argmax())
     assert int(dist.max()) <= 2, f"exp({float(x[worst])!r}) = {float(baseline[worst])!r}: {int(dist.max())} ulp"
+
+
+def test_host_expf_nonpositive_is_host_expf_rows_above_the_cut(exp_program):
+    # The softmax sums' exp (d = z - max in [-87, 0]): every 13th float of that range, bit for bit host_expf_rows
+    # (so within its 2 ulp) in all three copies; NaN stays NaN (a NaN logit makes its row NaN).
+    x = torch.cat([floats_between(NEG_ZERO_BITS, 0xC2AE0000, 13), torch.tensor([-87.0, -0.0, 0.0, float("nan")])])
+    rows = host_exp(exp_program, x)
+    for copy in host_exps(exp_program, x)[3:]:
+        assert torch.equal(copy[:-1].view(torch.int32), rows[:-1].view(torch.int32))
+        assert torch.isnan(copy[-1])
+
+
+def test_forward_drops_terms_below_the_float_cut():
+    # A float32 row's term counts 0 where d = z - max <= -87 (exp below float's normal range, as CUDA's __expf): its
+    # gradient entry is exactly 0, while one just above the cut is not; -inf gives 0 too.
+    logits = torch.tensor([[0.0, -86.5, -87.0, -87.5, float("-inf"), -1.0]], requires_grad=True)
+    out = grpo_ext.grpo_loss_from_logits(logits.unsqueeze(0), torch.zeros(1, 1, dtype=torch.int64),
+                                         torch.ones(1), torch.ones(1, 1))  # fmt: skip
+    out.loss.backward()
+    grad = logits.grad[0]
+    assert grad[1] != 0 and grad[5] != 0
+    assert grad[2:5].tolist() == [0.0, 0.0, 0.0]
+
+
+VOCABS = (1, 15, 16, 17, 100, 1000)
+# Reads the rows (5 per vocabulary in VOCABS, float32) and ids (int64) from stdin, drawn by the parent: torch's own
+# random and math kernels differ between CPU capabilities, so the child computes nothing but the ops under test.
+CAPABILITY_SCRIPT = """
+import sys, torch, grpo_ext
+torch.set_num_threads(1)
+data = sys.stdin.buffer.read()
+out, at = [], 0
+for vocab in VOCABS:
+    x = torch.frombuffer(bytearray(data[at : at + 20 * vocab]), dtype=torch.float32).view(5, vocab)
+    ids = torch.frombuffer(bytearray(data[at + 20 * vocab : at + 20 * vocab + 40]), dtype=torch.int64)
+    at += 20 * vocab + 40
+    logps, entropy, _ = torch.ops.grpo_ext.selective_log_softmax_forward(x, ids, 0.7, 1.0, 0.0, True)
+    leaf = x.view(1, 5, vocab).clone().requires_grad_(True)
+    res = grpo_ext.grpo_loss_from_logits(leaf, ids.view(1, 5), torch.ones(1), torch.ones(1, 5), temperature=0.7,
+                                         entropy_coef=0.1)
+    res.loss.backward()
+    out += [logps, entropy, res.loss.detach().view(1), leaf.grad.view(-1)]
+sys.stdout.buffer.write(torch.cat(out).numpy().tobytes())
+""".replace("VOCABS", repr(VOCABS))
+
+
+def test_softmax_rows_same_bits_under_every_cpu_capability():
+    # The shipped kernels' softmax loops (row_utils.h: baseline, AVX2 and AVX-512 copies, capped by
+    # ATEN_CPU_CAPABILITY as torch's own are) give the same bits on one machine, in the forward and the gradient.
+    import os
+    import sys
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for vocab in VOCABS:
+        x = 3 * torch.randn(5, vocab, generator=g)
+        if vocab > 1:
+            x[0, 0] = float("-inf")
+            x[1, 1] = x[1, 0] - 90.0  # below the cut
+        rows += [x.numpy().tobytes(), torch.randint(0, vocab, (5,), generator=g).numpy().tobytes()]
+    results = {}
+    for capability in ("default", "avx2", None):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability is not None:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        done = subprocess.run([sys.executable, "-c", CAPABILITY_SCRIPT], input=b"".join(rows), env=env,
+                              capture_output=True, check=True)  # fmt: skip
+        results[capability] = torch.frombuffer(bytearray(done.stdout), dtype=torch.int32)
+    assert results["default"].numel() > 0
+    assert torch.equal(results["default"], results["avx2"])
+    assert torch.equal(results["default"], results[None])

@@ -304,6 +304,30 @@ def test_errors():
         grpo_ext.grpo_loss_from_logits(logits, bad_ids, adv, mask)
 
 
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inplace", "sequence"])
+def test_bad_id_error_names_the_first_kept_row(mode):
+    # The row loop notes bad ids as it goes (the in-place pass checks them all before writing): either way the error
+    # names the first kept row with one, whatever row a thread met first, and a masked row's id is never looked at.
+    logits, ids, adv, mask, old, _ = make_problem(batch=4, length=6, vocab=50, seed=21)
+    mask[2] = True
+    mask[3, 0] = False
+    bad = ids.clone()
+    bad[3, 0] = -7  # masked: ignored
+    bad[3, 4] = 50  # kept, later
+    bad[2, 5] = 51  # kept, first (row 2 * 6 + 5 = 17)
+    x = logits.float().clone()
+    kwargs = dict(old_logps=old.float(), importance_sampling_level="sequence" if mode == "sequence" else "token")
+    with pytest.raises(RuntimeError, match=r"ids\[17\]=51 is outside the vocabulary \[0, 50\)"):
+        if mode == "no_grad":
+            with torch.no_grad():
+                grpo_ext.grpo_loss_from_logits(x, bad, adv.float(), mask, **kwargs)
+        elif mode == "inplace":
+            head = x.clone().requires_grad_(True)
+            grpo_ext.grpo_loss_from_logits(head * 1.0, bad, adv.float(), mask, inplace_grad=True, **kwargs)
+        else:
+            grpo_ext.grpo_loss_from_logits(x.requires_grad_(True), bad, adv.float(), mask, **kwargs)
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_reference_never_reads_masked_rows_and_keeps_nan_rows_nan(level):
     """The reference (a documented fallback) follows the contract as the kernels do: NaN logits in masked rows give

@@ -2,6 +2,7 @@
 // parallel, each row converted once into a float buffer, its softmax statistics taken, and its gradient written from
 // that buffer (over the logits themselves in the in-place op). Masked rows are never read.
 
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -71,16 +72,22 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   const LossInputs& in = plan.loss.inputs;
   const LogitsRows& logits = plan.logits;
   const int64_t vocab = logits.vocab;
-  // Before any write: a bad id must not leave half-written logits. Masked rows are never read, so their ids
-  // (padding such as -100) are not checked, as on CUDA.
-  for (int64_t r = 0; r < logits.rows; ++r) {
-    const int64_t n = plan.row_offset + r;
-    if (in.mask_at<T>(n / in.seq_len, n % in.seq_len) == T(0)) continue;
-    const int64_t id = plan.ids.load<int64_t>(r, 0);
-    GRPO_CHECK(id >= 0 && id < vocab, "ids[", r, "]=", id, " is outside the vocabulary [0, ", vocab, ")");
-  }
   const bool want_grad = plan.compute_grad && plan.grad_data != nullptr;
   const bool grad_in_logits = want_grad && plan.grad_data == logits.data;
+  // A kept row's id outside the vocabulary is an error naming the first such row. Where the gradient goes over the
+  // logits they are checked before any write (a bad id must not leave half-written logits); elsewhere the row loop
+  // notes them (the outputs are new and dropped with the error). Masked rows are never read, so their ids (padding
+  // such as -100) are not checked, as on CUDA.
+  const auto check_id = [&](int64_t r, int64_t id) {
+    GRPO_CHECK(id >= 0 && id < vocab, "ids[", r, "]=", id, " is outside the vocabulary [0, ", vocab, ")");
+  };
+  if (grad_in_logits) {
+    for (int64_t r = 0; r < logits.rows; ++r) {
+      const int64_t n = plan.row_offset + r;
+      if (in.mask_at<T>(n / in.seq_len, n % in.seq_len) != T(0)) check_id(r, plan.ids.load<int64_t>(r, 0));
+    }
+  }
+  std::atomic<int64_t> first_bad_row{logits.rows};
   const bool policy_rows = want_grad && !plan.token_grad.present();
   const PassWeights<T> weights = policy_rows || (want_grad && plan.entropy_coef != 0.0)
                                      ? pass_weights<T>(plan, policy_rows)
@@ -93,9 +100,12 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   T* logps = plan.logps.mutable_data_ptr<T>();
   T* entropy = plan.entropy.mutable_data_ptr<T>();
   In* grad = static_cast<In*>(plan.grad_data);
+  // z = x (no scale, no cap, the accumulate type): the row is read where it lies, not copied (except when the
+  // gradient is written over it, since the bonus reads z[id] after the row loop)
+  const bool z_is_row = std::is_same_v<In, T> && !kCapped && f.in_scale == T(1) && !grad_in_logits;
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, logits.rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> z(vocab), exps(want_grad ? vocab : 0);
+    std::vector<T> z_buffer(z_is_row ? 0 : vocab), exps(want_grad ? vocab : 0);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = plan.row_offset + r, b = n / in.seq_len, t = n % in.seq_len;
       const T m = in.mask_at<T>(b, t);
@@ -106,9 +116,16 @@ void logits_pass_impl(LogitsPassPlan& plan) {
         if (grad_row) std::fill(grad_row, grad_row + vocab, In(0));
         continue;
       }
-      load_scaled_row<T, In, kCapped>(logits, r, f, z.data());
-      const cpu::RowSoftmax s = cpu::row_softmax(z.data(), vocab, want_grad ? exps.data() : nullptr);
       const int64_t id = plan.ids.load<int64_t>(r, 0);
+      if (id < 0 || id >= vocab) {  // (only where not checked above) no row of it is read or written
+        for (int64_t seen = first_bad_row.load(); r < seen && !first_bad_row.compare_exchange_weak(seen, r);) {
+        }
+        continue;
+      }
+      const T* z = z_is_row ? reinterpret_cast<const T*>(static_cast<const In*>(logits.data) + logits.offset(r))
+                            : z_buffer.data();
+      if (!z_is_row) load_scaled_row<T, In, kCapped>(logits, r, f, z_buffer.data());
+      const cpu::RowSoftmax s = cpu::row_softmax(z, vocab, want_grad ? exps.data() : nullptr);
       const T logp = T(double(z[id]) - s.lse);
       logps[r] = logp;
       entropy[r] = T(s.lse - s.mean_z);
@@ -148,6 +165,8 @@ void logits_pass_impl(LogitsPassPlan& plan) {
       }
     }
   });
+  const int64_t bad = first_bad_row.load();
+  if (bad < logits.rows) check_id(bad, plan.ids.load<int64_t>(bad, 0));
 }
 
 template <bool kCapped>

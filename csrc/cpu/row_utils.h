@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -64,13 +65,16 @@ double lane_sum(const T* x, int64_t n) {
   return total;
 }
 
-// Max of x[0..n) in 16 lanes; n >= 1. The lanes are 16-byte GCC vectors (SSE registers): written as an array of 16
-// scalars, GCC (12) keeps them as 16 scalar chains of a select it does not vectorize without -ffast-math. Each lane is
-// x > lane ? x : lane, elementwise, so NaN is skipped and the result is that of the scalar loop, bit for bit.
-template <typename T>
-T lane_max(const T* x, int64_t n) {
-  constexpr int kLanes = 16, kPerVector = 16 / sizeof(T), kVectors = kLanes / kPerVector;
-  typedef T Vector __attribute__((vector_size(16)));
+// Max of x[0..n) in 16 lanes (lane j takes t = j mod 16); n >= 1. The lanes are GCC vectors of kVectorBytes, the
+// caller's vector width (16: SSE, 32: AVX2, 64: AVX-512; a vector wider than the target's is lowered element by
+// element): written as an array of 16 scalars, GCC (12) keeps them as 16 scalar chains of a select it does not
+// vectorize without -ffast-math. Each lane is x > lane ? x : lane, elementwise, so NaN is skipped and the result is
+// that of the scalar loop, bit for bit, whatever the width.
+template <typename T, int kVectorBytes = 16>
+__attribute__((always_inline)) inline T lane_max(const T* x, int64_t n) {
+  constexpr int kLanes = 16, kPerVector = kVectorBytes / sizeof(T), kVectors = kLanes / kPerVector;
+  static_assert(kVectors >= 1 && kLanes % kPerVector == 0);
+  typedef T Vector __attribute__((vector_size(kVectorBytes)));
   Vector vectors[kVectors];
   for (int i = 0; i < kVectors; ++i) {
     for (int j = 0; j < kPerVector; ++j) vectors[i][j] = x[0];
@@ -121,13 +125,14 @@ template <typename T, bool kStore>
 __attribute__((always_inline)) inline void softmax_sums_loop(const T* __restrict__ z, int64_t n, T z_max,
                                                              T* __restrict__ exps, double (&sums)[2]) {
   constexpr int kLanes = 16;
-  // exp underflows to 0 below -104 in float anyway; a -inf logit adds exactly nothing (not 0 * -inf). The test is
-  // !(d <= -100), not d > -100: a NaN logit must count and make the row NaN, as in torch.log_softmax (lane_max
-  // skips NaN, so nothing else would notice it).
+  // A term below the cut (float: -87, where exp leaves the normal range; double: -100) counts 0, and a -inf logit
+  // adds exactly nothing (not 0 * -inf); the exp of such a d is computed and dropped. The test is !(d <= cut), not
+  // d > cut: a NaN logit must count and make the row NaN, as in torch.log_softmax (lane_max skips NaN, so nothing
+  // else would notice it).
   const auto term = [z_max](T z_v, T& e, T& weighted) {
     const T d = z_v - z_max;
-    const bool counts = !(d <= T(-100));
-    const T exp_d = math_exp_rows(counts ? d : T(-100));
+    const bool counts = !(d <= kSoftmaxCut<T>);
+    const T exp_d = math_exp_nonpositive(d);
     e = counts ? exp_d : T(0);
     weighted = counts ? exp_d * d : T(0);
   };
@@ -154,59 +159,93 @@ __attribute__((always_inline)) inline void softmax_sums_loop(const T* __restrict
   sums[1] = tree_sum16(lane_w) + tail_w;
 }
 
-// softmax_sums_loop storing exps only where they are asked for (exps != nullptr: the gradient needs them).
-template <typename T>
-__attribute__((always_inline)) inline void softmax_sums_any(const T* z, int64_t n, T z_max, T* exps,
-                                                            double (&sums)[2]) {
+// The row's max (lane_max), then softmax_sums_loop, storing exps only where they are asked for (exps != nullptr: the
+// gradient needs them); returns the max.
+template <typename T, int kVectorBytes = 16>
+__attribute__((always_inline)) inline T softmax_max_sums(const T* z, int64_t n, T* exps, double (&sums)[2]) {
+  const T z_max = lane_max<T, kVectorBytes>(z, n);
   if (exps != nullptr) {
     softmax_sums_loop<T, true>(z, n, z_max, exps, sums);
   } else {
     softmax_sums_loop<T, false>(z, n, z_max, exps, sums);
   }
+  return z_max;
 }
 
-// That loop compiled twice in float, for baseline x86-64 (SSE2, 4 floats a vector) and for AVX2 (8), chosen at run
-// time as grpo_loss.cpp chooses its token loop. Every element is computed alone by the same operations (no FMA in
-// either) and summed into the same lane, so both copies give the same bits.
+// Those loops (the max and the sums) compiled three times in float: for baseline x86-64 (SSE2, 4 floats a vector), AVX2
+// (8) and AVX-512 (16: one vector holds the 16 lanes), chosen at run time (cpu_isa) as grpo_loss.cpp chooses its token
+// loop. Every element is computed alone by the same operations (no FMA in any copy) and summed into the same lane, so
+// all three give the same bits (tests/test_cpu_exp.py).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// GCC on x86-64: loops compiled a second time for AVX2 (a function target), picked at run time by cpu_has_avx2().
+// GCC on x86-64: loops compiled again for AVX2 and AVX-512 (function targets), picked at run time by cpu_isa().
 #define GRPO_EXT_X86_AVX2 1
 namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2")
-inline void softmax_sums(const float* z, int64_t n, float z_max, float* exps, double (&sums)[2]) {
-  softmax_sums_any(z, n, z_max, exps, sums);
+inline float softmax_max_sums(const float* z, int64_t n, float* exps, double (&sums)[2]) {
+  return cpu::softmax_max_sums<float, 32>(z, n, exps, sums);
 }
 #pragma GCC pop_options
 }  // namespace isa_avx2
+namespace isa_avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,prefer-vector-width=512")
+#pragma GCC optimize("fp-contract=off")  // AVX-512F brings FMA, which would round differently from the other copies
+inline float softmax_max_sums(const float* z, int64_t n, float* exps, double (&sums)[2]) {
+  return cpu::softmax_max_sums<float, 64>(z, n, exps, sums);
+}
+#pragma GCC pop_options
+}  // namespace isa_avx512
 #endif
 
-// Whether this CPU runs AVX2, asked once (every CPU kernel's AVX2 copy is chosen by it).
-inline bool cpu_has_avx2() {
+// The widest vector instructions the CPU kernels use on this machine, asked once: AVX-512F, else AVX2, else the
+// baseline. ATEN_CPU_CAPABILITY caps it as it caps torch's own kernels ("default": the baseline; "avx2"), so that one
+// machine can run every copy.
+enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline CpuIsa detect_cpu_isa() {
 #ifdef GRPO_EXT_X86_AVX2
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
+  CpuIsa isa = __builtin_cpu_supports("avx512f") ? CpuIsa::kAvx512
+               : __builtin_cpu_supports("avx2")  ? CpuIsa::kAvx2
+                                                 : CpuIsa::kBaseline;
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  if (cap != nullptr) {
+    const CpuIsa most = std::strcmp(cap, "default") == 0 ? CpuIsa::kBaseline
+                        : std::strcmp(cap, "avx2") == 0  ? CpuIsa::kAvx2
+                                                         : CpuIsa::kAvx512;
+    if (most < isa) isa = most;
+  }
+  return isa;
 #else
-  return false;
+  return CpuIsa::kBaseline;
 #endif
+}
+
+inline CpuIsa cpu_isa() {
+  static const CpuIsa isa = detect_cpu_isa();
+  return isa;
+}
+
+// Whether the AVX2 copies may run (every CPU kernel's AVX2 copy is chosen by it).
+inline bool cpu_has_avx2() {
+  return cpu_isa() >= CpuIsa::kAvx2;
 }
 
 // Two vectorized passes over z[0..n) (n >= 1): the max, then the sums of softmax_sums_loop; `exps` (n values, or
 // null) receives exp(z_v - max) for the gradient.
 template <typename T>
 RowSoftmax row_softmax(const T* z, int64_t n, T* exps) {
-  const T z_max = lane_max(z, n);
   double sums[2];
-  bool done = false;
+  const T z_max = [&] {
 #ifdef GRPO_EXT_X86_AVX2
-  if constexpr (std::is_same_v<T, float>) {
-    if (cpu_has_avx2()) {
-      isa_avx2::softmax_sums(z, n, z_max, exps, sums);
-      done = true;
+    if constexpr (std::is_same_v<T, float>) {
+      const CpuIsa isa = cpu_isa();
+      if (isa == CpuIsa::kAvx512) return isa_avx512::softmax_max_sums(z, n, exps, sums);
+      if (isa == CpuIsa::kAvx2) return isa_avx2::softmax_max_sums(z, n, exps, sums);
     }
-  }
 #endif
-  if (!done) softmax_sums_any(z, n, z_max, exps, sums);
+    return softmax_max_sums(z, n, exps, sums);
+  }();
   return {sums[0], double(z_max) + std::log(sums[0]), double(z_max) + sums[1] / sums[0]};
 }
 

@@ -16,8 +16,11 @@ inline LossForwardPlan plan_grpo_loss(const Tensor& logps, const Tensor& advanta
   check_float(logps, "logps");
   GRPO_CHECK(logps.dim() == 2, "logps must have shape [B, T], got ", shape(logps));
   GRPO_CHECK(logps.size(0) >= 1, "logps must have at least one row (B >= 1), got shape ", shape(logps));
-  return plan_loss_inputs(logps.size(0), logps.size(1), &logps, logps, accumulate_type(logps.scalar_type()), advantages,
-                          completion_mask, options, compute_grad);
+  const ScalarType acc = accumulate_type(logps.scalar_type());
+  LossForwardPlan plan = plan_loss_inputs(logps.size(0), logps.size(1), &logps, logps, acc, advantages, completion_mask,
+                                          options, compute_grad);
+  allocate_loss_outputs(plan, logps, acc);
+  return plan;
 }
 
 // The forward's kernels on the CPU (cpu/grpo_loss.cpp) and on CUDA (cuda/grpo_loss.cu), for the ops that compose

@@ -71,10 +71,13 @@ inline LogitsPassPlan plan_grpo_loss_from_logits(const Tensor& logits, const Ten
              " logits rows exceed the B*T=", batch * seq_len, " tokens of completion_mask");
   GRPO_CHECK(ids.scalar_type() == ScalarType::Long || ids.scalar_type() == ScalarType::Int,
              "ids must be an int64 (or int32) tensor, got ", ids.scalar_type());
-  GRPO_CHECK(ids.dim() == 1 && ids.size(0) == rows, "ids must have shape [", rows, "] (one per logits row), got ",
-             shape(ids));
+  // [N] ids, or contiguous [B', T'] ones with one per row (the whole op's [B, T] ids, unreshaped)
+  const bool flat_2d = ids.dim() == 2 && ids.numel() == rows && ids.is_contiguous();
+  GRPO_CHECK((ids.dim() == 1 && ids.size(0) == rows) || flat_2d, "ids must have shape [", rows,
+             "] (one per logits row), got ", shape(ids));
   check_same_device(ids, logits, "ids", "logits");
-  plan.ids = matrix_view(ids, rows, 1, "ids", true);
+  plan.ids = flat_2d ? StridedMatrix{ids.data_ptr(), dtype_tag(ids.scalar_type(), "ids"), 1, 0}
+                     : matrix_view(ids, rows, 1, "ids", true);
   const ScalarType acc = accumulate_type(logits.scalar_type());
   // The pass itself is per token: a sequence-level loss hands in each token's d loss / d logp as token_grad.
   LossOptionArgs token_options = options;

@@ -38,6 +38,21 @@ inline Tensor token_grad_of(const LossForwardPlan& plan) {
   return view_contiguous(mul(plan.grad_raw, plan.grad_scale), {plan.inputs.batch * plan.inputs.seq_len});
 }
 
+// The loss of a pass's log-probs over every token: the loss inputs the pass checked already, its [N] log-probs as
+// the [B, T] logps and the options' own importance-sampling level (the pass plans per token); no tensor checked or
+// viewed twice (on a small batch each costs as much as a row of the pass).
+inline LossForwardPlan loss_plan_after_pass(const LogitsPassPlan& pass, const LossOptionArgs& options,
+                                            bool compute_grad) {
+  LossForwardPlan plan = pass.loss;
+  const int64_t seq_len = plan.inputs.seq_len;
+  plan.inputs.logps = StridedMatrix{pass.logps.data_ptr(), dtype_tag(pass.logps.scalar_type(), "logps"), seq_len, 1};
+  plan.params.sequence_level = parse_sequence_level(options.importance_sampling_level);
+  plan.params.row_share_metrics = plan.params.sequence_level && plan.params.per_row_advantages;
+  plan.params.compute_grad = compute_grad;
+  allocate_loss_outputs(plan, pass.logps, pass.logps.scalar_type());
+  return plan;
+}
+
 // The whole loss on `device`, which provides
 //   pass(LogitsPassPlan&, bool grad_in_logits): the fused pass over the plan's rows;
 //   loss(LossForwardPlan&): grpo_loss' forward of the plan;
@@ -51,14 +66,10 @@ LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor&
                              double logit_scale, double logit_softcap, double entropy_coef,
                              const std::optional<Tensor>& entropy_weights, bool compute_grad, bool inplace) {
   const std::optional<Tensor> none;
-  // [B, T] ids of the mask's shape, contiguous, are the [N] the pass plans (so the caller need not reshape them).
-  const Tensor flat_ids = ids.dim() == 2 && same_shape(ids, completion_mask) && ids.is_contiguous()
-                              ? view_contiguous(ids, {ids.numel()})
-                              : ids;
   const auto plan_pass = [&](const std::optional<Tensor>& token_grad, double coef, const std::optional<Tensor>& weights,
                              bool grad, bool in_place) {
-    return plan_grpo_loss_from_logits(logits, flat_ids, 0, advantages, completion_mask, token_grad, options,
-                                      temperature, logit_scale, logit_softcap, coef, weights, grad, in_place);
+    return plan_grpo_loss_from_logits(logits, ids, 0, advantages, completion_mask, token_grad, options, temperature,
+                                      logit_scale, logit_softcap, coef, weights, grad, in_place);
   };
   // A sequence-level ratio (GSPO) or vespo's weight needs a row's every log-prob before any token's gradient: the
   // log-probs first, then the loss' d loss / d logp, then a second pass that writes the gradient.
@@ -67,10 +78,11 @@ LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor&
   // (the first of two passes writes no gradient, so no bonus term; its plan still views the bonus' weights)
   LogitsPassPlan pass = whole_rows ? plan_pass(none, 0.0, entropy_weights, false, false)
                                    : plan_pass(none, entropy_coef, entropy_weights, compute_grad, inplace);
+  const int64_t tokens = pass.loss.inputs.batch * pass.loss.inputs.seq_len;
+  GRPO_CHECK(pass.logits.rows == tokens, "logits must have one row per token of completion_mask (B*T=", tokens,
+             "), got ", pass.logits.rows, " rows");
   device.pass(pass, inplace && !whole_rows);
-  const int64_t batch = pass.loss.inputs.batch, seq_len = pass.loss.inputs.seq_len;
-  LossForwardPlan loss =
-      plan_grpo_loss(view_contiguous(pass.logps, {batch, seq_len}), advantages, completion_mask, options, whole_rows);
+  LossForwardPlan loss = loss_plan_after_pass(pass, options, whole_rows);
   device.loss(loss);
   Tensor grad = pass.grad_logits;
   if (whole_rows) {

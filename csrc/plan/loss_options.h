@@ -93,8 +93,9 @@ struct LossForwardPlan {
   LossForwardResult result() const { return {loss, metrics, grad_raw, grad_scale}; }
 };
 
-// The loss inputs of a [batch, seq_len] problem, checked and viewed; `logps` may be null (the logits op computes
-// them), `like` gives the device (named `like_name` in errors) and `acc` the statistics dtype.
+// The loss inputs of a [batch, seq_len] problem, checked and viewed, without outputs (allocate_loss_outputs);
+// `logps` may be null (the logits op computes them), `like` gives the device (named `like_name` in errors) and `acc`
+// the statistics dtype.
 inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const Tensor* logps, const Tensor& like,
                                         ScalarType acc, const Tensor& advantages, const Tensor& completion_mask,
                                         const LossOptionArgs& o, bool compute_grad, const char* like_name = "logps") {
@@ -210,11 +211,17 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const Te
     }
   }
 
+  return plan;
+}
+
+// The forward's outputs of a planned loss, on `like`'s device in `acc` (the d loss / d logp buffer only with a
+// gradient; its shape is [0] without one, as the ops' fakes say).
+inline void allocate_loss_outputs(LossForwardPlan& plan, const Tensor& like, ScalarType acc) {
   plan.loss = new_empty(like, {}, acc);
   plan.metrics = new_empty(like, {kNumMetrics}, acc);
-  plan.grad_raw = compute_grad ? new_empty(like, {batch, seq_len}, acc) : new_empty(like, {0}, acc);
+  plan.grad_raw = plan.params.compute_grad ? new_empty(like, {plan.inputs.batch, plan.inputs.seq_len}, acc)
+                                           : new_empty(like, {0}, acc);
   plan.grad_scale = new_empty(like, {}, acc);
-  return plan;
 }
 
 }  // namespace grpo_ext

@@ -147,12 +147,12 @@ def check_logits_shapes(logits: Tensor, completion_ids: Tensor, completion_mask:
     themselves when contiguous (the op views them as ``[N]``: no reshape call here)."""
     if isinstance(logits, Tensor) and isinstance(completion_ids, Tensor) and isinstance(completion_mask, Tensor):
         # the usual call ([B, T, V] logits, [B, T] ids and mask) vouched for at once; any other takes the checks below
+        # (the mask's device is left to the loss options' checks, which name it; a Size sliced costs a call)
         shape, mask_shape = logits.shape, completion_mask.shape
-        if (len(shape) == 3 and shape[:2] == mask_shape and shape[2] >= 1 and logits.is_floating_point()
-                and completion_ids.shape == mask_shape and completion_ids.dtype in _ID_DTYPES):  # fmt: skip
-            device = logits.device
-            if completion_ids.device == device and completion_mask.device == device:
-                return completion_ids if completion_ids.is_contiguous() else completion_ids.reshape(-1)
+        if (len(shape) == 3 and len(mask_shape) == 2 and shape[0] == mask_shape[0] and shape[1] == mask_shape[1]
+                and shape[2] >= 1 and logits.is_floating_point() and completion_ids.shape == mask_shape
+                and completion_ids.dtype in _ID_DTYPES and completion_ids.device == logits.device):  # fmt: skip
+            return completion_ids if completion_ids.is_contiguous() else completion_ids.reshape(-1)
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
     if logits.dim() not in (2, 3):
@@ -352,7 +352,7 @@ def grpo_loss_from_logits(
     batch, length = completion_mask.shape
     resolved, option_args = resolve_fused_loss_args("grpo_loss_from_logits", batch, length, logits, advantages,
                                                     completion_mask, options)  # fmt: skip
-    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+    if not logits.is_contiguous() and logits.stride(-1) != 1 and logits.shape[-1] > 1:
         if inplace_grad:
             raise ValueError("inplace_grad=True needs logits contiguous in the vocabulary dimension (stride(-1) == 1)")
         logits = logits.contiguous()
