@@ -217,7 +217,8 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[
     including the first stop token, decoded without special tokens, given as ``[{"role": "assistant", ...}]``
     (``RolloutGenerator.generate`` / ``decode_completions`` / ``evaluation.evaluate_greedy``).
     """
-    from grpo_ext.trainer.rollout import NEUTRAL_GENERATION, prompt_token_ids, stop_token_ids
+    from grpo_ext.trainer.prompts import prompt_token_ids, stop_token_ids
+    from grpo_ext.trainer.sampling import NEUTRAL_GENERATION
 
     stop_ids = stop_token_ids(model, tokenizer)
     device = next(model.parameters()).device
@@ -293,7 +294,7 @@ def trl_config(out_dir: str, steps: int, seed: int) -> Any:
     """TRL 1.16's ``GRPOConfig`` of the run, every setting given (TRL's defaults differ from grpo_ext's in places)."""
     import trl
 
-    from grpo_ext.trainer.rollout import NEUTRAL_GENERATION, NEUTRAL_SAMPLING
+    from grpo_ext.trainer.sampling import NEUTRAL_GENERATION, NEUTRAL_SAMPLING
 
     return trl.GRPOConfig(
         output_dir=out_dir, max_steps=steps, seed=seed,

@@ -21,7 +21,7 @@ from grpo_ext.trainer import GRPOConfig
 from grpo_ext.trainer.checkpoint import check_resume_batch
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
 from grpo_ext.trainer.metrics import TIMING_METRICS
-from grpo_ext.trainer.rollout import RowSeededSampler
+from grpo_ext.trainer.sampling import RowSeededSampler
 from grpo_ext.trainer.trainer import GRPOTrainer
 from trainer_utils import gloo_rank
 

@@ -5,29 +5,29 @@ every rank's queued micro-batches and the trainer's own state), ``config.grpo.js
 the ``transformers`` model and tokenizer files. A peft ``PeftModel`` (LoRA) writes its adapter alone: peft's adapter
 files, and in ``model_state.pt`` its trainable parameters and buffers (a resumed run rebuilds the frozen base).
 
-(Over ~450 lines: writing, reading and re-cutting one folder format stay together.)
+The optimizer and its schedule are built in ``optimizer.py``, the RNG states saved here come from ``seeding.py``, and
+the queued micro-batches are re-cut with ``batches.py``.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import math
 import os
-import random
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import distributed as dist_utils
+from .batches import concat_rollouts, map_tensors
 from .config import GRPOConfig, check_resume_config
 from .model_files import full_model_state_dict, full_state_options, write_pretrained
+from .optimizer import scheduler_step
 from .policy_logps import is_peft_model
-from .rollout import _concat_rollouts, _map_tensors
 from .run_folder import CHECKPOINT_RE, TEMP_CHECKPOINT_PREFIX, remove_temp_checkpoints
+from .seeding import rng_state, set_rng_state
 
 
 class CheckpointManager:
@@ -115,13 +115,13 @@ class CheckpointManager:
         """
         final = self.output_dir / f"checkpoint-{step}"
         model_state, optimizer_state = self._full_state_dicts()
-        queue = [_map_tensors(mb, lambda t: t.cpu()) for mb in micro_batches]
+        queue = [map_tensors(mb, lambda t: t.cpu()) for mb in micro_batches]
         queues = dist_utils.gather_objects(queue)  # rank order; None on ranks other than 0
         failure = None
         if self.is_main_process:
             state = {
                 "step": step, "optimizer": optimizer_state, "lr_scheduler": self.lr_scheduler.state_dict(),
-                "rng": _rng_state(self.data_generator), "micro_batches_by_rank": queues,
+                "rng": rng_state(self.data_generator), "micro_batches_by_rank": queues,
                 "world_size": self.world_size, **trainer_state, "config": self.config.to_dict(),
             }  # fmt: skip
             tmp = self.output_dir / f"{TEMP_CHECKPOINT_PREFIX}{step}-{os.getpid()}"
@@ -256,9 +256,9 @@ class CheckpointManager:
             queue = queues[self.rank]
         else:
             queue = _reshard_queues(queues, self.rank, per_device, self.tokenizer.pad_token_id)
-        micro_batches = [_map_tensors(mb, lambda t: t.to(self.device)) for mb in queue]
+        micro_batches = [map_tensors(mb, lambda t: t.to(self.device)) for mb in queue]
         self._follow_config_schedule(state["step"])
-        _set_rng_state(state["rng"], self.data_generator)
+        set_rng_state(state["rng"], self.data_generator)
         return state, micro_batches
 
     def _follow_config_schedule(self, step: int) -> None:
@@ -275,33 +275,6 @@ class CheckpointManager:
         self.lr_scheduler.base_lrs = [cfg.learning_rate] * len(self.optimizer.param_groups)
         self.lr_scheduler.last_epoch = step - 1
         scheduler_step(self.lr_scheduler)  # last_epoch = step, every group's lr = base_lr * lambda(step)
-
-
-def build_optimizer(model: torch.nn.Module, config: GRPOConfig) -> tuple[torch.optim.AdamW, Any]:
-    """AdamW over ``model``'s trainable parameters and the learning-rate schedule of ``config``.
-
-    The schedule is a ``transformers`` LambdaLR over ``max_steps`` with ``warmup_steps`` (or ``warmup_ratio``) of
-    warm-up; a resumed run moves it to the checkpoint's step (:meth:`CheckpointManager.load`).
-    """
-    from transformers import get_scheduler
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
-        weight_decay=config.weight_decay,
-    )  # fmt: skip
-    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * config.max_steps)
-    return optimizer, get_scheduler(
-        config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=config.max_steps
-    )
-
-
-def scheduler_step(lr_scheduler: Any) -> None:
-    """``lr_scheduler.step()``, also where no ``optimizer.step()`` came first (a resume, a skipped step), which torch
-    would warn about: the schedule follows the global step, whether or not the step updated the model."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`", category=UserWarning)
-        lr_scheduler.step()
 
 
 class CheckpointWriteError(OSError):
@@ -367,47 +340,6 @@ def check_resume_batch(saved_global_batch: int, world_size: int, config: GRPOCon
     return per_device
 
 
-def seed_everything(seed: int) -> None:
-    """Seed the python, torch (CPU and CUDA) and numpy global RNGs, the ones a checkpoint saves."""
-    random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-    try:
-        import numpy as np
-
-        np.random.seed(seed)  # noqa: NPY002  (the global RNG user reward functions may use)
-    except ImportError:
-        pass
-
-
-def _rng_state(data_generator: torch.Generator) -> dict[str, Any]:
-    """The python, torch, CUDA and numpy global RNG states, and ``data_generator``'s under ``"data"``."""
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        rng["numpy"] = np.random.get_state()  # noqa: NPY002
-    except ImportError:
-        pass
-    rng["data"] = data_generator.get_state()
-    return rng
-
-
-def _set_rng_state(rng: dict[str, Any], data_generator: torch.Generator) -> None:
-    """Restore the RNG states :func:`_rng_state` saved (those present)."""
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"].cpu())
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
-    if "numpy" in rng:
-        import numpy as np
-
-        np.random.set_state(rng["numpy"])  # noqa: NPY002
-    if "data" in rng:
-        data_generator.set_state(rng["data"].cpu())
-
-
 def _optimizer_state_by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """torch.distributed.checkpoint's optimizer state (parameters by name) -> ``Optimizer.state_dict()``'s format."""
     index = {name: i for i, name in enumerate(names)}
@@ -449,7 +381,7 @@ def _reshard_queues(
         raise ValueError("corrupt checkpoint: the ranks' queued micro-batch counts differ")
     out = []
     for position in range(len(queues[0])):
-        merged = _concat_rollouts([queue[position] for queue in queues], pad_token_id)
+        merged = concat_rollouts([queue[position] for queue in queues], pad_token_id)
         rows = slice(rank * per_device, (rank + 1) * per_device)
         out.append({key: None if value is None else value[rows] for key, value in merged.items()})
     return out

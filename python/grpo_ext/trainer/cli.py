@@ -361,7 +361,7 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
         if peft_config is not None:
             from peft import get_peft_model
 
-            from .checkpoint import seed_everything
+            from .seeding import seed_everything
 
             seed_everything(config.seed)  # the adapters' random init: the run's seed, as TRL seeds before peft
             model = get_peft_model(model, peft_config)

@@ -1,146 +1,29 @@
 """Rollouts of GRPOTrainer: prompt order, ``model.generate`` with per-row seeds, scoring, DAPO dynamic sampling.
 
-Also the helpers that select, pad and concatenate rollout batches (dicts of ``[N, ...]`` tensors and ``N``-lists).
+The prompts' token ids are in ``prompts.py``, the sampler in ``sampling.py``, the batches' row helpers in
+``batches.py``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 import grpo_ext
 
 from . import distributed as dist_utils
+from .batches import concat_rollouts, map_tensors, select_groups, select_rows
 from .config import GRPOConfig
 from .metrics import rollout_metrics
+from .prompts import Completion, Prompt, is_conversational, message_text, prompt_token_ids, stop_token_ids
+from .sampling import NEUTRAL_GENERATION, NEUTRAL_SAMPLING, RowSeededSampler, bf16_autocast
 
-# A dataset row's prompt: a string, or a list of messages ``[{"role": "user", "content": ...}, ...]``.
-Prompt = str | list[dict[str, Any]]
-# What reward functions get for a completion: its text, or ``[{"role": "assistant", "content": text}]``.
-Completion = str | list[dict[str, Any]]
 # score(prompts, completions, columns) -> rewards [N, K] float32 (NaN: not scored), K reward functions.
 ScoreFunc = Callable[[list[Prompt], list[Completion], dict[str, list]], Tensor]
-
-# Generation options set to their no-op values in every ``generate`` call, so that a checkpoint's
-# generation_config (read by ``generate`` for every option not given) cannot add a repetition penalty, a top-k or
-# min-p cut-off, or a minimum length to the sampling: the completions are drawn from softmax(logits / temperature)
-# with the GRPOConfig's top_k/top_p only, the distribution the loss assumes. (Options with no no-op value, such as
-# bad_words_ids or suppress_tokens, still come from the model's generation_config.)
-NEUTRAL_GENERATION: dict[str, Any] = {
-    "num_beams": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-    "min_new_tokens": 0,
-}  # fmt: skip
-# The same for the warpers, which only act when generate samples (do_sample=True).
-NEUTRAL_SAMPLING: dict[str, Any] = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
-
-
-def is_conversational(prompt: Any) -> bool:
-    """Whether a prompt (or completion) is a list of messages (dicts with a ``role``), as TRL's
-    ``is_conversational`` decides it; a string is not."""
-    return isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], dict) and "role" in prompt[0]
-
-
-def message_text(value: Any) -> str:
-    """The text of a prompt or completion: a string as it is, a list of messages as its last message's content."""
-    if is_conversational(value):
-        content = value[-1].get("content", "")
-        return content if isinstance(content, str) else str(content)
-    return value if isinstance(value, str) else str(value)
-
-
-def prompt_token_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """A prompt's token ids, as TRL's GRPOTrainer makes them.
-
-    A list of messages goes through the tokenizer's chat template (``apply_chat_template``, which adds what the
-    template holds, e.g. a BOS, and no other special tokens), with the generation prompt (the assistant's header)
-    when the last message is a user's (or a tool's), continuing the last message when it is the assistant's. A
-    string is tokenized as it is, with the tokenizer's special tokens (a BOS where the tokenizer adds one) and no
-    chat template, even when the tokenizer has one.
-
-    Raises:
-        ValueError: a list of messages with a tokenizer that has no chat template, or a prompt of another type.
-    """
-    if is_conversational(prompt):
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("a prompt is a list of messages but the tokenizer has no chat_template: give a "
-                             "tokenizer with one, or string prompts")  # fmt: skip
-        continuing = prompt[-1].get("role") == "assistant"
-        ids = tokenizer.apply_chat_template(
-            prompt, tokenize=True, add_generation_prompt=not continuing, continue_final_message=continuing,
-            return_dict=False,
-        )  # fmt: skip
-        return [int(i) for i in ids]
-    if not isinstance(prompt, str):
-        raise ValueError(f"a prompt must be a string or a list of messages ({{'role': ..., 'content': ...}}), got "
-                         f"{prompt!r:.80} ({type(prompt).__name__})")  # fmt: skip
-    return list(tokenizer(prompt)["input_ids"])
-
-
-def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    """The tokens that end a completion: the tokenizer's EOS, then the model's ``generation_config.eos_token_id``
-    (an int or a list: a chat model's end-of-turn token, e.g. Llama 3's ``<|eot_id|>``, may differ from the
-    tokenizer's EOS)."""
-    ids = [int(tokenizer.eos_token_id)]
-    config = getattr(model, "generation_config", None)
-    model_eos = getattr(config, "eos_token_id", None)
-    if model_eos is not None:
-        for token in [model_eos] if isinstance(model_eos, int) else list(model_eos):
-            if int(token) not in ids:
-                ids.append(int(token))
-    return ids
-
-
-class RowSeededSampler(LogitsProcessor):
-    """Draws every row's next token from that row's own uniforms (inverse-CDF sampling), for ``generate``.
-
-    Used with greedy decoding: the returned scores are 0 at the drawn token and -inf elsewhere. The distribution is
-    ``softmax(scores / temperature)`` after top-k and top-p filtering, as ``generate(do_sample=True)`` samples it,
-    but a row's draw depends only on its uniforms and its own logits, not on the rest of the batch or the global RNG.
-
-    Args:
-        uniforms: ``[N, max_new_tokens]`` float64 in ``(0, 1]``: row ``i``'s draw for each completion position.
-        prompt_width: padded prompt length of the batch (the completion position is the input length minus this).
-        temperature: divides the logits.
-        top_k: keep the k most likely tokens (0: all).
-        top_p: keep the smallest set of most likely tokens with probability >= top_p (1.0: all).
-    """
-
-    def __init__(self, uniforms: Tensor, prompt_width: int, temperature: float, top_k: int, top_p: float) -> None:
-        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        self.uniforms = uniforms
-        self.prompt_width = prompt_width
-        self.warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(temperature)]
-        if top_k > 0:
-            self.warpers.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p))
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        """``input_ids [N, L]`` int64 (prompt and tokens so far), ``scores [N, V]`` float -> ``[N, V]``."""
-        position = input_ids.shape[1] - self.prompt_width
-        for warper in self.warpers:
-            scores = warper(input_ids, scores)
-        # float64 cumulative sum: in float32 tokens below ~1e-7 of probability would lose their share of a large
-        # vocabulary's mass.
-        cdf = torch.softmax(scores.double(), dim=-1).cumsum(dim=-1)
-        target = self.uniforms[:, position : position + 1] * cdf[:, -1:]
-        # The first index whose cdf reaches the target; target > 0, so a zero-probability token is never drawn.
-        token = torch.searchsorted(cdf, target).clamp_(max=scores.shape[1] - 1)
-        return torch.full_like(scores, -math.inf).scatter_(1, token, 0.0)
-
-
-def bf16_autocast(enabled: bool, device: torch.device) -> AbstractContextManager:
-    """bfloat16 autocast when ``enabled`` and ``device`` is CUDA, else a context that does nothing."""
-    if enabled and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
 
 
 def group_advantages(rewards: Tensor, config: GRPOConfig) -> grpo_ext.GroupAdvantages:
@@ -354,7 +237,7 @@ class RolloutGenerator:
         num_prompts = per_device * steps * self.world_size // group
         if cfg.dynamic_sampling:
             everything, rounds = self._dynamic_rollout(num_prompts)
-            rollout = _select_rows(everything, torch.tensor(self.local_rows))
+            rollout = select_rows(everything, torch.tensor(self.local_rows))
         else:
             rollout, rounds = self._rollout(self.next_prompt_rows(num_prompts), self.local_rows), 1
         prompt_ids, prompt_mask = rollout["prompt_ids"], rollout["prompt_mask"]
@@ -441,9 +324,9 @@ class RolloutGenerator:
         if self.world_size == 1:
             assert local is not None
             return local
-        on_cpu = None if local is None else _map_tensors(local, lambda t: t.cpu())
+        on_cpu = None if local is None else map_tensors(local, lambda t: t.cpu())
         parts = [part for part in dist_utils.all_gather_objects(on_cpu) if part is not None]
-        return _map_tensors(_concat_rollouts(parts, self.tokenizer.pad_token_id), lambda t: t.to(self.device))
+        return map_tensors(concat_rollouts(parts, self.tokenizer.pad_token_id), lambda t: t.to(self.device))
 
     def _dynamic_rollout(self, num_prompts: int) -> tuple[dict[str, Any], int]:
         """DAPO dynamic sampling: keep only groups whose rewards differ, sampling more prompts until enough.
@@ -465,64 +348,10 @@ class RolloutGenerator:
             last = self._gather_rollout(self._rollout(prompt_rows, mine))
             rounds += 1
             varied = ~group_advantages(last["rewards"], self.config).zero_std
-            kept.append(_select_groups(last, varied, group))
+            kept.append(select_groups(last, varied, group))
             num_kept += int(varied.sum().item())
         if num_kept < num_prompts:
             flat = group_advantages(last["rewards"], self.config).zero_std
             fill = flat & (flat.cumsum(0) <= num_prompts - num_kept)
-            kept.append(_select_groups(last, fill, group))
-        return _concat_rollouts(kept, self.tokenizer.pad_token_id), rounds
-
-
-def _map_tensors(rows: dict[str, Any], fn: Callable[[Tensor], Tensor]) -> dict[str, Any]:
-    """``rows`` with ``fn`` applied to its tensor entries (other entries as they are)."""
-    return {key: fn(value) if isinstance(value, Tensor) else value for key, value in rows.items()}
-
-
-def _select_rows(rollout: dict[str, Any], index: Tensor) -> dict[str, Any]:
-    """The rows ``index [n]`` int64 of ``rollout`` (tensors and lists alike), in that order."""
-    picked = index.tolist()
-    return {
-        key: [value[i] for i in picked] if isinstance(value, list) else value[index.to(value.device)]
-        for key, value in rollout.items()
-    }
-
-
-def _select_groups(rollout: dict[str, Any], keep_groups: Tensor, group: int) -> dict[str, Any]:
-    """The rows of ``rollout`` whose group is marked in ``keep_groups [N / G]`` bool."""
-    return _select_rows(rollout, keep_groups.repeat_interleave(group).nonzero().squeeze(1))
-
-
-# Padding of the [N, width] entries of rollouts and micro-batches when rows of different widths are concatenated:
-# prompts on the left (generation appends on the right), completions and their per-token values on the right.
-_LEFT_PAD = {"prompt_ids": None, "prompt_mask": 0}  # None: the tokenizer's pad token
-_RIGHT_PAD = {"completion_ids": None, "completion_mask": False, "old_logps": 0.0, "ref_logps": 0.0}
-
-
-def _concat_rollouts(parts: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
-    """Concatenate rollouts (or micro-batches) of different widths: prompts left-padded, completions right-padded.
-
-    Entries that are None in the parts (``old_logps`` when not needed) stay None; lists are concatenated.
-    """
-
-    def pad(t: Tensor, width: int, left: bool, value: float | bool | None) -> Tensor:
-        """``t [N, w]`` padded to ``[N, width]`` on the left or the right with ``value`` (None: the pad token)."""
-        extra = width - t.shape[1]
-        value = pad_token_id if value is None else value
-        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
-
-    out: dict[str, Any] = {}
-    for key, first in parts[0].items():
-        values = [p[key] for p in parts]
-        if first is None:
-            out[key] = None
-        elif isinstance(first, list):
-            out[key] = [x for value in values for x in value]
-        elif key in _LEFT_PAD or key in _RIGHT_PAD:
-            left = key in _LEFT_PAD
-            width = max(v.shape[1] for v in values)
-            fill = _LEFT_PAD[key] if left else _RIGHT_PAD[key]
-            out[key] = torch.cat([pad(v, width, left, fill) for v in values])
-        else:
-            out[key] = torch.cat(values)
-    return out
+            kept.append(select_groups(last, fill, group))
+        return concat_rollouts(kept, self.tokenizer.pad_token_id), rounds

@@ -18,9 +18,9 @@ from torch import Tensor
 
 from ..ops.options import TOKEN_LEVEL_LOSS_TYPES
 from . import distributed as dist_utils
-from .checkpoint import scheduler_step
 from .guards import is_finite_step
 from .metrics import StepMetrics
+from .optimizer import scheduler_step
 
 
 class OptimizerStepMixin:

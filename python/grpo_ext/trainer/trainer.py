@@ -25,16 +25,19 @@ import grpo_ext
 
 from ..ops.grpo_loss_from_logits import masked_mean_entropy
 from . import distributed as dist_utils
-from .checkpoint import CheckpointManager, build_optimizer, seed_everything
+from .checkpoint import CheckpointManager
 from .config import GRPOConfig
 from .evaluation import EVAL_REWARD, evaluate_greedy
 from .guards import NonFiniteSteps
 from .loop import TrainingLoopMixin
 from .metrics import MetricsLogger
+from .optimizer import build_optimizer
 from .policy_logps import fused_policy_loss, fused_token_logps, plain_token_logps, use_fused
 from .rewards import score_completions
-from .rollout import RolloutGenerator, bf16_autocast
+from .rollout import RolloutGenerator
 from .run_state import RunStateMixin
+from .sampling import bf16_autocast
+from .seeding import seed_everything
 from .step import OptimizerStepMixin
 
 RewardFunc = Callable[..., list]
@@ -59,7 +62,7 @@ class GRPOTrainer(TrainingLoopMixin, RunStateMixin, OptimizerStepMixin):
         train_dataset: a sequence of dicts with a ``prompt`` and any other columns (given to the rewards). A prompt
             is a string (tokenized as it is, with the tokenizer's special tokens, no chat template) or a list of
             messages ``[{"role": "user", "content": ...}, ...]`` (rendered with the tokenizer's chat template and
-            the generation prompt), as TRL takes them (:func:`.rollout.prompt_token_ids`).
+            the generation prompt), as TRL takes them (:func:`.prompts.prompt_token_ids`).
         config: the options (default ``GRPOConfig()``).
         ref_model: the frozen reference for the KL term; default a deep copy of ``model`` made here, only when
             ``config.beta != 0``.
