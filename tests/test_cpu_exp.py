@@ -114,7 +114,7 @@ CHECK_CPP = r"""
 #include "fast_math.h"
 
 // Each exp of the rows as a loop, compiled three times as csrc/cpu/row_utils.h compiles the softmax loops: baseline
-// x86-64, AVX2 and AVX-512F (no FMA contraction there, as in row_utils.h).
+// x86-64, AVX2 and AVX-512 (no FMA contraction there, as in row_utils.h).
 #define EXP_LOOPS(suffix)                                                                    \
   void rows_##suffix(const float* x, float* y, long n) {                                     \
     for (long i = 0; i < n; ++i) y[i] = grpo_ext::host_expf_rows(x[i]);                      \
@@ -129,11 +129,15 @@ EXP_LOOPS(baseline)
 EXP_LOOPS(avx2)
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,prefer-vector-width=512")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")
 #pragma GCC optimize("fp-contract=off")
 EXP_LOOPS(avx512)
 #pragma GCC pop_options
-bool has(const char* isa) { return isa[4] == '2' ? __builtin_cpu_supports("avx2") : __builtin_cpu_supports("avx512f"); }
+bool has(const char* isa) {
+  return isa[4] == '2' ? __builtin_cpu_supports("avx2")
+                       : __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
 #else
 EXP_LOOPS(avx2)
 EXP_LOOPS(avx512)
@@ -249,19 +253,27 @@ for vocab in VOCABS:
     x = torch.frombuffer(bytearray(data[at : at + 20 * vocab]), dtype=torch.float32).view(5, vocab)
     ids = torch.frombuffer(bytearray(data[at + 20 * vocab : at + 20 * vocab + 40]), dtype=torch.int64)
     at += 20 * vocab + 40
-    logps, entropy, _ = torch.ops.grpo_ext.selective_log_softmax_forward(x, ids, 0.7, 1.0, 0.0, True)
-    leaf = x.view(1, 5, vocab).clone().requires_grad_(True)
-    res = grpo_ext.grpo_loss_from_logits(leaf, ids.view(1, 5), torch.ones(1), torch.ones(1, 5), temperature=0.7,
-                                         entropy_coef=0.1)
-    res.loss.backward()
-    out += [logps, entropy, res.loss.detach().view(1), leaf.grad.view(-1)]
+    for dtype, cap in ((torch.float32, 0.0), (torch.bfloat16, 0.0), (torch.float32, 4.0)):
+        xs = x.to(dtype)
+        logps, entropy, stats = torch.ops.grpo_ext.selective_log_softmax_forward(xs, ids, 0.7, 1.0, cap, True)
+        grad = torch.ops.grpo_ext.selective_log_softmax_backward(torch.linspace(-1, 1, 5), torch.linspace(1, 2, 5),
+                                                                 xs, ids, stats, 0.7, 1.0, cap)
+        out += [logps, entropy, grad.float().view(-1)]
+        for coef in (0.0, 0.1):
+            leaf = xs.view(1, 5, vocab).clone().requires_grad_(True)
+            res = grpo_ext.grpo_loss_from_logits(leaf, ids.view(1, 5), torch.ones(1), torch.ones(1, 5),
+                                                 temperature=0.7, logit_softcap=cap or None, entropy_coef=coef)
+            res.loss.backward()
+            out += [res.loss.detach().view(1), leaf.grad.float().view(-1)]
 sys.stdout.buffer.write(torch.cat(out).numpy().tobytes())
 """.replace("VOCABS", repr(VOCABS))
 
 
 def test_softmax_rows_same_bits_under_every_cpu_capability():
     # The shipped kernels' softmax loops (row_utils.h: baseline, AVX2 and AVX-512 copies, capped by
-    # ATEN_CPU_CAPABILITY as torch's own are) give the same bits on one machine, in the forward and the gradient.
+    # ATEN_CPU_CAPABILITY as torch's own are) and their elementwise row loops (logits_rows.h) give the same bits on one
+    # machine: selective_log_softmax forward and backward, the fused pass with and without the entropy bonus, in
+    # float32 and bfloat16, with and without a soft cap.
     import os
     import sys
 

@@ -169,6 +169,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
             trainer = _distributed_trainer(Path(out_dir) / case, **options)
             trainer.train()
             results[case] = cpu_state(trainer.model)
+            del trainer  # its wrappers hold the process group (gloo_rank collects them before destroying it)
         if rank == 0:
             torch.save(results, Path(out_dir) / "trained.pt")
 

@@ -4,6 +4,7 @@ model in a small config, a local model folder and dataset for the CLI, metrics f
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,9 @@ def gloo_rank(rank: int, store: str, world: int):
     try:
         yield
     finally:
+        # DDP/FSDP2 objects left from the body hold the group: collected first, so that destroying it joins gloo's
+        # threads now rather than at the interpreter's exit (where a late teardown aborted a child, SIGABRT)
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -9,22 +9,10 @@
 
 #include "../logits_loss_math.h"
 #include "../plan/logits_loss.h"
-#include "row_utils.h"
+#include "logits_rows.h"
 
 namespace grpo_ext {
 namespace {
-
-// z = f(logits row r) (docs/math.md section 2), as T.
-template <typename T, typename In, bool kCapped>
-void load_scaled_row(const LogitsRows& logits, int64_t r, const LogitTransform<T>& f, T* z) {
-  const In* x = static_cast<const In*>(logits.data) + logits.offset(r);
-  if constexpr (std::is_same_v<In, double>) {
-    for (int64_t v = 0; v < logits.vocab; ++v) z[v] = f.template z_of<kCapped>(x[v]);
-  } else {
-    for (int64_t v = 0; v < logits.vocab; ++v)
-      z[v] = f.template z_of<kCapped>(static_cast<T>(static_cast<float>(x[v])));
-  }
-}
 
 // The gradient's weights from the masks alone: per row, d loss / d logp's normalizer (docs/math.md section 5's
 // denominators; only without token_grad), and the entropy bonus' entropy_coef * loss_scale / max(sum m * w, 1), w the
@@ -103,6 +91,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   // z = x (no scale, no cap, the accumulate type): the row is read where it lies, not copied (except when the
   // gradient is written over it, since the bonus reads z[id] after the row loop)
   const bool z_is_row = std::is_same_v<In, T> && !kCapped && f.in_scale == T(1) && !grad_in_logits;
+  const cpu::CpuIsa isa = cpu::cpu_isa();
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, logits.rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> z_buffer(z_is_row ? 0 : vocab), exps(want_grad ? vocab : 0);
@@ -124,7 +113,10 @@ void logits_pass_impl(LogitsPassPlan& plan) {
       }
       const T* z = z_is_row ? reinterpret_cast<const T*>(static_cast<const In*>(logits.data) + logits.offset(r))
                             : z_buffer.data();
-      if (!z_is_row) load_scaled_row<T, In, kCapped>(logits, r, f, z_buffer.data());
+      if (!z_is_row) {
+        const In* x = static_cast<const In*>(logits.data) + logits.offset(r);
+        GRPO_CPU_ISA_CALL(isa, scaled_row<T, In, kCapped>(x, vocab, f, z_buffer.data()));
+      }
       const cpu::RowSoftmax s = cpu::row_softmax(z, vocab, want_grad ? exps.data() : nullptr);
       const T logp = T(double(z[id]) - s.lse);
       logps[r] = logp;
@@ -146,22 +138,18 @@ void logits_pass_impl(LogitsPassPlan& plan) {
       // The entropy bonus adds e * p_v * (z_v - E_p[z]) (an entry with p_v = 0 adds exactly 0, even at z = -inf).
       const T e = weights.entropy * m * (plan.entropy_weights.present() ? plan.entropy_weights.load<T>(b, t) : T(1));
       const T inv_sum = T(1.0 / s.sum), mean_z = T(s.mean_z);
-      const auto bonus = [&](int64_t v) { return exps[v] == T(0) ? T(0) : exps[v] * inv_sum * (z[v] - mean_z); };
+      const T* p_exps = exps.data();
       if (e == T(0)) {
-        if constexpr (kCapped) {
-          const T scale = T(-double(g) / s.sum);
-          for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale * f.template slope_of<true>(z[v]));
-        } else {
-          const T scale = T(-double(g) / s.sum) * f.slope;
-          for (int64_t v = 0; v < vocab; ++v) grad_row[v] = In(exps[v] * scale);
-        }
+        // uncapped, dz/dx is the constant f.slope, folded into the scale
+        const T scale = kCapped ? T(-double(g) / s.sum) : T(-double(g) / s.sum) * f.slope;
+        GRPO_CPU_ISA_CALL(isa, policy_grad_row<T, In, kCapped>(p_exps, z, vocab, scale, f, grad_row));
         grad_row[id] = In(g * -math_expm1(logp) * f.template slope_of<kCapped>(z[id]));
       } else {
         const T scale = T(-double(g) / s.sum);
-        for (int64_t v = 0; v < vocab; ++v) {
-          grad_row[v] = In((exps[v] * scale + e * bonus(v)) * f.template slope_of<kCapped>(z[v]));
-        }
-        grad_row[id] = In((g * -math_expm1(logp) + e * bonus(id)) * f.template slope_of<kCapped>(z[id]));
+        const T bonus_id = exps[id] == T(0) ? T(0) : exps[id] * inv_sum * (z[id] - mean_z);
+        GRPO_CPU_ISA_CALL(
+            isa, policy_bonus_grad_row<T, In, kCapped>(p_exps, z, vocab, scale, e, inv_sum, mean_z, f, grad_row));
+        grad_row[id] = In((g * -math_expm1(logp) + e * bonus_id) * f.template slope_of<kCapped>(z[id]));
       }
     }
   });

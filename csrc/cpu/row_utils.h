@@ -50,6 +50,16 @@ const T* row_values(const StridedMatrix& m, int64_t row, int64_t n, T* buffer) {
   return buffer;
 }
 
+// A raw logit as the math type T: float16 and bfloat16 through float, float and double as they are.
+template <typename T, typename In>
+__attribute__((always_inline)) inline T logit_value(In x) {
+  if constexpr (std::is_same_v<In, double> || std::is_same_v<In, float>) {
+    return static_cast<T>(x);
+  } else {
+    return static_cast<T>(static_cast<float>(x));
+  }
+}
+
 // Sum of x[0..n) in 16 interleaved float lanes (vectorized; a fixed order, so reproducible), finished in double.
 template <typename T>
 double lane_sum(const T* x, int64_t n) {
@@ -172,42 +182,23 @@ __attribute__((always_inline)) inline T softmax_max_sums(const T* z, int64_t n, 
   return z_max;
 }
 
-// Those loops (the max and the sums) compiled three times in float: for baseline x86-64 (SSE2, 4 floats a vector), AVX2
-// (8) and AVX-512 (16: one vector holds the 16 lanes), chosen at run time (cpu_isa) as grpo_loss.cpp chooses its token
-// loop. Every element is computed alone by the same operations (no FMA in any copy) and summed into the same lane, so
-// all three give the same bits (tests/test_cpu_exp.py).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// GCC on x86-64: loops compiled again for AVX2 and AVX-512 (function targets), picked at run time by cpu_isa().
+// GCC on x86-64: the row loops are compiled again for AVX2 and AVX-512 (function targets; logits_rows.h, and the
+// loss token loop in grpo_loss.cpp), picked at run time by cpu_isa().
 #define GRPO_EXT_X86_AVX2 1
-namespace isa_avx2 {
-#pragma GCC push_options
-#pragma GCC target("avx2")
-inline float softmax_max_sums(const float* z, int64_t n, float* exps, double (&sums)[2]) {
-  return cpu::softmax_max_sums<float, 32>(z, n, exps, sums);
-}
-#pragma GCC pop_options
-}  // namespace isa_avx2
-namespace isa_avx512 {
-#pragma GCC push_options
-#pragma GCC target("avx512f,prefer-vector-width=512")
-#pragma GCC optimize("fp-contract=off")  // AVX-512F brings FMA, which would round differently from the other copies
-inline float softmax_max_sums(const float* z, int64_t n, float* exps, double (&sums)[2]) {
-  return cpu::softmax_max_sums<float, 64>(z, n, exps, sums);
-}
-#pragma GCC pop_options
-}  // namespace isa_avx512
 #endif
 
-// The widest vector instructions the CPU kernels use on this machine, asked once: AVX-512F, else AVX2, else the
-// baseline. ATEN_CPU_CAPABILITY caps it as it caps torch's own kernels ("default": the baseline; "avx2"), so that one
-// machine can run every copy.
+// The widest vector instructions the CPU kernels use on this machine, asked once: AVX-512 (F, BW, DQ and VL: every
+// AVX-512 x86 server CPU since Skylake-X; BW is what converts bfloat16 and float16 rows 16 at a time), else AVX2, else
+// the baseline. ATEN_CPU_CAPABILITY caps it as it caps torch's own kernels ("default": the baseline; "avx2"), so that
+// one machine can run every copy.
 enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
 
 inline CpuIsa detect_cpu_isa() {
 #ifdef GRPO_EXT_X86_AVX2
-  CpuIsa isa = __builtin_cpu_supports("avx512f") ? CpuIsa::kAvx512
-               : __builtin_cpu_supports("avx2")  ? CpuIsa::kAvx2
-                                                 : CpuIsa::kBaseline;
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  CpuIsa isa = avx512 ? CpuIsa::kAvx512 : __builtin_cpu_supports("avx2") ? CpuIsa::kAvx2 : CpuIsa::kBaseline;
   const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
   if (cap != nullptr) {
     const CpuIsa most = std::strcmp(cap, "default") == 0 ? CpuIsa::kBaseline
@@ -229,24 +220,6 @@ inline CpuIsa cpu_isa() {
 // Whether the AVX2 copies may run (every CPU kernel's AVX2 copy is chosen by it).
 inline bool cpu_has_avx2() {
   return cpu_isa() >= CpuIsa::kAvx2;
-}
-
-// Two vectorized passes over z[0..n) (n >= 1): the max, then the sums of softmax_sums_loop; `exps` (n values, or
-// null) receives exp(z_v - max) for the gradient.
-template <typename T>
-RowSoftmax row_softmax(const T* z, int64_t n, T* exps) {
-  double sums[2];
-  const T z_max = [&] {
-#ifdef GRPO_EXT_X86_AVX2
-    if constexpr (std::is_same_v<T, float>) {
-      const CpuIsa isa = cpu_isa();
-      if (isa == CpuIsa::kAvx512) return isa_avx512::softmax_max_sums(z, n, exps, sums);
-      if (isa == CpuIsa::kAvx2) return isa_avx2::softmax_max_sums(z, n, exps, sums);
-    }
-#endif
-    return softmax_max_sums(z, n, exps, sums);
-  }();
-  return {sums[0], double(z_max) + std::log(sums[0]), double(z_max) + sums[1] / sums[0]};
 }
 
 }  // namespace cpu

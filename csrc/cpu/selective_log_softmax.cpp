@@ -9,7 +9,7 @@
 
 #include "../grpo_loss_math.h"
 #include "../plan/selective_log_softmax.h"
-#include "row_utils.h"
+#include "logits_rows.h"
 
 namespace grpo_ext {
 namespace {
@@ -24,14 +24,15 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
   T* logps = plan.logps.mutable_data_ptr<T>();
   T* entropy = plan.return_entropy ? plan.entropy.mutable_data_ptr<T>() : nullptr;
   T* stats = plan.row_stats.mutable_data_ptr<T>();
-  std::atomic<int64_t> bad_row{-1};
+  std::atomic<int64_t> bad_row{plan.rows};
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, plan.rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> buffer(vocab);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t id = plan.ids.load<int64_t>(row, 0);
-      if (id < 0 || id >= vocab) {
-        bad_row.store(row);
+      if (id < 0 || id >= vocab) {  // the first such row is named, whichever thread meets it first
+        for (int64_t seen = bad_row.load(); row < seen && !bad_row.compare_exchange_weak(seen, row);) {
+        }
         continue;
       }
       const T* x = row_values(plan.logits, row, vocab, buffer.data());
@@ -45,7 +46,8 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
     }
   });
   const int64_t bad = bad_row.load();
-  GRPO_CHECK(bad < 0, "ids[", bad, "]=", plan.ids.load<int64_t>(bad, 0), " is outside the vocabulary [0, ", vocab, ")");
+  GRPO_CHECK(bad == plan.rows, "ids[", bad, "]=", plan.ids.load<int64_t>(bad, 0), " is outside the vocabulary [0, ",
+             vocab, ")");
 }
 
 SelectiveLogSoftmaxResult selective_log_softmax_forward_cpu(const Tensor& logits, const Tensor& ids, double temperature,
@@ -75,6 +77,7 @@ void backward_impl(const Tensor& grad_logps, const std::optional<Tensor>& grad_e
   const T* stats = row_stats.mutable_data_ptr<T>();
   Out* out = grad_logits.mutable_data_ptr<Out>();
   const LogitTransform<T> f = logit.transform<T>();
+  const cpu::CpuIsa isa = cpu::cpu_isa();
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> buffer(vocab);
@@ -86,20 +89,17 @@ void backward_impl(const Tensor& grad_logps, const std::optional<Tensor>& grad_e
         std::fill(out_row, out_row + vocab, Out(0));
         continue;
       }
-      const T* x = row_values(x_view, row, vocab, buffer.data());
       const T lse = stats[row * kSoftmaxStats], mean_z = stats[row * kSoftmaxStats + 1];
-      for (int64_t v = 0; v < vocab; ++v) {
-        const T z = f.template z_of<kCapped>(x[v]);
-        const T d = z - lse;
-        // p = 0 for a -inf logit, and so is its gradient (not 0 * -inf); NaN (a NaN row) stays NaN
-        const bool counts = !(d <= T(-100));
-        const T p = math_exp_rows(counts ? d : T(-100));
-        const T g = (-gl * p - gh * p * (z - mean_z)) * f.template slope_of<kCapped>(z);
-        out_row[v] = Out(counts ? g : T(0));
+      if (x_view.col_stride == 1) {  // the row as it lies, converted in the loop
+        const Out* raw = static_cast<const Out*>(x_view.data) + row * x_view.row_stride;
+        GRPO_CPU_ISA_CALL(isa, selective_grad_row<T, Out, Out, kCapped>(raw, vocab, lse, mean_z, gl, gh, f, out_row));
+      } else {
+        const T* x = row_values(x_view, row, vocab, buffer.data());
+        GRPO_CPU_ISA_CALL(isa, selective_grad_row<T, T, Out, kCapped>(x, vocab, lse, mean_z, gl, gh, f, out_row));
       }
       const int64_t id = id_view.load<int64_t>(row, 0);
       if (id >= 0 && id < vocab) {  // the chosen token's entry, computed whole so it is rounded once
-        const T z = f.template z_of<kCapped>(x[id]);
+        const T z = f.template z_of<kCapped>(x_view.load<T>(row, id));
         // p = 0 as above: a -inf chosen logit gets gl * dz/dx (d logp / dz = 1 - 0), not 0 * -inf from the entropy
         const bool counts = !(z - lse <= T(-100));
         const T p = counts ? math_exp_rows(z - lse) : T(0);

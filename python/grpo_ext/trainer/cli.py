@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import importlib
 import json
 import re
@@ -372,6 +373,10 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
                   f"model: {trainer.final_model_path}")  # fmt: skip
     finally:
         if created_group:
+            # the trainer's DDP/FSDP2 wrappers hold the group: released and collected first, so that destroying it
+            # stops gloo's/NCCL's threads now, not during the interpreter's exit (where a late teardown can abort)
+            trainer = model = None
+            gc.collect()
             distributed.destroy()
     return history
 
