@@ -304,6 +304,20 @@ def test_errors():
         grpo_ext.grpo_loss_from_logits(logits, bad_ids, adv, mask)
 
 
+def test_native_op_needs_one_logits_row_per_token():
+    # The op itself (below the Python checks): fewer logits rows than B*T tokens is an error naming both counts, not a
+    # loss over rows that were never written.
+    from grpo_ext.ops.options import LogitOptions
+    from grpo_ext.validation_loss import validate_grpo_loss_args
+
+    mask, adv = torch.ones(2, 3), torch.ones(2)
+    option_args = validate_grpo_loss_args(torch.zeros(2, 3), adv, mask, LossOptions()).op_args()
+    logits, ids = torch.randn(5, 7), torch.zeros(5, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"one row per token of completion_mask \(B\*T=6\), got 5 rows"):
+        torch.ops.grpo_ext.grpo_loss_from_logits(logits, ids, adv, mask, *option_args, *LogitOptions().op_args(), 0.0,
+                                                 None, False)  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inplace", "sequence"])
 def test_bad_id_error_names_the_first_kept_row(mode):
     # The row loop notes bad ids as it goes (the in-place pass checks them all before writing): either way the error
