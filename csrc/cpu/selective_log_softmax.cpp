@@ -16,6 +16,32 @@ namespace {
 
 using cpu::row_values;
 
+// z = f(row `row` of the logits) as T: the row itself where it is contiguous T and f is the identity, else converted
+// and scaled in one loop into `buffer` (a contiguous row from the copy of `isa`, a strided one through row_values).
+template <typename T, bool kCapped>
+const T* scaled_row_of(const StridedMatrix& logits, int64_t row, int64_t vocab, const LogitTransform<T>& f,
+                       cpu::CpuIsa isa, T* buffer) {
+  const void* raw = static_cast<const char*>(logits.data) + row * logits.row_stride * dtype_bytes(logits.dtype);
+  if (logits.col_stride == 1 || vocab == 1) {
+    constexpr DType kSame = sizeof(T) == sizeof(double) ? DType::kFloat64 : DType::kFloat32;
+    if (logits.dtype == kSame && !kCapped && f.in_scale == T(1)) return static_cast<const T*>(raw);
+    const auto scale = [&](auto in) {
+      using In = decltype(in);
+      GRPO_CPU_ISA_CALL(isa, scaled_row<T, In, kCapped>(static_cast<const In*>(raw), vocab, f, buffer));
+    };
+    switch (logits.dtype) {
+      case DType::kFloat32: scale(float{}); return buffer;
+      case DType::kFloat64: scale(double{}); return buffer;
+      case DType::kBFloat16: scale(BFloat16{}); return buffer;
+      case DType::kFloat16: scale(Half{}); return buffer;
+      default: break;
+    }
+  }
+  const T* x = cpu::row_values(logits, row, vocab, buffer);
+  for (int64_t v = 0; v < vocab; ++v) buffer[v] = f.template z_of<kCapped>(x[v]);
+  return buffer;
+}
+
 // kCapped: the soft-cap's tanh is compiled into its own loops, so the default path is unchanged.
 template <typename T, bool kCapped>
 void forward_impl(SelectiveLogSoftmaxPlan& plan) {
@@ -25,6 +51,7 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
   T* entropy = plan.return_entropy ? plan.entropy.mutable_data_ptr<T>() : nullptr;
   T* stats = plan.row_stats.mutable_data_ptr<T>();
   std::atomic<int64_t> bad_row{plan.rows};
+  const cpu::CpuIsa isa = cpu::cpu_isa();
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, plan.rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> buffer(vocab);
@@ -35,9 +62,7 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
         }
         continue;
       }
-      const T* x = row_values(plan.logits, row, vocab, buffer.data());
-      T* z = buffer.data();
-      for (int64_t v = 0; v < vocab; ++v) z[v] = f.template z_of<kCapped>(x[v]);
+      const T* z = scaled_row_of<T, kCapped>(plan.logits, row, vocab, f, isa, buffer.data());
       const cpu::RowSoftmax s = cpu::row_softmax<T>(z, vocab, nullptr);
       logps[row] = T(double(z[id]) - s.lse);
       if (entropy) entropy[row] = T(s.lse - s.mean_z);
