@@ -46,6 +46,8 @@ struct LogitTransform {
     return kCapped ? mul_rounded(out_scale, T(tanh(in_scale * x))) : mul_rounded(x, in_scale);
   }
   GRPO_HD T operator()(T x) const { return capped ? z_of<true>(x) : z_of<false>(x); }
+  // z = x exactly (no cap, a scale of 1): a row of the math type can be read where it lies.
+  GRPO_HD bool is_identity() const { return !capped && in_scale == T(1); }
 
   // dz/dx at the logit whose z is given: slope * (1 - tanh^2), with tanh = z / out_scale (no second tanh).
   template <bool kCapped>

@@ -90,7 +90,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
   In* grad = static_cast<In*>(plan.grad_data);
   // z = x (no scale, no cap, the accumulate type): the row is read where it lies, not copied (except when the
   // gradient is written over it, since the bonus reads z[id] after the row loop)
-  const bool z_is_row = std::is_same_v<In, T> && !kCapped && f.in_scale == T(1) && !grad_in_logits;
+  const bool z_is_row = std::is_same_v<In, T> && f.is_identity() && !grad_in_logits;
   const cpu::CpuIsa isa = cpu::cpu_isa();
   const int64_t grain = std::max<int64_t>(1, 65536 / vocab);
   torch::stable::parallel_for(0, logits.rows, grain, [&](int64_t begin, int64_t end) {
@@ -107,16 +107,12 @@ void logits_pass_impl(LogitsPassPlan& plan) {
       }
       const int64_t id = plan.ids.load<int64_t>(r, 0);
       if (id < 0 || id >= vocab) {  // (only where not checked above) no row of it is read or written
-        for (int64_t seen = first_bad_row.load(); r < seen && !first_bad_row.compare_exchange_weak(seen, r);) {
-        }
+        cpu::note_first_row(first_bad_row, r);
         continue;
       }
-      const T* z = z_is_row ? reinterpret_cast<const T*>(static_cast<const In*>(logits.data) + logits.offset(r))
-                            : z_buffer.data();
-      if (!z_is_row) {
-        const In* x = static_cast<const In*>(logits.data) + logits.offset(r);
-        GRPO_CPU_ISA_CALL(isa, scaled_row<T, In, kCapped>(x, vocab, f, z_buffer.data()));
-      }
+      const In* x = static_cast<const In*>(logits.data) + logits.offset(r);
+      const T* z = z_is_row ? reinterpret_cast<const T*>(x) : z_buffer.data();
+      if (!z_is_row) GRPO_CPU_ISA_CALL(isa, scaled_row<T, In, kCapped>(x, vocab, f, z_buffer.data()));
       const cpu::RowSoftmax s = cpu::row_softmax(z, vocab, want_grad ? exps.data() : nullptr);
       const T logp = T(double(z[id]) - s.lse);
       logps[r] = logp;

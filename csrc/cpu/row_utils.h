@@ -1,6 +1,7 @@
 // CPU helpers shared by the row-wise kernels: a strided input row as contiguous values, and a reproducible sum.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -48,6 +49,13 @@ const T* row_values(const StridedMatrix& m, int64_t row, int64_t n, T* buffer) {
 #undef GRPO_CONVERT_ROW
   }
   return buffer;
+}
+
+// Notes `row` in `first` if it comes before the row noted there (rows in parallel, whichever thread meets its row
+// first): a row loop's errors name the first bad row, as a serial loop would.
+inline void note_first_row(std::atomic<int64_t>& first, int64_t row) {
+  for (int64_t seen = first.load(); row < seen && !first.compare_exchange_weak(seen, row);) {
+  }
 }
 
 // A raw logit as the math type T: float16 and bfloat16 through float, float and double as they are.

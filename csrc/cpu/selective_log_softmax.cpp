@@ -24,7 +24,7 @@ const T* scaled_row_of(const StridedMatrix& logits, int64_t row, int64_t vocab, 
   const void* raw = static_cast<const char*>(logits.data) + row * logits.row_stride * dtype_bytes(logits.dtype);
   if (logits.col_stride == 1 || vocab == 1) {
     constexpr DType kSame = sizeof(T) == sizeof(double) ? DType::kFloat64 : DType::kFloat32;
-    if (logits.dtype == kSame && !kCapped && f.in_scale == T(1)) return static_cast<const T*>(raw);
+    if (logits.dtype == kSame && f.is_identity()) return static_cast<const T*>(raw);
     const auto scale = [&](auto in) {
       using In = decltype(in);
       GRPO_CPU_ISA_CALL(isa, scaled_row<T, In, kCapped>(static_cast<const In*>(raw), vocab, f, buffer));
@@ -58,8 +58,7 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t id = plan.ids.load<int64_t>(row, 0);
       if (id < 0 || id >= vocab) {  // the first such row is named, whichever thread meets it first
-        for (int64_t seen = bad_row.load(); row < seen && !bad_row.compare_exchange_weak(seen, row);) {
-        }
+        cpu::note_first_row(bad_row, row);
         continue;
       }
       const T* z = scaled_row_of<T, kCapped>(plan.logits, row, vocab, f, isa, buffer.data());

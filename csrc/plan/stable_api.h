@@ -77,8 +77,6 @@ inline bool is_integral(ScalarType t) {
          t == ScalarType::Long;
 }
 
-// A new contiguous tensor on `like`'s device. aoti_torch_empty_strided allocates without a trip through the
-// dispatcher (torch::stable::new_empty boxes a call to aten::new_empty: ~1.5 us each, four per op call).
 // The strides of a contiguous tensor of `sizes` (at most 8 dimensions) into `strides`; returns its element count.
 inline int64_t contiguous_strides(torch::headeronly::IntHeaderOnlyArrayRef sizes, int64_t (&strides)[8]) {
   GRPO_CHECK(sizes.size() <= 8, "grpo_ext: at most 8 dimensions, got ", sizes.size());
@@ -91,6 +89,8 @@ inline int64_t contiguous_strides(torch::headeronly::IntHeaderOnlyArrayRef sizes
   return numel;
 }
 
+// A new contiguous tensor on `like`'s device. aoti_torch_empty_strided allocates without a trip through the
+// dispatcher (torch::stable::new_empty boxes a call to aten::new_empty: ~1.5 us each, four per op call).
 inline Tensor new_empty(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes, ScalarType dtype) {
   const size_t dim = sizes.size();
   int64_t strides[8];
