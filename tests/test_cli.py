@@ -27,8 +27,11 @@ def run_with(inputs, tmp_path, capsys, run_text: str, *extra: str) -> str:
     return lines[0]
 
 
-def good_run(inputs) -> str:
-    return (inputs / "run.yaml").read_text()
+def good_run(inputs, *without: str) -> str:
+    """The fixture's run file, less the lines of the keys ``without`` (given again by the test: a repeated key is an
+    error of its own)."""
+    lines = (inputs / "run.yaml").read_text().splitlines(keepends=True)
+    return "".join(line for line in lines if line.split(":", 1)[0] not in without)
 
 
 def test_a_run_file_that_is_a_list_or_a_scalar(inputs, tmp_path, capsys):
@@ -83,18 +86,24 @@ def test_a_string_boolean_is_refused(inputs, tmp_path, capsys):
         ("return None", "reward function broken returned None"),
         ("return (1.0 for _ in completions)", "reward function broken returned generator"),
         ("return [1.0] * (len(completions) - 1)", "reward function broken returned 7 values for 8 completions"),
+        # not only the exception's message: the function and the exception's type too
+        ("raise RuntimeError('reward server unreachable')",
+         "error: reward function 'broken' raised RuntimeError: reward server unreachable (--debug"),
+        ("return [1.0] + [10**400] * (len(completions) - 1)",  # an int beyond float64
+         "reward function broken returned 1000000000000000000000000000000000000000... for row 1"),
     ],
-)
+    ids=["None", "generator", "short", "raises", "int beyond float"],
+)  # fmt: skip
 def test_a_reward_returning_the_wrong_thing_is_named(inputs, tmp_path, capsys, monkeypatch, body, message):
     module = f"rewards_{tmp_path.name}"  # a module of its own per case (imports are cached)
     (tmp_path / f"{module}.py").write_text(f"def broken(prompts, completions, **columns):\n    {body}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"reward_funcs: {module}:broken\n")
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs, "reward_funcs") + f"reward_funcs: {module}:broken\n")
     assert message in line
 
 
 def test_a_reward_that_cannot_be_imported_is_named(inputs, tmp_path, capsys):
-    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "reward_funcs: no_such_module:f\n")
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs, "reward_funcs") + "reward_funcs: no_such_module:f\n")
     assert "reward_funcs: cannot import 'no_such_module'" in line
 
 
@@ -113,7 +122,7 @@ REWARD = "a reward (a built-in name or package.module:function)"
     ids=["int", "int in a list", "mapping", "empty list", "null"],
 )  # fmt: skip
 def test_reward_funcs_of_the_wrong_type_is_named(inputs, tmp_path, capsys, value, message):
-    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"reward_funcs: {value}\n")
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs, "reward_funcs") + f"reward_funcs: {value}\n")
     assert message in line
 
 
@@ -130,21 +139,45 @@ def test_a_prompt_that_is_neither_text_nor_messages_is_named(inputs, tmp_path, c
     assert "data.jsonl:2: every row needs a 'prompt' string or list of messages" in line
 
 
+def test_a_prompt_that_gives_no_tokens_is_named_by_file_and_line(inputs, tmp_path, capsys):
+    rows = (inputs / "data.jsonl").read_text().splitlines()
+    rows[2] = rows[2].replace('"prompt": "', '"prompt": "", "was": "')  # row 2, an empty prompt
+    (tmp_path / "data.jsonl").write_text("\n" + "\n".join(rows) + "\n")  # a blank first line: row 2 is on line 4
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs), "--dataset", str(tmp_path / "data.jsonl"))
+    assert f"{tmp_path / 'data.jsonl'}:4: train_dataset row 2: its prompt '' gives no tokens" in line
+    (tmp_path / "held_out.jsonl").write_text('{"prompt": "12>", "answer": "21"}\n{"prompt": "", "answer": ""}\n')
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"eval_dataset: {tmp_path / 'held_out.jsonl'}\n")
+    assert f"{tmp_path / 'held_out.jsonl'}:2: eval_dataset row 1: its prompt '' gives no tokens" in line
+
+
+def test_a_repeated_key_names_both_lines(inputs, tmp_path, capsys):
+    lines = good_run(inputs).splitlines()
+    first, end = next(n for n, line in enumerate(lines, 1) if line.startswith("learning_rate:")), len(lines)
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "learning_rate: 0.5\n")
+    assert (f"bad.yaml:{end + 1}:1: not valid YAML (duplicate key 'learning_rate': first on line {first}, again on "
+            f"line {end + 1})") in line  # fmt: skip
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "lora:\n  r: 4\n  lora_alpha: 8\n  r: 8\n")
+    assert f"bad.yaml:{end + 4}:3: not valid YAML (duplicate key 'r': first on line {end + 2}, again on line " in line
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs), "--lora", "{r: 4, r: 8}")
+    assert "--lora '{r: 4, r: 8}': not a valid value (duplicate key 'r': first on line 1, again on line 1)" in line
+
+
 def test_a_missing_eval_dataset_is_named(inputs, tmp_path, capsys):
     line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"eval_dataset: {tmp_path / 'nope.jsonl'}\n")
     assert f"eval_dataset: no such file {tmp_path / 'nope.jsonl'}" in line
 
 
 def test_a_missing_model_name_or_path_is_named(inputs, tmp_path, capsys):
-    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "model_name_or_path: null\n")
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs, "model_name_or_path") + "model_name_or_path: null\n")
     assert "the run config lacks model_name_or_path (give it in the run file or as --key value)" in line
 
 
 def test_a_missing_reward_file_is_named(inputs, tmp_path, capsys):
-    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + "reward_funcs: nowhere/rewards.py:f\n")
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs, "reward_funcs") + "reward_funcs: nowhere/rewards.py:f\n")
     assert "reward_funcs: no file nowhere/rewards.py for 'nowhere/rewards.py:f'" in line
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
-    line = run_with(inputs, tmp_path, capsys, good_run(inputs) + f"reward_funcs: {tmp_path / 'broken.py'}:f\n")
+    run_text = good_run(inputs, "reward_funcs") + f"reward_funcs: {tmp_path / 'broken.py'}:f\n"
+    line = run_with(inputs, tmp_path, capsys, run_text)
     assert "failed (RuntimeError: boom)" in line
 
 

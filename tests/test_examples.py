@@ -42,6 +42,8 @@ def test_the_run_file_is_a_valid_run(monkeypatch):
     run_keys = set(RUN_KEYS) | set(OPTIONAL_RUN_KEYS)
     config = GRPOConfig.from_dict({k: v for k, v in options.items() if k not in run_keys})
     assert config.eval_steps > 0 and config.max_time_s is not None
+    # Running the README's command again must not delete the last run's final_model: the default refusal stays.
+    assert config.overwrite_output_dir is False
     monkeypatch.chdir(ROOT)  # paths in the run file are relative to the repository root
     assert [row["answer"] for row in load_jsonl(options["eval_dataset"])] == [
         row["answer"] for row in smollm2_sums.sum_rows()[1]

@@ -31,6 +31,7 @@ from grpo_ext.trainer.cli import main as cli_main
 from grpo_ext.trainer.demo import reversal_reward
 from grpo_ext.trainer.guards import NonFiniteStepsError, TrainingInterrupted
 from grpo_ext.trainer.metrics import plot_metrics
+from grpo_ext.trainer.rewards import RewardFunctionError
 from grpo_ext.trainer.run_folder import LOCK_NAME, OutputFolderError, RunFolderLock
 from trainer_utils import make_trainer, read_metrics, small_config, without_timing, write_cli_inputs
 
@@ -131,6 +132,19 @@ def test_sigint_from_outside_saves_a_checkpoint_and_exits_130(cli_run, tmp_path,
     assert rows_without_timing(metrics) == rows_without_timing(tmp_path / "ref" / "metrics.jsonl")
 
 
+def test_a_time_stop_saves_a_checkpoint_that_resume_continues(cli_run, tmp_path, capsys):
+    run_file, expected = cli_run
+    out = tmp_path / "out"
+    args = ["train", "--config", str(run_file), "--output_dir", str(out)]
+    assert cli_main([*args, "--max_time_s", "1e-9"]) == 0  # stops after step 1 of 5
+    assert f"max_time_s=1e-09 reached; checkpoint: {out / 'checkpoint-1'}" in capsys.readouterr().out
+    assert (out / "checkpoint-1" / "trainer_state.pt").is_file() and (out / "final_model" / "config.json").is_file()
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]  # written the atomic way
+    # max_time_s may change on resume: the run continues from step 1 as if it had never stopped.
+    assert cli_main([*args, "--resume", "--max_time_s", "3600"]) == 0
+    assert rows_without_timing(out / "metrics.jsonl") == expected
+
+
 def test_sigterm_saves_a_checkpoint_and_raises_with_exit_code_143(tmp_path):
     calls = []
 
@@ -217,6 +231,10 @@ def bad_reward(kind: str):
             values = (v for v in values)
         elif kind == "none":
             values = None
+        elif kind == "huge":
+            values[2] = 10**400  # a Python int beyond float64
+        elif kind == "float32":
+            values[4] = -1e39  # a float64 beyond float32, where the rewards are kept: it would become -inf
         return values
 
     reward.__name__ = f"{kind}_reward"
@@ -231,6 +249,8 @@ def bad_reward(kind: str):
         ("short", r"reward function short_reward returned 15 values for 16 completions"),
         ("generator", r"reward function generator_reward returned generator; it must return 16 numbers \(a list"),
         ("none", r"reward function none_reward returned None; it must return 16 numbers"),
+        ("huge", r"reward function huge_reward returned 1000000000000000000000000000000000000000\.\.\. for row 2 "),
+        ("float32", r"reward function float32_reward returned -1e\+39 for row 4 .* within float32's range"),
     ],
 )
 def test_a_reward_that_is_not_a_finite_number_names_the_function_and_row(tmp_path, kind, message):
@@ -238,6 +258,20 @@ def test_a_reward_that_is_not_a_finite_number_names_the_function_and_row(tmp_pat
     initial = {name: value.clone() for name, value in trainer.model.state_dict().items()}
     with pytest.raises(ValueError, match=message):
         trainer.train()
+    assert all(torch.equal(value, initial[name]) for name, value in trainer.model.state_dict().items())
+
+
+def test_a_reward_that_raises_is_named_with_the_exceptions_type(tmp_path):
+    def unreachable(prompts, completions, **columns):
+        raise RuntimeError("reward server unreachable")
+
+    trainer = make_trainer(small_config(tmp_path, max_steps=2), reward_funcs=[unreachable])
+    initial = {name: value.clone() for name, value in trainer.model.state_dict().items()}
+    with pytest.raises(RewardFunctionError) as raised:
+        trainer.train()
+    assert str(raised.value) == (f"reward function '{unreachable.__qualname__}' raised RuntimeError: reward server "
+                                 "unreachable")  # fmt: skip
+    assert isinstance(raised.value.__cause__, RuntimeError)  # the traceback of the function's own error
     assert all(torch.equal(value, initial[name]) for name, value in trainer.model.state_dict().items())
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo_ext.trainer.rewards import (
+    RewardFunctionError,
     accuracy_reward,
     extract_answer,
     format_reward,
@@ -116,10 +117,41 @@ def test_score_completions_takes_integers_and_booleans_as_numbers():
         (torch.tensor(1.0), r"reward function fixed returned a Tensor of shape \(\)"),
         ({0: 1.0, 1: 2.0, 2: 3.0}, r"reward function fixed returned dict"),
         ([1.0, 2.0 + 1j, 3.0], r"reward function fixed returned \(2\+1j\) \(complex\) for row 1"),
+        ([1.0, -(10**400), 3.0], r"reward function fixed returned -100000000000000000000000000000000000000\.\.\. for "
+                                 r"row 1 .*a reward must be finite"),
+        ([1.0, 2.0, 1e39], r"reward function fixed returned 1e\+39 for row 2 .*within float32's range"),
+        ([np.float64(-3.5e38), 2.0, 3.0], r"reward function fixed returned -3\.5e\+38 for row 0"),
     ],
     ids=["str", "bytes", "str entry", "nested entry", "nested list", "1-D tensor entry", "numpy strings",
-         "[N, 1] tensor", "[N, 1] array", "0-dim tensor", "dict", "complex entry"],
+         "[N, 1] tensor", "[N, 1] array", "0-dim tensor", "dict", "complex entry", "int beyond float64",
+         "beyond float32", "numpy beyond float32"],
 )  # fmt: skip
 def test_score_completions_refuses_strings_and_nested_values_naming_the_function(values, message):
     with pytest.raises(ValueError, match=message):
         score(values)
+
+
+def test_the_largest_float32_is_a_reward():
+    largest = float(torch.finfo(torch.float32).max)
+    torch.testing.assert_close(score([largest, -largest, 10**38]).double(),
+                               torch.tensor([[largest], [-largest], [1e38]], dtype=torch.float64))  # fmt: skip
+
+
+def test_a_reward_function_that_raises_is_named_with_the_exception():
+    class Scorer:
+        def score(self, prompts, completions, **columns):
+            return [float(columns["answer"][0])] * len(completions)  # no answer column: KeyError
+
+    with pytest.raises(RewardFunctionError) as raised:
+        score_completions([Scorer().score], ["score"], ["p"] * 3, ["c"] * 3, {})
+    assert str(raised.value) == (
+        "reward function 'test_a_reward_function_that_raises_is_named_with_the_exception.<locals>.Scorer.score' "
+        "raised KeyError: 'answer'"
+    )
+    assert isinstance(raised.value.__cause__, KeyError)
+
+    def silent(prompts, completions, **columns):
+        raise OverflowError
+
+    with pytest.raises(RewardFunctionError, match=r"^reward function '.*\.silent' raised OverflowError: \(no message"):
+        score_completions([silent], ["silent"], ["p"], ["c"], {})

@@ -14,7 +14,8 @@ from grpo_ext.ops.options import LossOptions
 from grpo_ext.trainer import GRPOConfig
 from grpo_ext.trainer.cli import load_yaml, parse_overrides
 from grpo_ext.trainer.cli import main as cli_main
-from grpo_ext.trainer.demo import run_demo
+from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward, run_demo
+from grpo_ext.trainer.prompts import EmptyPromptError
 from grpo_ext.trainer.rewards import graded_answer_reward
 from grpo_ext.trainer.trainer import GRPOTrainer
 from trainer_utils import make_trainer, read_metrics, small_config, without_timing, write_cli_inputs
@@ -258,6 +259,33 @@ def test_dynamic_sampling_fills_the_batch_with_varied_groups(tmp_path):
     assert trainer._prompt_pos > 3 * 4  # more prompts were drawn than three plain steps use
 
 
+def signed_reward(prompts, completions, **columns):
+    """+1 or -1 by the completion's length: varied groups from the untrained model."""
+    return [1.0 if len(c) % 2 else -1.0 for c in completions]
+
+
+def huge_reward(prompts, completions, **columns):
+    """signed_reward times 3.4e38: finite float32 rewards whose group sums and stds overflow float32 (issue 40)."""
+    return [3.4e38 * r for r in signed_reward(prompts, completions)]
+
+
+def test_rewards_near_float32_max_train_as_their_scaled_down_copy(tmp_path):
+    """Issue 40: such rewards trained with a zero gradient and logged reward_std=inf. Their advantages are those of
+    the same rewards divided by 3.4e38 (up to eps), so is the gradient, and the logged statistics are finite: a group
+    std of 3.9e38 is beyond float32, and reward_std is then taken from the float64 statistics."""
+    rows = {}
+    for func in (signed_reward, huge_reward):
+        trainer = make_trainer(small_config(tmp_path / func.__name__, max_steps=1), reward_funcs=[func])
+        rows[func.__name__] = trainer.train()[0]
+    small, huge = rows["signed_reward"], rows["huge_reward"]
+    assert all(math.isfinite(v) for v in huge.values())
+    assert 0 < small["frac_reward_zero_std"] < 1 or small["reward_std"] > 1  # some varied groups
+    assert small["grad_norm"] > 0 and huge["grad_norm"] == pytest.approx(small["grad_norm"], rel=1e-3)
+    assert huge["reward_std"] == pytest.approx(3.4e38 * small["reward_std"], rel=1e-6)
+    assert huge["reward"] == pytest.approx(3.4e38 * small["reward"], rel=1e-6, abs=1e30)
+    assert huge["rewards/huge_reward/std"] == pytest.approx(3.4e38 * small["rewards/signed_reward/std"], rel=1e-6)
+
+
 def test_resume_without_checkpoint_fails_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         make_trainer(small_config(tmp_path)).train(resume_from_checkpoint=True)
@@ -347,6 +375,77 @@ def test_run_files_read_exponent_floats_as_numbers():
         "learning_rate": 1e-3, "adam_epsilon": -25.0, "warmup_steps": 10, "name": "1e-3", "lr": [1e-3]
     }  # fmt: skip
     assert isinstance(load_yaml("warmup_steps: 10")["warmup_steps"], int)
+
+
+def test_run_files_refuse_a_repeated_key_and_take_merge_overrides():
+    import yaml
+
+    # PyYAML alone keeps the last value of a repeated key without a word.
+    with pytest.raises(yaml.YAMLError, match=r"duplicate key 'seed': first on line 1, again on line 3"):
+        load_yaml("seed: 1\nbeta: 0.0\nseed: 2\n")
+    with pytest.raises(yaml.YAMLError, match=r"duplicate key 'r': first on line 2, again on line 4"):
+        load_yaml("lora:\n  r: 4\n  lora_alpha: 8\n  r: 16\n")
+    # A merged-in key may be overridden (YAML's << merge), and equal keys in different mappings are no repeat.
+    assert load_yaml("base: &b {r: 4, lora_alpha: 8}\nlora:\n  <<: *b\n  r: 16\n")["lora"] == {"r": 16, "lora_alpha": 8}
+    assert load_yaml("a: {r: 1}\nb: {r: 2}\n") == {"a": {"r": 1}, "b": {"r": 2}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# datasets: every prompt must give tokens
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bos_tokenizer():
+    """The demo's tokenizer, adding a BOS before every text (as Llama's tokenizers do)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = build_tokenizer()
+    tokenizer._tokenizer.post_processor = TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tokenizer.bos_token_id)]
+    )
+    return tokenizer
+
+
+def _trainer_on(tmp_path, rows, tokenizer, eval_rows=None) -> GRPOTrainer:
+    config = small_config(tmp_path, max_steps=1)
+    return GRPOTrainer(build_model(tokenizer), [reversal_reward], rows, config, tokenizer=tokenizer,
+                       eval_dataset=eval_rows)  # fmt: skip
+
+
+def test_a_prompt_that_gives_no_tokens_is_refused_naming_its_row(tmp_path):
+    rows = reversal_dataset(seed=0)[0][:16]
+    tokenizer = build_tokenizer()  # adds no BOS: an empty string is no tokens at all
+    assert tokenizer("")["input_ids"] == []
+    # All empty: generate would fail inside transformers at the first step (IndexError).
+    with pytest.raises(EmptyPromptError, match=r"^train_dataset row 0: its prompt '' gives no tokens"):
+        _trainer_on(tmp_path, [{**row, "prompt": ""} for row in rows], tokenizer)
+    # One empty prompt among others: an all-padding row, generated from nothing.
+    with pytest.raises(EmptyPromptError, match=r"^train_dataset row 7: its prompt '' gives no tokens"):
+        _trainer_on(tmp_path, [{**row, "prompt": ""} if i in (7, 9) else row for i, row in enumerate(rows)], tokenizer)
+    with pytest.raises(EmptyPromptError, match=r"^eval_dataset row 2: its prompt '' gives no tokens"):
+        _trainer_on(tmp_path, rows, tokenizer, [{**row, "prompt": "" if i == 2 else row["prompt"]}
+                                                for i, row in enumerate(rows[:4])])  # fmt: skip
+    # Messages that the chat template renders to nothing are no tokens either.
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    messages = [{**row, "prompt": [{"role": "user", "content": row["prompt"] if i else ""}]}
+                for i, row in enumerate(rows)]  # fmt: skip
+    with pytest.raises(EmptyPromptError, match=r"^train_dataset row 0: its prompt \[\{'role': 'user', 'content': ''"):
+        _trainer_on(tmp_path, messages, tokenizer)
+    with pytest.raises(ValueError, match=r"^train_dataset row 3 has no 'prompt'"):
+        _trainer_on(tmp_path, [row if i != 3 else {"answer": "1"} for i, row in enumerate(rows)], tokenizer)
+
+
+def test_an_empty_prompt_that_gives_a_token_trains(tmp_path):
+    """Only prompts of zero tokens are refused: with a tokenizer that adds a BOS, or a chat template that writes
+    one, an empty prompt is that one token, and generate starts from it."""
+    rows = [{**row, "prompt": ""} for row in reversal_dataset(seed=0)[0][:16]]
+    history = _trainer_on(tmp_path / "bos", rows, _bos_tokenizer()).train()
+    assert [row["step"] for row in history] == [1] and math.isfinite(history[0]["loss"])
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    messages = [{**row, "prompt": [{"role": "user", "content": ""}]} for row in rows]
+    history = _trainer_on(tmp_path / "chat", messages, tokenizer).train()
+    assert [row["step"] for row in history] == [1] and math.isfinite(history[0]["loss"])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -65,11 +65,17 @@ def test_a_run_leaves_the_trained_model_and_its_tokenizer(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["final_model", "metrics.jsonl"]  # no leftovers
 
 
-def test_a_time_stop_leaves_the_final_model(tmp_path):
+def test_a_time_stop_leaves_the_final_model_and_a_checkpoint_to_resume_from(tmp_path):
     trainer = make_trainer(small_config(tmp_path, max_steps=50, max_time_s=1e-6))
     trainer.train()
     assert trainer.global_step == 1
     assert_loads_as(tmp_path / "run" / "final_model", cpu_state(trainer.model))
+    assert trainer.latest_checkpoint() == tmp_path / "run" / "checkpoint-1"  # save_steps is 0: for the time stop
+    # A resumed run with more time and fewer steps (both may change on resume) continues from step 1.
+    resumed = make_trainer(small_config(tmp_path, max_steps=3, max_time_s=3600.0))
+    assert [row["step"] for row in resumed.train(resume_from_checkpoint=True)] == [2, 3]
+    assert_loads_as(tmp_path / "run" / "final_model", cpu_state(resumed.model))
+    assert resumed.latest_checkpoint() == tmp_path / "run" / "checkpoint-1"  # it reached max_steps: no new one
 
 
 class Killed(BaseException):

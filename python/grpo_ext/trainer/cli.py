@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import gc
 import importlib
+import itertools
 import json
 import re
 import sys
@@ -42,7 +43,26 @@ def _yaml_loader() -> type:
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            """A mapping, refusing a key given twice (YAML forbids it; PyYAML would keep the last value silently).
+
+            Keys that ``<<`` merges in may be overridden, as YAML allows; every nested mapping comes through here.
+            """
+            first_lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = first_lines.get(key)
+                except TypeError:  # an unhashable key: the base class names it
+                    continue
+                if first is not None:
+                    problem = f"duplicate key {key!r}: first on line {first}, again on line {line}"
+                    raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
+                first_lines[key] = line
+            return super().construct_mapping(node, deep=deep)
 
     # Only forms with an exponent: plain integers keep resolving as ints (the int resolver runs first anyway).
     Loader.add_implicit_resolver(
@@ -54,10 +74,11 @@ def _yaml_loader() -> type:
 
 
 def load_yaml(text: str) -> Any:
-    """YAML, with ``1e-5`` read as a number.
+    """YAML, with ``1e-5`` read as a number and a key given twice in a mapping refused.
 
     PyYAML follows YAML 1.1, where a float needs a dot, so ``1e-5`` would stay the string ``"1e-5"`` (and a
-    ``learning_rate: 1e-5`` line in a run file would be refused). YAML 1.2 reads it as a float; so do we.
+    ``learning_rate: 1e-5`` line in a run file would be refused). YAML 1.2 reads it as a float; so do we. PyYAML
+    keeps the last of duplicate keys without a word; a ``yaml.YAMLError`` names the key and both lines here.
     """
     import yaml
 
@@ -111,8 +132,9 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
             raise SystemExit(f"grpo-ext: --{key} needs a value")
         try:
             overrides[key] = load_yaml(raw)
-        except Exception as err:  # yaml.YAMLError: a value that is not YAML
-            raise ValueError(f"--{key} {raw!r}: not a valid value ({type(err).__name__})") from None
+        except Exception as err:  # yaml.YAMLError: a value that is not YAML, or a mapping with a duplicate key
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ValueError(f"--{key} {raw!r}: not a valid value ({problem})") from None
     return overrides
 
 
@@ -234,6 +256,13 @@ def load_jsonl(path: str | Path, key: str = "dataset") -> list[dict[str, Any]]:
     return rows
 
 
+def jsonl_line_number(path: str | Path, row: int) -> int:
+    """The line of ``path`` that holds row ``row`` of :func:`load_jsonl` (which skips blank lines)."""
+    with open(path) as f:
+        filled = (number for number, line in enumerate(f, 1) if line.strip())
+        return next(itertools.islice(filled, row, None))
+
+
 def _is_prompt(value: Any) -> bool:
     """A string, or a non-empty list of ``{"role": str, "content": ...}`` messages."""
     if isinstance(value, str):
@@ -328,6 +357,7 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     """
     from . import distributed
     from .config import GRPOConfig, unknown_keys_error
+    from .prompts import EmptyPromptError
     from .run_folder import check_fresh_run
     from .trainer import GRPOTrainer
 
@@ -366,7 +396,11 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
 
             seed_everything(config.seed)  # the adapters' random init: the run's seed, as TRL seeds before peft
             model = get_peft_model(model, peft_config)
-        trainer = GRPOTrainer(model, reward_funcs, rows, config, tokenizer=tokenizer, eval_dataset=eval_rows)
+        try:
+            trainer = GRPOTrainer(model, reward_funcs, rows, config, tokenizer=tokenizer, eval_dataset=eval_rows)
+        except EmptyPromptError as err:  # the row's line in its file, which the trainer does not know
+            path = dataset_path if err.dataset == "train_dataset" else eval_path
+            raise ValueError(f"{path}:{jsonl_line_number(path, err.row)}: {err}") from None
         history = trainer.train(resume_from_checkpoint=resume)
         if trainer.is_main_process:
             print(f"metrics: {trainer.metrics_path}\ncurves: {trainer.plot_path if config.plot else '(plot off)'}\n"

@@ -66,7 +66,9 @@ class GRPOConfig:
     output_dir: str = "grpo_output"
     seed: int = 42
     max_steps: int = 100
-    max_time_s: float | None = None  # safety net only: training stops early past it (runs are capped by steps)
+    # A safety net only (runs are capped by steps): training stops early past it, saving a checkpoint (--resume with
+    # a larger max_time_s continues) and the final model.
+    max_time_s: float | None = None
 
     # Generation
     num_generations: int = 8
@@ -134,7 +136,7 @@ class GRPOConfig:
 
     # Logging and checkpoints
     logging_steps: int = 1
-    save_steps: int = 0  # 0: no checkpoints
+    save_steps: int = 0  # 0: no periodic checkpoints (a signal or a max_time_s stop still saves one)
     save_total_limit: int | None = None
     report_to: str = "tensorboard"  # "tensorboard" (when importable) or "none"; the JSONL file is always written
     log_completions: bool = True

@@ -4,8 +4,9 @@
 run the steps under the SIGINT/SIGTERM handlers, save the final model, print where it went and plot the metrics) and
 ``_run_steps``, the loop itself: the evaluation before the first step, each step's timing and counters, the progress
 bar and its postfix, the logging and completion samples (written by :mod:`.metrics`), the periodic evaluations and
-checkpoints, and the stops: ``max_steps``, ``max_time_s`` (``_out_of_time``, by rank 0's clock), a signal (a
-checkpoint, then :class:`~.guards.TrainingInterrupted`) and too many non-finite steps in a row.
+checkpoints, and the stops: ``max_steps``, ``max_time_s`` (``_out_of_time``, by rank 0's clock: a checkpoint, then
+the final model), a signal (a checkpoint, then :class:`~.guards.TrainingInterrupted`) and too many non-finite steps in
+a row.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ class TrainingLoopMixin:
         """Run until ``config.max_steps`` optimizer steps (or ``config.max_time_s``), then save the model.
 
         The trained model and the tokenizer are written to ``output_dir/final_model`` (:attr:`final_model_path`) with
-        ``save_pretrained`` when the run ends, a ``max_time_s`` stop included (a peft model: its adapter alone); a run
-        stopped by a signal or by non-finite steps leaves its last checkpoint instead.
+        ``save_pretrained`` when the run ends, a ``max_time_s`` stop included (a peft model: its adapter alone). A
+        ``max_time_s`` stop before ``max_steps`` also saves a checkpoint of its last step, which ``--resume`` (with a
+        larger ``max_time_s``) continues from; a run stopped by a signal or by non-finite steps leaves its last
+        checkpoint instead of the final model.
 
         Args:
             resume_from_checkpoint: a checkpoint folder, or True for the latest ``checkpoint-N`` in ``output_dir``.
@@ -113,8 +116,12 @@ class TrainingLoopMixin:
                 if signal_number and self.global_step < cfg.max_steps:
                     raise TrainingInterrupted(signal_number, self.global_step, saved or self.save_checkpoint())
                 if out_of_time:
+                    # A time stop is a pause: --resume (with more max_time_s) continues from this checkpoint.
+                    if self.global_step < cfg.max_steps:
+                        saved = saved or self.save_checkpoint()
                     if self.is_main_process:
-                        tqdm.write(f"stopping at step {self.global_step}: max_time_s={cfg.max_time_s} reached")
+                        where = f"; checkpoint: {saved}" if saved else ""
+                        tqdm.write(f"stopping at step {self.global_step}: max_time_s={cfg.max_time_s} reached{where}")
                     break
         finally:
             bar.close()

@@ -1,8 +1,9 @@
-"""Prompts and completions of GRPOTrainer's rollouts: their types, their text, their token ids as TRL makes them,
-and the tokens that end a completion."""
+"""Prompts and completions of GRPOTrainer's rollouts: their types, their text, their token ids as TRL makes them
+(and the check that every prompt of a dataset gives some), and the tokens that end a completion."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 # A dataset row's prompt: a string, or a list of messages ``[{"role": "user", "content": ...}, ...]``.
@@ -51,6 +52,52 @@ def prompt_token_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
         raise ValueError(f"a prompt must be a string or a list of messages ({{'role': ..., 'content': ...}}), got "
                          f"{prompt!r:.80} ({type(prompt).__name__})")  # fmt: skip
     return list(tokenizer(prompt)["input_ids"])
+
+
+class EmptyPromptError(ValueError):
+    """A dataset row whose prompt gives no tokens: ``generate`` cannot start from nothing.
+
+    Attributes:
+        dataset: the dataset's name (``train_dataset`` or ``eval_dataset``).
+        row: the row's index in it.
+    """
+
+    def __init__(self, dataset: str, row: int, prompt: Any) -> None:
+        super().__init__(
+            f"{dataset} row {row}: its prompt {prompt!r:.80} gives no tokens (with this tokenizer and its chat "
+            "template, no BOS either); generation needs at least one prompt token: give the row a prompt with text, "
+            "or remove it"
+        )
+        self.dataset, self.row = dataset, row
+
+
+def check_prompts(tokenizer: Any, rows: Sequence[Any], dataset: str) -> None:
+    """Raises unless every row of ``rows`` has a prompt that gives at least one token (:func:`prompt_token_ids`).
+
+    An empty string gives none unless the tokenizer adds a BOS; a list of messages gives what its chat template
+    renders. A zero-token prompt would reach ``generate`` as an empty (or all-padding) row, which fails deep inside
+    it or samples from nothing; so the dataset is refused when the trainer is built instead.
+
+    Args:
+        tokenizer: the trainer's tokenizer.
+        rows: dataset rows, each a mapping with a ``prompt``.
+        dataset: its name in the errors (``train_dataset``, ``eval_dataset``).
+
+    Raises:
+        EmptyPromptError: naming the first row whose prompt gives no tokens.
+        ValueError: naming the first row without a ``prompt``, or whose prompt is neither a string nor a list of
+            messages (or is a list of messages and the tokenizer has no chat template).
+    """
+    for index, row in enumerate(rows):
+        if not isinstance(row, Mapping) or "prompt" not in row:
+            raise ValueError(f"{dataset} row {index} has no 'prompt' (each row is a dict with a 'prompt' and the "
+                             "columns the rewards take)")  # fmt: skip
+        try:
+            ids = prompt_token_ids(tokenizer, row["prompt"])
+        except ValueError as err:
+            raise ValueError(f"{dataset} row {index}: {err}") from None
+        if not ids:
+            raise EmptyPromptError(dataset, index, row["prompt"])
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -8,8 +8,8 @@ other columns aligned the same way, plus ``completion_truncated`` (True where th
 ``max_completion_length`` without EOS). It may return a list, a tuple, a 1-D tensor or a 1-D NumPy array of
 numbers, as TRL takes them. ``None`` means "not scored" and
 becomes NaN (ignored by the advantage normalization); a NaN value counts the same. Anything else that is not a
-finite number (+-inf, a string, a nested list, a missing list) is an error naming the function
-(:func:`score_completions`).
+finite number (+-inf, a number beyond float32's range, a string, a nested list, a missing list) is an error naming
+the function, and so is an exception it raises (:func:`score_completions`).
 """
 
 from __future__ import annotations
@@ -141,6 +141,21 @@ BUILTIN_REWARDS: dict[str, Callable] = {
 }
 
 
+#: The largest reward magnitude: rewards are stored as float32, where a larger finite number would become inf.
+MAX_REWARD = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised: the message names the function (its qualified name) and the exception's type and
+    message; the original exception is ``__cause__``."""
+
+
+def _qualified_name(func: Callable, name: str) -> str:
+    """``func``'s ``__qualname__`` (``Class.method``, ``factory.<locals>.reward``), else its logged name."""
+    qualname = getattr(func, "__qualname__", None)
+    return qualname if isinstance(qualname, str) and qualname else name
+
+
 def _reward_values(values: Any, name: str, count: int) -> list:
     """The ``count`` entries a reward function returned: a list or tuple, a 1-D tensor or NumPy array.
 
@@ -171,7 +186,10 @@ def _reward_number(value: Any) -> float | None:
     if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a 0-dim tensor or array, a NumPy scalar
         value = value.item()
     if isinstance(value, numbers.Real):  # bool, int, float, NumPy's registered scalar types
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int (or Fraction) beyond float64, e.g. 10**400: infinite as far as we can tell
+            return math.inf if value > 0 else -math.inf
     return None
 
 
@@ -186,25 +204,35 @@ def score_completions(
     counts the same).
 
     Raises:
+        RewardFunctionError: a reward function raised; naming it (its qualified name), the exception's type and
+            its message.
         ValueError: naming the reward function (and the row) when it returns something else: None, a string, a
             generator or another non-sequence, a tensor or array that is not 1-D, the wrong count, an entry that is
-            not a number (a string, a list: one number per completion), or +-inf (not a reward: fix the function, or
-            return None for a completion it cannot score).
+            not a number (a string, a list: one number per completion), or +-inf or a number beyond float32's range
+            (``10**400``, ``1e39``; not a reward: fix the function, or return None for a completion it cannot score).
     """
     import torch
 
     rewards = torch.empty(len(completions), len(reward_funcs), dtype=torch.float32)
     for k, (func, name) in enumerate(zip(reward_funcs, names, strict=True)):
-        values = _reward_values(func(prompts, completions, **columns), name, len(completions))
+        try:
+            returned = func(prompts, completions, **columns)
+        except Exception as err:  # a user's function: anything (a KeyboardInterrupt, a signal's stop, passes)
+            message = next((line.strip() for line in str(err).splitlines() if line.strip()), "(no message)")
+            raise RewardFunctionError(f"reward function {_qualified_name(func, name)!r} raised "
+                                      f"{type(err).__name__}: {message}") from err  # fmt: skip
+        values = _reward_values(returned, name, len(completions))
         for row, value in enumerate(values):
             number = _reward_number(value)
             if number is None:
                 raise ValueError(f"reward function {name} returned {value!r} ({type(value).__name__}) for row {row}; "
                                  "each entry must be a number, or None when not scored")  # fmt: skip
-            if math.isinf(number):
+            if math.isinf(number) or abs(number) > MAX_REWARD:
+                shown = f"{value!r:.40}..." if isinstance(value, int) and len(repr(value)) > 40 else f"{number}"
                 raise ValueError(
-                    f"reward function {name} returned {number} for row {row} (completion {completions[row][:80]!r}); "
-                    "a reward must be finite: fix the function, or return None for a completion it cannot score"
+                    f"reward function {name} returned {shown} for row {row} (completion {completions[row][:80]!r}); "
+                    "a reward must be finite (and within float32's range, |r| <= 3.4e38): fix the function, or "
+                    "return None for a completion it cannot score"
                 )
             rewards[row, k] = number
     return rewards

@@ -33,6 +33,7 @@ from .loop import TrainingLoopMixin
 from .metrics import MetricsLogger
 from .optimizer import build_optimizer
 from .policy_logps import fused_policy_loss, fused_token_logps, plain_token_logps, use_fused
+from .prompts import check_prompts
 from .rewards import score_completions
 from .rollout import RolloutGenerator
 from .run_state import RunStateMixin
@@ -62,7 +63,8 @@ class GRPOTrainer(TrainingLoopMixin, RunStateMixin, OptimizerStepMixin):
         train_dataset: a sequence of dicts with a ``prompt`` and any other columns (given to the rewards). A prompt
             is a string (tokenized as it is, with the tokenizer's special tokens, no chat template) or a list of
             messages ``[{"role": "user", "content": ...}, ...]`` (rendered with the tokenizer's chat template and
-            the generation prompt), as TRL takes them (:func:`.prompts.prompt_token_ids`).
+            the generation prompt), as TRL takes them (:func:`.prompts.prompt_token_ids`). A prompt that gives no
+            tokens (an empty string with a tokenizer that adds no BOS) is refused here, naming its row.
         config: the options (default ``GRPOConfig()``).
         ref_model: the frozen reference for the KL term; default a deep copy of ``model`` made here, only when
             ``config.beta != 0``.
@@ -121,6 +123,10 @@ class GRPOTrainer(TrainingLoopMixin, RunStateMixin, OptimizerStepMixin):
         if eval_dataset is not None and len(eval_dataset) == 0:
             raise ValueError("eval_dataset is empty: give held-out rows, or None for no evaluation")
         self.eval_dataset = eval_dataset
+        # Every prompt tokenized once now: one that gives no tokens would fail inside generate, steps into the run.
+        check_prompts(tokenizer, train_dataset, "train_dataset")
+        if eval_dataset is not None:
+            check_prompts(tokenizer, eval_dataset, "eval_dataset")
         self.last_eval_reward: float | None = None
         self.device = next(model.parameters()).device
         self.use_bf16 = cfg.bf16 if cfg.bf16 is not None else self.device.type == "cuda"
