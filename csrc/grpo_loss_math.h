@@ -1,7 +1,7 @@
 // The per-token GRPO loss math of docs/math.md sections 3-5 and 7, written once for the CPU and CUDA kernels.
-// Every derivative reproduces torch autograd's conventions exactly: torch.minimum splits the gradient half/half at a
-// tie (ties are the common case: rho inside the clip range makes both branches equal), torch.clamp passes the
-// gradient at its bounds. Over 300 lines because the per-token terms, their dispatch and the aggregation are one
+// Every derivative follows docs/math.md section 8, "Bounds and ties": a minimum splits the gradient half/half at a
+// tie (ties are the common case: rho inside the clip range makes both branches equal), a clamp passes the gradient
+// at its bounds. Over 300 lines because the per-token terms, their dispatch and the aggregation are one
 // contract that the CPU and CUDA kernels must share; splitting it would spread the math over several headers. What
 // only the logits kernels add on top (row weights, the entropy bonus and its mean) is in logits_loss_math.h.
 #pragma once
@@ -121,8 +121,9 @@ struct TokenConsts {
   T clip_low, clip_high, cispo_cap, delta, beta, kl_clamp, tau_pos, tau_neg;
   T vespo_k_pos, vespo_k_neg, vespo_lambda_pos, vespo_lambda_neg;
   GRPO_HD explicit TokenConsts(const LossParams& p)
-      : clip_low(T(1) - T(p.epsilon_low)),
-        clip_high(T(1) + T(p.epsilon_high)),
+      // 1 -+ epsilon rounded once to T (in float32, 1 - T(0.058) would be one step above the bound, 0.94200003)
+      : clip_low(T(1.0 - p.epsilon_low)),
+        clip_high(T(1.0 + p.epsilon_high)),
         cispo_cap(T(p.epsilon_high)),
         delta(p.has_delta ? T(p.delta) : T(INFINITY)),
         beta(T(p.beta)),
@@ -256,7 +257,7 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
     poison += l_ref - l_ref;
     const T r_raw = l_ref - l;
     T r = r_raw;
-    const bool inside = (r >= -c.kl_clamp) & (r <= c.kl_clamp);  // torch.clamp passes the gradient at its bounds
+    const bool inside = (r >= -c.kl_clamp) & (r <= c.kl_clamp);  // a clamp passes the gradient at its bounds
     r = r < -c.kl_clamp ? -c.kl_clamp : (r > c.kl_clamp ? c.kl_clamp : r);
     T kl, dkl_dr;
     bool passes = inside;  // whether the gradient reaches l through the clamps

@@ -27,9 +27,10 @@ GRPO_HD T entropy_row_weight(T entropy_coef, T loss_scale, T mask_total) {
   return entropy_coef * loss_scale / (mask_total > T(1) ? mask_total : T(1));
 }
 
-// The mean entropy over the kept tokens, sum H / max(sum m, 1) (H is 0 at every token not kept: the passes write
-// it so), and the bonus' mean weighted by w, sum m w H / max(sum m w, 1) (the plain mean without weights): from the
-// float64 sums {sum H, sum m, sum m w H, sum m w} (docs/math.md section 5, "Entropy bonus").
+// The mean entropy over the kept tokens weighted by their mask values, sum m H / max(sum m, 1) (a mask of 0.5 halves
+// a token's share, as in the loss and the gradient; H is 0 at every token not kept: the passes write it so), and the
+// bonus' mean weighted by w, sum m w H / max(sum m w, 1) (the plain mean without weights): from the float64 sums
+// {sum m H, sum m, sum m w H, sum m w} (docs/math.md section 5, "Entropy bonus").
 struct EntropyMeans {
   double mean, weighted_mean;
 };
@@ -40,7 +41,7 @@ GRPO_HD EntropyMeans entropy_means(const double (&sums)[4], bool weighted) {
 
 // The four sums of entropy_means at token (b, t): m its kept mask, h its entropy, w its entropy weight (absent: none).
 GRPO_HD void add_entropy_sums(double (&sums)[4], double m, double h, const StridedMatrix& w, int64_t b, int64_t t) {
-  sums[0] += h;
+  sums[0] += m * h;
   sums[1] += m;
   if (w.present()) {
     const double mw = m * w.load<double>(b, t);

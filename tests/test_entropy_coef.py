@@ -126,6 +126,58 @@ def test_entropy_weights_through_the_hidden_state_loss(device):
         assert_close(actual, wanted, rtol=1e-10, atol=1e-10)
 
 
+def weighted_masks(mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``mask`` (bool ``[B, T]``) as masks whose kept values are not all 1 (docs/math.md, "Masks": a value weights
+    its token in every sum): a float mask of 0.5 everywhere, one of mixed values (0.25 to 2), an integer one of 2."""
+    mixed = mask.double() * torch.linspace(0.25, 2.0, mask.numel(), dtype=torch.float64).reshape(mask.shape)
+    return {"half": mask * 0.5, "mixed": mixed, "int2": mask.long() * 2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mask_kind", ["half", "mixed", "int2"])
+def test_weighted_masks_match_reference(device, loss_type, level, mask_kind):
+    """A mask value other than 0 or 1 weights its token everywhere, in the native logits op as in the reference: the
+    loss, every metric, the mean entropy (sum m H / max(sum m, 1): 0.5 everywhere gives the same mean as 1), the
+    bonus and the gradient agree (issue 40: the op's entropy mean had summed H unweighted, 4.09 > log V)."""
+    logits, ids, adv, mask, old, ref = make_problem(seed=40 + LOSS_TYPES.index(loss_type))
+    m = weighted_masks(mask)[mask_kind]
+    kwargs = problem_kwargs(loss_type, level, old, ref) | dict(entropy_coef=COEF)
+    expected, expected_grad = run_logits(reference, logits, ids, adv, m, **kwargs)
+    if mask_kind == "half":  # a uniform weight leaves the token means alone
+        unit, _ = run_logits(reference, logits, ids, adv, mask, **kwargs)
+        assert_close(expected.metrics["entropy"], unit.metrics["entropy"], rtol=1e-12, atol=1e-12)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        got, grad = run_logits(grpo_ext, logits.to(device, dtype), ids.to(device), adv.to(device, dtype),
+                               m.to(device), **cast_kwargs(device, dtype, kwargs))  # fmt: skip
+        assert_close(got.loss, expected.loss, rtol=tol, atol=tol, msg=f"loss {dtype}")
+        assert set(got.metrics) == set(expected.metrics)
+        for name, value in expected.metrics.items():
+            assert_close(got.metrics[name], value, rtol=tol, atol=tol, msg=f"metrics[{name!r}] {dtype}")
+        assert_close(grad, expected_grad, rtol=tol, atol=tol, msg=f"grad {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask_kind", ["mixed", "int2"])
+def test_weighted_masks_through_the_hidden_state_loss(device, mask_kind):
+    """The same rule through the chunked hidden-state loss (its bonus' normalizer is the whole batch's sum m)."""
+    _, ids, adv, mask, old, ref = make_problem(vocab=29, seed=33)
+    g = torch.Generator().manual_seed(34)
+    hidden = torch.randn(4, 6, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(29, 16, generator=g, dtype=torch.float64) / 2
+    bias = torch.randn(29, generator=g, dtype=torch.float64)
+    m = weighted_masks(mask)[mask_kind]
+    kwargs = problem_kwargs("grpo", "token", old, ref) | dict(entropy_coef=COEF)
+    expected, expected_grads = run_hidden(reference, hidden, weight, bias, ids, adv, m, **kwargs)
+    got, grads = run_hidden(grpo_ext, hidden.to(device), weight.to(device), bias.to(device), ids.to(device),
+                            adv.to(device), m.to(device), chunk_size=5, **cast_kwargs(device, torch.float64, kwargs))
+    assert_close(got.loss, expected.loss, rtol=1e-10, atol=1e-10)
+    assert_close(got.metrics["entropy"], expected.metrics["entropy"], rtol=1e-10, atol=1e-10)
+    for actual, wanted in zip(grads, expected_grads, strict=True):
+        assert_close(actual, wanted, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("coef", [COEF, -0.2])
 def test_logits_in_place_and_bf16(device, coef):

@@ -183,6 +183,25 @@ def test_advantage_tensor_errors(impl):
         impl.process_advantages(torch.rand(4, 2), torch.zeros(4, 2), 2, 5)
 
 
+@pytest.mark.parametrize("op", ["grpo_loss_forward", "grpo_loss_from_logits", "grpo_loss_from_logits_"])
+@pytest.mark.parametrize("which", ["completion_mask", "sample_mask"])
+def test_native_ops_refuse_a_nan_mask(op, which):
+    """The raw CPU ops refuse a NaN mask value as the Python functions do (issue 40: grpo_loss_from_logits returned
+    NaN), with the same message."""
+    from grpo_ext.ops.options import LogitOptions
+
+    mask, sample_mask = torch.ones(2, 3), torch.ones(2)
+    (mask[1, 2] if which == "completion_mask" else sample_mask[1]).fill_(float("nan"))
+    option_args = LossOptions(epsilon_high=0.2, max_completion_length=3, sample_mask=sample_mask).op_args()
+    with pytest.raises(RuntimeError, match=f"{which} holds NaN; a mask's values must be 0 or 1"):
+        if op == "grpo_loss_forward":
+            torch.ops.grpo_ext.grpo_loss_forward(torch.rand(2, 3), torch.rand(2), mask, *option_args, False)
+        else:
+            logits, ids = torch.randn(2, 3, 7), torch.zeros(2, 3, dtype=torch.int64)
+            getattr(torch.ops.grpo_ext, op)(logits, ids, torch.rand(2), mask, *option_args,
+                                            *LogitOptions().op_args(), 0.0, None, True)  # fmt: skip
+
+
 def test_native_ops_check_their_inputs():
     """The raw torch.ops check too (TORCH_CHECK), for callers that skip the Python wrappers."""
     with pytest.raises(RuntimeError, match="group_size must be >= 1"):

@@ -169,6 +169,74 @@ def test_infinite_step_rewards_count_as_unscored(device):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Finite rewards near the dtype's largest values: statistics in units of a power of two (docs/math.md section 1)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def huge_rewards(dtype: torch.dtype) -> torch.Tensor:
+    """``[20, 2]`` finite rewards, five groups of 4, whose sums, squared deviations and differences overflow ``dtype``
+    (float32; float64: the rewards above 1 in magnitude 2^869 times larger); tiny and ordinary rewards among them, NaN
+    (unscored)."""
+    nan = float("nan")
+    r = torch.tensor([[3e38, 3e38], [3e38, 3e38], [-3e38, -3e38], [-3e38, -3e38],  # issue 40's [1, 1, -1, -1]
+                      [1e38, nan], [-1e38, 2e38], [5e37, 1.0], [-2e37, -3e38],
+                      [3e38, 1e-30], [1e-30, 3e38], [-2e38, 3e38], [nan, nan],  # tiny rewards among huge ones
+                      [0.25, 0.5], [1.0, nan], [0.0, 1.0], [1.0, 0.0],  # ordinary rewards beside huge groups
+                      [-3.4e38, 3.4e38], [3.4e38, 3.4e38], [1e-38, -1e38], [0.0, 1e-20]],
+                     dtype=torch.float32).double()  # fmt: skip
+    return (r if dtype == torch.float32 else torch.where(r.abs() > 1, r * 2.0**869, r)).to(dtype)
+
+
+def assert_close_in_dtype(got, expected, tol: float) -> None:
+    """``got`` against the float64 ``expected`` rounded to ``got``'s dtype: a statistic beyond float32's range (the std
+    3.5e38 of issue 40's group) is +-inf there, as docs/math.md says; never NaN."""
+    for name in ("advantages", "group_mean", "group_std"):
+        value = getattr(got, name)
+        assert not value.isnan().any(), name
+        assert_close(value, getattr(expected, name).to(value.dtype), rtol=tol, atol=tol, msg=name)
+    assert torch.equal(got.zero_std.cpu(), expected.zero_std.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("scale", "baseline", "aggregation"), MODES)
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rewards_near_the_largest_finite_values(device, scale, baseline, aggregation, k, dtype):
+    """Issue 40: +-3e38 float32 rewards gave NaN advantages (an overflowing sum, squares and difference); with K = 2
+    the weighted sum R overflows too (4.5e38)."""
+    rewards = huge_rewards(dtype) if k == 2 else huge_rewards(dtype)[:, 0]
+    kwargs = dict(scale_rewards=scale, baseline=baseline, multi_objective_aggregation=aggregation)
+    if k == 2:
+        kwargs["reward_weights"] = [1.0, 0.5]
+    expected = reference.group_advantages(rewards.double(), 4, **kwargs)
+    got = grpo_ext.group_advantages(rewards.to(device), 4, **kwargs)
+    assert_close_in_dtype(got, expected, 2e-5 if dtype == torch.float32 else 1e-12)
+    if scale != "none" or aggregation == "normalize_then_sum":  # scaled advantages are finite: [1, 1, -1, -1]-ish
+        assert torch.isfinite(got.advantages).all()
+    if (k, dtype, scale, baseline, aggregation) == (1, torch.float32, "group", "mean", "sum_then_normalize"):
+        assert_close(got.advantages[:4], torch.tensor([1.0, 1.0, -1.0, -1.0]) * 0.75**0.5, rtol=1e-6, atol=0)
+    runs = [grpo_ext.group_advantages(rewards.to(device), 4, **kwargs).advantages for _ in range(2)]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], got.advantages)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("scale", "baseline", "aggregation", "singleton_groups"),
+                         [(*mode, singletons) for mode in MODES for singletons in ("zero", "verl")
+                          if singletons == "zero" or mode[2] == "sum_then_normalize"])  # fmt: skip
+def test_rewards_near_the_largest_finite_values_with_group_ids(device, scale, baseline, aggregation, singleton_groups):
+    """The same rewards in groups of 1 to 8 rows in any order, singleton groups included (verl's convention too)."""
+    ids = torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 5])
+    ids = ids[torch.randperm(20, generator=torch.Generator().manual_seed(MODES.index((scale, baseline, aggregation))))]
+    kwargs = dict(scale_rewards=scale, baseline=baseline, multi_objective_aggregation=aggregation,
+                  singleton_groups=singleton_groups, reward_weights=[1.0, 0.5])  # fmt: skip
+    for dtype in (torch.float32, torch.float64):
+        rewards = huge_rewards(dtype)
+        expected = reference.group_advantages(rewards.double(), group_ids=ids, **kwargs)
+        got = grpo_ext.group_advantages(rewards.to(device), group_ids=ids.to(device), **kwargs)
+        assert_close_in_dtype(got, expected, 2e-5 if dtype == torch.float32 else 1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # group_ids: groups in any order and of any sizes (verl's uid grouping)
 # ---------------------------------------------------------------------------------------------------------------
 

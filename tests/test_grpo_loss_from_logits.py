@@ -364,6 +364,30 @@ def test_reference_never_reads_masked_rows_and_keeps_nan_rows_nan(level):
         assert torch.isnan(got.loss) and torch.isnan(got.metrics["entropy"]), impl.__name__
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bf16"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("clip", [dict(epsilon=0.0), dict(epsilon_high=0.0)], ids=["epsilon_0", "epsilon_high_0"])
+def test_gradient_passes_at_an_exact_clip_bound(clip, level, dtype):
+    """On-policy rho = 1 exactly is a clip bound when epsilon or epsilon_high is 0 (docs/math.md section 8, "Bounds and
+    ties"): the whole gradient passes, d loss / d l = -A / (B * T) per token (full mask), through the softmax as
+    (onehot - softmax(x)) / temperature, in the kernel and the reference alike."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64).to(dtype)
+    ids = torch.tensor([[0, 3, 4], [2, 2, 1]])
+    adv = torch.tensor([1.0, -0.5], dtype=dtype)
+    mask = torch.ones(2, 3)
+    kwargs = dict(clip, importance_sampling_level=level, temperature=0.5)
+    exact = logits.double()
+    softmax = torch.softmax(exact / 0.5, dim=-1)
+    onehot = torch.nn.functional.one_hot(ids, 5).double()
+    expected = -adv.double()[:, None, None] / 6 * (onehot - softmax) / 0.5
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-4)
+    _, ref_grad = run(reference, logits, ids, adv, mask, **kwargs)
+    _, grad = run(grpo_ext, logits, ids, adv, mask, **kwargs)
+    assert_close(ref_grad, expected, **tol, msg="reference gradient")
+    assert_close(grad, expected, **tol, msg="kernel gradient")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("logit_scale,logit_softcap", [(0.6, None), (1.0, 3.0), (1.7, 2.5)])
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -43,3 +43,23 @@ def test_process_advantages_hand_example():
     got = grpo_ext.process_advantages(rewards, ends, 2, 5, eps=0.0 + 1e-12)
     expected = torch.tensor([[-1.0, -1.0, -1.0, -1.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
     assert_close(got, expected, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_step_rewards_near_the_largest_finite_values(device, dtype):
+    """Issue 40: finite step rewards of +-3e38 overflowed the group's sum and squares (NaN advantages in float32);
+    the statistics are taken in units of a power of two. Tiny rewards among them, and an ordinary group beside;
+    float64 at 2^869 times the same values."""
+    nan = float("nan")
+    rewards = torch.tensor([[3e38, -3e38, nan], [3e38, -3e38, 1e-30], [-3.4e38, 1e38, 2e38], [3.4e38, nan, nan],
+                            [0.5, 1.0, nan], [0.0, 2.0, 1.0], [1.0, nan, nan], [0.25, 0.75, 0.5]],
+                           dtype=torch.float32).double()  # fmt: skip
+    ends = torch.tensor([[1, 3, -1], [0, 2, 4], [1, 2, 5], [3, -1, -1], [2, 4, -1], [0, 1, 2], [5, -1, -1], [1, 3, 4]])
+    if dtype == torch.float64:
+        rewards = rewards * 2.0**869
+    expected = reference.process_advantages(rewards, ends, 4, 6)
+    got = grpo_ext.process_advantages(rewards.to(device, dtype), ends.to(device), 4, 6)
+    assert torch.isfinite(got).all()
+    tol = 2e-5 if dtype == torch.float32 else 1e-12
+    assert_close(got, expected, rtol=tol, atol=tol)

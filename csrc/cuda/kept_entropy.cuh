@@ -11,7 +11,7 @@
 
 namespace grpo_ext {
 
-// mean = sum H / max(sum m, 1) and, when bonus_scale != 0, loss -= bonus_scale * (the bonus' mean) (entropy_means).
+// mean = sum m H / max(sum m, 1) and, when bonus_scale != 0, loss -= bonus_scale * (the bonus' mean) (entropy_means).
 // One block: a warp per row of the [B, T] masks, its lanes over the tokens, the four sums in float64 over the fixed
 // trees of block_sum, so every call gives the same bits. Its reads are 2 * B * T small values against the pass's
 // B * T * V: one block keeps up (the row weights of the pass are summed the same way).

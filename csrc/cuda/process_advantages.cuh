@@ -25,10 +25,17 @@ __global__ void __launch_bounds__(256)
   };
   for (int64_t g = blockIdx.x; g < num_groups; g += gridDim.x) {
     const int64_t base = g * group_size;
-    T s[2] = {T(0), T(0)}, r;
+    // The group's statistics in units of 2^e (advantages_math.h: e = 0 up to 2^40), so that they cannot overflow.
+    T max_abs = T(0), r;
+    for (int64_t c = threadIdx.x; c < cells; c += blockDim.x) {
+      if (valid(base + c / num_steps, c % num_steps, &r)) max_abs = max_scored_abs(max_abs, r);
+    }
+    const int exponent = scale_exponent(block_max(max_abs, scratch));
+    const T unit = times_pow2(T(1), -exponent);
+    T s[2] = {T(0), T(0)};
     for (int64_t c = threadIdx.x; c < cells; c += blockDim.x) {
       if (valid(base + c / num_steps, c % num_steps, &r)) {
-        s[0] += r;
+        s[0] += r * unit;
         s[1] += T(1);
       }
     }
@@ -36,15 +43,15 @@ __global__ void __launch_bounds__(256)
     const T mu = safe_mean(s[0], s[1]);
     T sq[1] = {T(0)};
     for (int64_t c = threadIdx.x; c < cells; c += blockDim.x) {
-      if (valid(base + c / num_steps, c % num_steps, &r)) sq[0] += (r - mu) * (r - mu);
+      if (valid(base + c / num_steps, c % num_steps, &r)) sq[0] += (r * unit - mu) * (r * unit - mu);
     }
     block_sum<T, 1>(sq, scratch);
-    const T denom = std_from_sum_sq(sq[0], s[1], std_ddof) + eps;
+    const T denom = std_from_sum_sq(sq[0], s[1], std_ddof) + times_pow2(eps, -exponent);
     for (int64_t c = threadIdx.x; c < group_size * seq_len; c += blockDim.x) {
       const int64_t row = base + c / seq_len, t = c % seq_len;
       T a = T(0);
       for (int64_t j = 0; j < num_steps; ++j) {
-        if (valid(row, j, &r) && step_end.load<int64_t>(row, j) >= t) a += (r - mu) / denom;
+        if (valid(row, j, &r) && step_end.load<int64_t>(row, j) >= t) a += scaled_ratio(r * unit - mu, denom);
       }
       out[row * seq_len + t] = a;
     }

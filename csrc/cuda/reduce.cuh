@@ -70,6 +70,24 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* scratch, int& to
   return v;
 }
 
+// Max of one value per thread over the block (blockDim.x a multiple of 32, at most 1024; no NaN); every thread
+// receives it. `scratch`: 32 elements of shared memory, free again when this returns.
+template <typename T>
+__device__ __forceinline__ T block_max(T v, T* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const T other = __shfl_xor_sync(kFullWarp, v, offset);
+    v = other > v ? other : v;
+  }
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < num_warps; ++w) v = scratch[w] > v ? scratch[w] : v;
+  __syncthreads();  // scratch is free for the caller again
+  return v;
+}
+
 inline int round_up_to_warp(int64_t n) {
   return static_cast<int>(((n + 31) / 32) * 32);
 }

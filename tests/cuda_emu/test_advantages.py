@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from test_group_advantages import MODES, ragged_groups, random_rewards
+from test_group_advantages import MODES, huge_rewards, ragged_groups, random_rewards
 from test_process_advantages import random_steps
 
 from .checks import VALUES, check_op
@@ -70,6 +70,32 @@ def test_group_advantages_group_ids(emu, mode):
                                                   group_ids=many, num_groups=1100))  # fmt: skip
 
 
+@pytest.mark.parametrize("mode", MODES, ids="-".join)
+def test_group_advantages_near_the_largest_finite_values(emu, mode):
+    """Issue 40: finite rewards whose sums, squares and differences overflow (+-3e38 in float32, 2^869 times that in
+    float64), tiny and ordinary ones among them; the weighted sum R overflowing (K = 2); groups of 40 (a team loops
+    over its members); group_ids with singletons; several tiles whose groups' units differ (batch statistics). A
+    std beyond float32's range is +inf there (check_op rounds the float64 oracle to the output's dtype)."""
+    singletons = "verl" if mode[2] == "sum_then_normalize" else "zero"
+    for dtype in (torch.float32, torch.float64):
+        rewards = huge_rewards(dtype)
+        weights = torch.tensor([1.0, 0.5], dtype=dtype)
+        check_op(emu, "group_advantages", *group_args(rewards[:, 0], 4, mode))
+        check_op(emu, "group_advantages", *group_args(rewards, 4, mode, weights=weights))
+        ids = torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 5])
+        ids = ids[torch.randperm(20, generator=torch.Generator().manual_seed(MODES.index(mode)))]
+        check_op(emu, "group_advantages", *group_args(rewards, 0, mode, weights=weights, group_ids=ids, num_groups=6,
+                                                      singleton_groups=singletons))  # fmt: skip
+        wide = random_rewards(80, 2, seed=2, ties=False) * (5e37 if dtype == torch.float32 else 2.0**1020)
+        check_op(emu, "group_advantages", *group_args(wide.to(dtype), 40, mode, weights=weights))
+    many = random_rewards(300 * 8, 1, seed=6)[:, 0].float()
+    many[5 * 8 : 6 * 8] *= 3e38  # huge groups in the first and a later tile, ordinary ones elsewhere
+    many[200 * 8 : 201 * 8] = torch.tensor([3e38, -3e38, 1e-30, 0.0, 1e38, -1e38, float("nan"), 2e38])
+    _, _, tiles, _ = launch_plan(emu, len(many), 300, 8, mode, False)
+    assert tiles > 1
+    check_op(emu, "group_advantages", *group_args(many, 8, mode))
+
+
 PROCESS_SHAPES = [(4, 5, 23, 1), (1, 3, 7, 1), (8, 1, 64, 0), (64, 5, 9, 1)]  # the last: more cells than threads
 
 
@@ -80,6 +106,16 @@ def test_process_advantages(emu, group_size, steps, seq_len, ddof, dtype):
     if dtype == torch.bfloat16:
         ends = ends.int()
     check_op(emu, "process_advantages", rewards.to(dtype), ends, group_size, seq_len, 1e-4, ddof, tol=VALUES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_process_advantages_near_the_largest_finite_values(emu, dtype):
+    """Issue 40: step rewards whose group sums and squares overflow (+-3e38 in float32, 2^869 times that in float64),
+    tiny and ordinary ones among them; 64 rows of 5 steps: more cells than a block has threads."""
+    rewards, ends = random_steps(64 * 6, 5, 9, seed=8)
+    rewards[:64] *= 5e37 if dtype == torch.float32 else 2.0**996  # up to 4 sigma: 2e38, 2^998
+    rewards[64:72, 0] = torch.tensor([3e38, -3e38, 1e-30, 2e38, -1e38, 0.0, 3.4e38, 1e-38])
+    check_op(emu, "process_advantages", rewards.to(dtype), ends, 64, 9, 1e-4, 1)
 
 
 def test_process_advantages_strided(emu):

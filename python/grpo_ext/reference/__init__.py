@@ -1,10 +1,10 @@
 """grpo_ext.reference: plain-PyTorch reference of docs/math.md, used as the test oracle and as a CPU/GPU fallback.
 
 Every function here is a direct, readable transcription of docs/math.md (sections 1 and 3-8).
-Kernels (CPU or CUDA) must match these values *and* their autograd gradients, so the code deliberately uses
-the exact torch primitives docs/math.md names (``torch.minimum``, ``torch.clamp``, ``torch.exp``,
-``torch.sigmoid``): their autograd conventions at ties and bounds are part of the contract
-(``torch.minimum`` splits the gradient half/half at a tie; ``torch.clamp`` passes the gradient at its bounds).
+Kernels (CPU or CUDA) must match these values *and* their autograd gradients. The gradients at ties and bounds are
+part of the contract (docs/math.md section 8, "Bounds and ties"), so the reference states them itself rather than
+inheriting a torch version's conventions: its ``clamp`` passes the gradient at the bounds, its ``minimum`` splits it
+half/half at a tie, its ``absolute`` has the gradient ``sign(x)`` (``grpo_ext/reference/_common.py``).
 
 Arithmetic runs in the input's dtype promoted to at least float32
 (``torch.promote_types(x.dtype, torch.float32)``): float64 in gives float64 out, bf16/fp16/fp32 in gives float32.

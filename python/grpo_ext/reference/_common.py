@@ -1,6 +1,9 @@
-"""Helpers of the reference ops: the compute dtype, the logits options and NaN-aware group statistics."""
+"""Helpers of the reference ops: the compute dtype, the logits options, NaN-aware group statistics, and the clamp,
+minimum and absolute value whose gradients at bounds and ties are docs/math.md's (section 8, "Bounds and ties")."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -21,6 +24,53 @@ def transform_logits(logits: Tensor, logit: LogitOptions) -> Tensor:
     return y / logit.temperature
 
 
+def clamp(x: Tensor, lo: float | None = None, hi: float | None = None) -> Tensor:
+    """``x`` clamped to ``[lo, hi]``, whose gradient passes at the bounds (docs/math.md section 8, "Bounds and ties").
+
+    Written with ``torch.where`` on explicit comparisons rather than ``torch.clamp``, whose gradient at a bound is a
+    convention of the torch version (0 under torch 2.14.1): ``d/dx = 1`` where ``lo <= x <= hi``, 0 strictly
+    outside. A NaN ``x`` stays NaN and passes its gradient. The bounds are compared in ``x``'s dtype.
+
+    Args:
+        x: floating tensor of any shape.
+        lo: the lower bound, or None (none).
+        hi: the upper bound, or None (none); ``lo <= hi``.
+
+    Returns:
+        The clamped tensor, ``x``'s shape and dtype.
+    """
+    if lo is not None:
+        x = torch.where(x < lo, lo, x)
+    if hi is not None:
+        x = torch.where(x > hi, hi, x)
+    return x
+
+
+def minimum(a: Tensor, b: Tensor) -> Tensor:
+    """Elementwise ``min(a, b)``, whose gradient is split half/half at a tie (docs/math.md section 8).
+
+    ``d/da = 1, d/db = 0`` where ``a < b``; ``0, 1`` where ``a > b``; ``1/2, 1/2`` where ``a == b`` (the common case in
+    the clip family: a ratio inside the clip range makes both terms equal). A NaN in either gives NaN, and its
+    gradient reaches both. Explicit for the same reason as :func:`clamp`.
+
+    Args:
+        a: floating tensor.
+        b: floating tensor broadcastable with ``a``.
+
+    Returns:
+        The broadcast minimum.
+    """
+    tie = a + (b - a) * 0.5  # == a == b at a tie (no overflow), with the gradient (da + db) / 2
+    return torch.where(a < b, a, torch.where(a > b, b, tie))
+
+
+def absolute(x: Tensor) -> Tensor:
+    """``|x|`` with the gradient ``sign(x)``: 0 at ``x = 0`` (docs/math.md section 4, ``"abs"``); a NaN ``x`` gives NaN
+    and a NaN gradient (``torch.sign`` alone would give 0)."""
+    sign = torch.where(torch.isnan(x), x, torch.sign(x)).detach()
+    return x * sign
+
+
 def nan_mean_std(x: Tensor, std_ddof: int) -> tuple[Tensor, Tensor, Tensor]:
     """NaN-aware mean and std over the last dimension; NaN entries are "not scored".
 
@@ -36,11 +86,17 @@ def nan_mean_std(x: Tensor, std_ddof: int) -> tuple[Tensor, Tensor, Tensor]:
     scored = ~torch.isnan(x)
     count = scored.sum(dim=-1)
     values = torch.where(scored, x, torch.zeros_like(x))
+    # In units of a power of two near each set's largest magnitude (exact), so that neither the sum nor the squares
+    # overflow, even at the dtype's largest finite values; the exponent is capped where 2^-e would be subnormal.
+    cap = math.frexp(torch.finfo(x.dtype).max)[1] - 2  # 126 for float32, 1022 for float64
+    exponent = torch.frexp(values.abs().amax(dim=-1, keepdim=True))[1].clamp(-cap, cap) if x.numel() else 0
+    unit = torch.pow(2.0, -torch.as_tensor(exponent, dtype=x.dtype, device=x.device))
+    values = values * unit
     mean = values.sum(dim=-1) / count.clamp(min=1).to(x.dtype)
     squared_dev = torch.where(scored, (values - mean.unsqueeze(-1)) ** 2, torch.zeros_like(x))
     variance = squared_dev.sum(dim=-1) / (count - std_ddof).clamp(min=1).to(x.dtype)
     std = torch.where(count >= std_ddof + 1, variance.sqrt(), torch.zeros_like(variance))
-    return mean, std, count
+    return mean / unit.squeeze(-1), std / unit.squeeze(-1), count
 
 
 def per_row(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -1,4 +1,5 @@
-"""Reference of grpo_loss (docs/math.md sections 3-7) in plain PyTorch, with the exact primitives the contract names."""
+"""Reference of grpo_loss (docs/math.md sections 3-7) in plain PyTorch, its clamps, minimum and |r| explicit about
+their gradients at bounds and ties (docs/math.md section 8, "Bounds and ties")."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ..ops.options import (
 )
 from ..results import GRPOLossOutput
 from ..validation import validate_grpo_loss_args
-from ._common import compute_dtype, per_row
+from ._common import absolute, clamp, compute_dtype, minimum, per_row
 
 
 def vespo_phi(o: LossOptions, log_w: Tensor, adv: Tensor) -> Tensor:
@@ -130,12 +131,12 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         token_bad = token_bad | (keep & torch.isnan(phi))
         per_token = -phi * adv * l
     elif o.loss_type in CLIP_FAMILY_LOSS_TYPES:
-        rho_c = torch.clamp(rho, max=o.delta) if o.delta is not None else rho
-        clipped = torch.clamp(rho, 1 - o.epsilon, 1 + o.epsilon_high)
-        per_token = -torch.minimum(rho_c * adv, clipped * adv)
+        rho_c = clamp(rho, hi=o.delta)  # min(rho, delta) with a constant delta: a clamp, passing at rho = delta
+        clipped = clamp(rho, 1 - o.epsilon, 1 + o.epsilon_high)
+        per_token = -minimum(rho_c * adv, clipped * adv)
     elif o.loss_type == "cispo":
         cap = o.epsilon_high
-        per_token = -torch.clamp(rho, max=cap).detach() * adv * l
+        per_token = -clamp(rho, hi=cap).detach() * adv * l
     else:  # "sapo"
         tau = torch.where(
             adv > 0,
@@ -160,15 +161,15 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         r_raw = l_ref - l
         r = r_raw
         if o.kl_clamp is not None:
-            r = torch.clamp(r, -o.kl_clamp, o.kl_clamp)
+            r = clamp(r, -o.kl_clamp, o.kl_clamp)
         if o.kl_estimator in ("k3", "k3+", "low_var_kl"):
             kl = torch.exp(r) - r - 1
-            if o.kl_estimator != "k3":  # verl clamps the k3 estimate to [-10, 10]
-                kl = torch.clamp(kl, -LOW_VAR_KL_CAP, LOW_VAR_KL_CAP)
+            if o.kl_estimator != "k3":  # verl clamps the k3 estimate to [-10, 10]; at exactly 10 the gradient passes
+                kl = clamp(kl, -LOW_VAR_KL_CAP, LOW_VAR_KL_CAP)
         elif o.kl_estimator in ("k1", "k1+"):
             kl = -r
         elif o.kl_estimator == "abs":
-            kl = r.abs()
+            kl = absolute(r)  # gradient sign(r), 0 at r = 0
         else:  # "k2"
             kl = r**2 / 2
         if o.kl_estimator.endswith("+"):  # straight-through (verl): this value, the gradient of k2 on the raw r

@@ -64,20 +64,23 @@ def rollout_metrics(
 ) -> dict[str, float]:
     """The logged metrics of one global generation batch of ``N`` rows.
 
+    The reward means and stds are taken in float64: finite float32 rewards up to 3.4e38 never log inf (issue 40).
+
     Args:
-        total: ``[N]`` float32 weighted reward sums.
+        total: ``[N]`` weighted reward sums (float64: a sum of float32 rewards may exceed float32's range).
         rewards: ``[N, K]`` float32 rewards of the K functions (NaN: not scored).
         reward_names: the K functions' names.
         lengths: ``[N]`` float32 completion lengths (tokens in the mask).
         truncated: ``[N]`` bool, no EOS within ``max_completion_length``.
         prompt_lengths: ``[N]`` float32 prompt lengths (tokens in the mask).
-        adv: the batch's advantages (group stds, zero-std groups).
+        adv: the batch's advantages (group stds, zero-std groups); float64 statistics where a float32 group std
+            was beyond float32's range (:meth:`RolloutGenerator.generate_batch`).
         sampling_rounds: dynamic sampling's rounds (None: not logged).
     """
     terminated = lengths[~truncated]
     metrics = {
-        "reward": total.mean().item(),
-        "reward_std": adv.group_std.mean().item(),
+        "reward": total.double().mean().item(),
+        "reward_std": adv.group_std.double().mean().item(),
         "frac_reward_zero_std": adv.zero_std.float().mean().item(),
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
@@ -90,7 +93,7 @@ def rollout_metrics(
         metrics["sampling_rounds"] = float(sampling_rounds)
     for k, name in enumerate(reward_names):
         column = rewards[:, k]
-        valid = column[~column.isnan()]
+        valid = column[~column.isnan()].double()
         metrics[f"rewards/{name}/mean"] = valid.mean().item() if valid.numel() else math.nan
         metrics[f"rewards/{name}/std"] = valid.std().item() if valid.numel() > 1 else 0.0
     return metrics

@@ -267,11 +267,13 @@ class RolloutGenerator:
             mb["old_logps"] = self.logps(self.model, mb) if self.needs_old_logps else None
             mb["ref_logps"] = self.logps(self.ref_model, mb) if self.ref_model is not None else None
 
-        weights = torch.tensor(cfg.reward_weights or [1.0] * num_rewards, device=self.device)
-        total = (all_rewards * weights).nansum(dim=1)
+        weights = torch.tensor(cfg.reward_weights or [1.0] * num_rewards, dtype=torch.float64, device=self.device)
+        total = (all_rewards.double() * weights).nansum(dim=1)  # float64: no overflow for finite float32 rewards
+        # A group std beyond float32's range (rewards near +-3.4e38) is inf in float32: log the float64 one.
+        stats = adv if bool(torch.isfinite(adv.group_std).all()) else group_advantages(all_rewards.double(), cfg)
         metrics = rollout_metrics(
             total, all_rewards, reward_names, lengths=all_stats[:, num_rewards],
-            truncated=all_stats[:, num_rewards + 1].bool(), prompt_lengths=all_stats[:, num_rewards + 2], adv=adv,
+            truncated=all_stats[:, num_rewards + 1].bool(), prompt_lengths=all_stats[:, num_rewards + 2], adv=stats,
             sampling_rounds=rounds if cfg.dynamic_sampling else None,
         )  # fmt: skip
         local_total = total[mine].tolist()
