@@ -10,12 +10,21 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
   pass, ``GRPO_EXT_LOGITS_SINGLE_READ=1``; the two-read pass with blocks of 512 threads; the single-read pass with
   two blocks per SM), ``grpo_ext+entropy`` (``entropy_coef=0.01``), ``liger``
   (``triton_grpo_loss``, CUDA only), ``compile`` (``torch.compile`` of the float reference, with ``--compile``).
-* ``selective N=.. V=.. dtype``: ``grpo_ext fwd`` (log-probs and entropy, no autograd) against ``read`` (half a
-  copy: one read of the logits), ``grpo_ext bwd`` (the gradient for a random upstream one) against ``copy``.
+* ``selective N=.. V=.. dtype`` (the logits case's inputs): the ``fwd`` rows (no autograd) against ``read`` (half a
+  copy: one read of the logits), the ``bwd`` rows (the log-probs' gradient for a random upstream one) against
+  ``copy``. ``grpo_ext fwd`` (``selective_log_softmax``: log-probs and entropy) beside ``trl-triton fwd`` (TRL
+  1.16's Triton log-prob + entropy kernel, ``trl.kernels.selective_log_softmax_and_entropy``); ``grpo_ext loss
+  fwd`` (the fused pass's forward, ``grpo_loss_from_logits`` under ``no_grad``: loss, metrics and the per-token
+  log-probs and entropies, masked rows never read) beside ``trl-triton+loss fwd`` (TRL's kernel with the mask as
+  its ``row_mask``, then the loss ``GRPOTrainer`` computes from those log-probs and its entropy metric:
+  :func:`trl_loss`); ``grpo_ext bwd`` beside ``trl-triton bwd``. The TRL rows need CUDA and TRL (n/a otherwise).
 * ``hidden N=.. V=.. H=.. dtype`` (``grpo_loss_from_hidden``): ``gemm`` (the three GEMMs the path cannot avoid:
   ``hidden @ W.T``, ``g @ W``, ``g.T @ hidden``), ``grpo_ext`` (default chunk, the random prefix masks),
-  ``grpo_ext/all-kept`` (every token kept: the GEMMs' own work), ``grpo_ext/all-kept chunk=N`` (one chunk) and
-  ``grpo_ext/half-masked`` (the second half of every row masked: its GEMMs should take about half the time).
+  ``trl-chunked`` (TRL 1.16's ``add_fused_lm_head`` path, as ``GRPOTrainer`` sets it up: its chunked log-probs
+  and entropies, then :func:`trl_loss`; on the CPU, where it has no Triton, TRL projects every position, masked or
+  not: compare it with ``grpo_ext/all-kept`` there), ``grpo_ext/all-kept`` (every token kept: the GEMMs' own work),
+  ``grpo_ext/all-kept chunk=N`` (one chunk) and ``grpo_ext/half-masked`` (the second half of every row masked: its
+  GEMMs should take about half the time).
 
 ``x floor`` is a row's time over its yardstick (copy, read or gemm). Before timing, every peer of a case but
 compile (it would compile again) is run on the case's first sequences (``--check-rows`` tokens) and compared with
@@ -27,11 +36,13 @@ Usage::
 
     python benchmarks/bench_floor.py                        # issue 32's shapes (CUDA), the selective and hidden cases
     python benchmarks/bench_floor.py --quick --device cpu   # smoke run (CI)
+    python benchmarks/bench_floor.py --device cpu           # the CPU's sizes (``CPU``): a few minutes on 2 cores
     python benchmarks/bench_floor.py --logits 8192x151936:bfloat16 --selective none --hidden none
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +59,7 @@ from bench_grpo_loss_from_logits import liger_step
 from grpo_ext import reference
 from harness import checks, cli, environment, peers, reporting, timing
 from logits_inputs import TEMPERATURE, first_rows, policy_logps
+from trl_style import trl_style_loss
 
 BETA = 0.04
 ENTROPY_COEF = 0.01
@@ -58,6 +70,9 @@ LOGITS_CASES = (
 SELECTIVE_CASES = "8192x151936:bfloat16"
 HIDDEN_CASES = "8192x151936x4096:bfloat16"
 QUICK = {"logits": "64x96:float32,64x96:bfloat16", "selective": "64x96:bfloat16", "hidden": "64x96x32:float32"}
+# The CPU's defaults: sizes where the CPU kernels, TRL's chunked path and the GEMMs do real work (a few minutes on 2
+# cores, the float64 checks included).
+CPU = {"logits": "512x32000:float32", "selective": "512x32000:float32", "hidden": "512x32000x512:float32"}
 
 Step = Callable[[], Any]
 
@@ -137,19 +152,27 @@ def logits_steps(inputs: dict[str, Any], device: torch.device, compile_: bool) -
     return steps, notes
 
 
-def logits_truth(small: dict[str, Any], entropy: bool) -> tuple[Tensor, Tensor]:
+def kwargs64(small: dict[str, Any]) -> dict[str, Any]:
+    """The loss options of :func:`fused_loss.loss_kwargs`, their tensors in float64 (the reference's inputs)."""
+    return {k: v.double() if isinstance(v, Tensor) else v for k, v in fused_loss.loss_kwargs(small, BETA).items()}
+
+
+def logits_truth(small: dict[str, Any], entropy: bool) -> dict[str, Tensor]:
     """Loss and gradient of the float64 reference on ``small``."""
     leaf = small["logits"].detach().double().requires_grad_(True)
-    kwargs = {k: v.double() if isinstance(v, Tensor) else v for k, v in fused_loss.loss_kwargs(small, BETA).items()}
     extra = {"entropy_coef": ENTROPY_COEF} if entropy else {}
-    loss = reference.grpo_loss_from_logits(leaf, small["ids"], small["advantages"].double(), small["mask"], **kwargs,
-                                           **extra).loss  # fmt: skip
-    return loss, torch.autograd.grad(loss, leaf)[0]
+    loss = reference.grpo_loss_from_logits(leaf, small["ids"], small["advantages"].double(), small["mask"],
+                                           **kwargs64(small), **extra).loss  # fmt: skip
+    return {"loss": loss, "grad": torch.autograd.grad(loss, leaf)[0]}
 
 
 def check(case: str, steps: dict[str, Step | None], notes: dict[str, str], small_steps: dict[str, Step | None],
-          truths: Callable[[str], tuple[Tensor, ...]], dtype: torch.dtype, rows: int) -> None:  # fmt: skip
-    """Runs each peer on the small inputs against the float64 truth; a peer that disagrees becomes n/a."""
+          truths: Callable[[str], dict[str, Tensor]], dtype: torch.dtype, rows: int) -> None:  # fmt: skip
+    """Runs each peer on the small inputs against the float64 truth; a peer that disagrees becomes n/a.
+
+    A step returns its outputs in the order of ``truths(name)`` (label -> float64 tensor); a ``"loss"`` is compared
+    with an absolute tolerance relative to 1, the others relative to their largest magnitude.
+    """
     errors = []
     for name, step in small_steps.items():
         if step is None or steps.get(name) is None:
@@ -157,9 +180,10 @@ def check(case: str, steps: dict[str, Step | None], notes: dict[str, str], small
 
         def compare(name=name, step=step) -> float:
             got, want = step(), truths(name)
-            err = checks.assert_matches(f"{case} {name} loss", got[0], want[0], dtype, 1.0)
-            for g, t in zip(got[1:], want[1:], strict=True):
-                err = max(err, checks.assert_matches(f"{case} {name} grad", g, t, dtype))
+            err = 0.0
+            for value, (label, expected) in zip(got, want.items(), strict=True):
+                scale = 1.0 if label == "loss" else None
+                err = max(err, checks.assert_matches(f"{case} {name} {label}", value, expected, dtype, scale))
             return err
 
         try:
@@ -219,51 +243,181 @@ def logits_case(rows_n: int, vocab: int, dtype: torch.dtype, device: torch.devic
     return time_rows(case, steps, notes, {name: "copy" for name in steps}, device, args.target_s)
 
 
+TRL_INSTALL = "pip install trl==1.16.0"
+
+
+def trl_triton_kernel(device: torch.device) -> tuple[Callable[..., tuple[Tensor, Tensor]] | None, str | None]:
+    """TRL 1.16's Triton log-prob + entropy kernel (``trl.kernels.selective_log_softmax_and_entropy``), or
+    ``(None, why)``: it needs a CUDA device (TRL's own entry point falls back to eager PyTorch elsewhere)."""
+    if device.type != "cuda":
+        return None, "TRL's Triton log-prob + entropy kernel needs a CUDA device"
+    try:
+        from trl.kernels import selective_log_softmax_and_entropy
+    except Exception as exc:  # TRL missing, or its kernels without Triton
+        return None, f"trl's Triton kernel unavailable ({peers.short_reason(exc)}); {TRL_INSTALL}"
+    return selective_log_softmax_and_entropy, None
+
+
+def trl_loss(logps: Tensor, entropy: Tensor, inputs: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """The loss TRL 1.16's ``GRPOTrainer`` computes from its per-token log-probs at this benchmark's settings (dapo,
+    beta 0.04 against the ref log-probs: ``trl_style.trl_style_loss``, its metrics included), and its entropy
+    metric (the kept tokens' mean, not differentiated): ``(loss, mean_entropy)``, both 0-dim float32."""
+    mask = inputs["mask"]
+    loss, _ = trl_style_loss(logps, inputs["old_logps"], inputs["ref_logps"], inputs["advantages"], mask,
+                             loss_type=fused_loss.LOSS_TYPE, beta=BETA)  # fmt: skip
+    return loss, (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+
+
+def selective_steps(inputs: dict[str, Any], upstream: Tensor,
+                    device: torch.device) -> tuple[dict[str, Step | None], dict[str, str]]:  # fmt: skip
+    """The selective case's peers on ``inputs``, in the order of their rows.
+
+    ``fwd`` rows (no autograd) return the per-token log-probs and entropies (a loss first for the loss passes);
+    ``bwd`` rows return the gradient w.r.t. the logits of ``logps * upstream`` (only the log-probs' backward).
+    """
+    leaf = inputs["logits"].detach().requires_grad_(True)
+    ids, mask, kwargs = inputs["ids"], inputs["mask"], fused_loss.loss_kwargs(inputs, BETA)
+
+    def forward():
+        with torch.no_grad():
+            return tuple(grpo_ext.selective_log_softmax(leaf, ids, temperature=TEMPERATURE, return_entropy=True))
+
+    def loss_forward():
+        with torch.no_grad():
+            out = grpo_ext.grpo_loss_from_logits(leaf, ids, inputs["advantages"], mask, return_token_logps=True,
+                                                 **kwargs)  # fmt: skip
+        return out.loss, out.token_logps, out.token_entropy
+
+    saved = grpo_ext.selective_log_softmax(leaf, ids, temperature=TEMPERATURE).logps
+
+    def backward():
+        return (torch.autograd.grad(saved, leaf, upstream, retain_graph=True)[0],)
+
+    trl_names = ("trl-triton fwd", "trl-triton+loss fwd", "trl-triton bwd")
+    steps: dict[str, Step | None] = dict.fromkeys(trl_names)
+    notes: dict[str, str] = {}
+    kernel, reason = trl_triton_kernel(device)
+    try:
+        trl_saved = kernel(leaf, ids, temperature=TEMPERATURE)[0] if kernel is not None else None
+    except Exception as exc:  # e.g. a Triton compile error on this machine
+        kernel, reason = None, f"failed: {peers.short_reason(exc)}"
+    if kernel is None:
+        notes.update(dict.fromkeys(trl_names, reason))
+    else:
+
+        def trl_forward():
+            with torch.no_grad():
+                return kernel(leaf, ids, temperature=TEMPERATURE)
+
+        def trl_loss_forward():  # the kernel skips the masked rows, as the fused pass does
+            with torch.no_grad():
+                logps, entropy = kernel(leaf, ids, temperature=TEMPERATURE, row_mask=mask)
+                return trl_loss(logps, entropy, inputs)[0], logps, entropy
+
+        def trl_backward():
+            return (torch.autograd.grad(trl_saved, leaf, upstream, retain_graph=True)[0],)
+
+        steps.update(zip(trl_names, (trl_forward, trl_loss_forward, trl_backward), strict=True))
+    ordered = {"grpo_ext fwd": forward, "trl-triton fwd": steps["trl-triton fwd"], "grpo_ext loss fwd": loss_forward,
+               "trl-triton+loss fwd": steps["trl-triton+loss fwd"], "grpo_ext bwd": backward,
+               "trl-triton bwd": steps["trl-triton bwd"]}  # fmt: skip
+    return ordered, notes
+
+
+def selective_truths(small: dict[str, Any], upstream: Tensor) -> dict[str, dict[str, Tensor]]:
+    """Each selective peer's float64 truth on ``small`` (``upstream``: the backward's, for these rows)."""
+    x64 = small["logits"].detach().double().requires_grad_(True)
+    truth = reference.selective_log_softmax(x64, small["ids"], temperature=TEMPERATURE, return_entropy=True)
+    grad = {"grad": torch.autograd.grad(truth.logps, x64, upstream.double())[0]}
+    with torch.no_grad():
+        loss = reference.grpo_loss_from_logits(x64, small["ids"], small["advantages"].double(), small["mask"],
+                                               **kwargs64(small)).loss  # fmt: skip
+    logps, entropy, kept = truth.logps.detach(), truth.entropy.detach(), small["mask"]
+    plain = {"logps": logps, "entropy": entropy}
+    masked = {"loss": loss, "logps": logps * kept, "entropy": entropy * kept}  # 0 at the tokens never read
+    return {"grpo_ext fwd": plain, "trl-triton fwd": plain, "grpo_ext loss fwd": masked, "trl-triton+loss fwd": masked,
+            "grpo_ext bwd": grad, "trl-triton bwd": grad}  # fmt: skip
+
+
 def selective_case(rows_n: int, vocab: int, dtype: torch.dtype, device: torch.device, args) -> list[dict[str, Any]]:
     case = f"selective N={rows_n} V={vocab} {cli.dtype_name(dtype)}"
     inputs = draw_inputs(rows_n, vocab, None, dtype, device, args.seed)
-    leaf = inputs["logits"].detach().requires_grad_(True)
     upstream = torch.randn(inputs["ids"].shape, device=device)
-
-    def forward(x=leaf, ids=inputs["ids"]):
-        with torch.no_grad():
-            return grpo_ext.selective_log_softmax(x, ids, temperature=TEMPERATURE, return_entropy=True)
-
-    saved = grpo_ext.selective_log_softmax(leaf, inputs["ids"], temperature=TEMPERATURE)
-
-    def backward():
-        return torch.autograd.grad(saved.logps, leaf, upstream, retain_graph=True)[0]
-
+    steps, notes = selective_steps(inputs, upstream, device)
     small = first_rows(inputs, args.check_rows)
-    x64 = small["logits"].detach().double().requires_grad_(True)
-    truth = reference.selective_log_softmax(x64, small["ids"], temperature=TEMPERATURE, return_entropy=True)
-    truth_grad = torch.autograd.grad(truth.logps, x64, upstream[: small["batch"]].double())[0]
-    keep = small["batch"]
-
-    def compare() -> float:
-        x = small["logits"].detach().requires_grad_(True)
-        got = grpo_ext.selective_log_softmax(x, small["ids"], temperature=TEMPERATURE, return_entropy=True)
-        grad = torch.autograd.grad(got.logps, x, upstream[:keep])[0]
-        err = checks.assert_matches(f"{case} logps", got.logps, truth.logps, dtype)
-        err = max(err, checks.assert_matches(f"{case} entropy", got.entropy, truth.entropy, dtype))
-        return max(err, checks.assert_matches(f"{case} grad", grad, truth_grad, dtype))
-
-    steps: dict[str, Step | None] = {"grpo_ext fwd": forward, "grpo_ext bwd": backward}
-    notes: dict[str, str] = {}
-    err = checks.check_peer("grpo_ext fwd", steps, notes, compare, case)
-    if err is None:
-        steps["grpo_ext bwd"], notes["grpo_ext bwd"] = None, notes["grpo_ext fwd"]
-    print(f"check {case} on {keep * small['length']} rows: grpo_ext " + (f"{err:.1e}" if err is not None else "n/a"))
+    small_upstream = upstream[: small["batch"]]
+    small_steps, _ = selective_steps(small, small_upstream, device)
+    truths = selective_truths(small, small_upstream)
+    check(case, steps, notes, small_steps, truths.__getitem__, dtype, small["batch"] * small["length"])
     logits, out = inputs["logits"], torch.empty_like(inputs["logits"])
-    copy = {"copy": lambda: out.copy_(logits)}
-    rows = time_rows(case, copy | steps, notes, {"copy": "copy", "grpo_ext bwd": "copy"}, device, args.target_s)
+    steps = {"copy": lambda: out.copy_(logits)} | steps
+    floors = {name: "copy" for name in steps if name == "copy" or name.endswith(" bwd")}
+    rows = time_rows(case, steps, notes, floors, device, args.target_s)
     copy_ms = rows[0]["median_ms"]
     read = {"case": case, "impl": "read", "median_ms": copy_ms / 2 if copy_ms else None, "x_floor": None,
             "peak_mib": None, "note": "half a copy"}  # fmt: skip
     for row in rows:
-        if row["impl"] == "grpo_ext fwd" and row["median_ms"] and read["median_ms"]:
+        if row["impl"].endswith(" fwd") and row["median_ms"] and read["median_ms"]:
             row["x_floor"] = row["median_ms"] / read["median_ms"]
     return [rows[0], read, *rows[1:]]
+
+
+@functools.cache
+def trl_head_class() -> type:
+    """A ``transformers`` causal LM whose backbone hands back the hidden states it is given, and whose LM head is
+    ``weight``: what TRL's ``add_fused_lm_head`` patches, so that its path runs from given hidden states."""
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class Backbone(torch.nn.Module):
+        def forward(self, hidden_states: Tensor, **_: Any) -> BaseModelOutput:
+            return BaseModelOutput(last_hidden_state=hidden_states)
+
+    class HiddenStatesLM(PreTrainedModel):
+        config_class = PretrainedConfig
+        base_model_prefix = "backbone"  # add_fused_lm_head runs `model.base_model`, this module
+
+        def __init__(self, weight: Tensor):
+            super().__init__(PretrainedConfig())
+            self.backbone = Backbone()
+            self.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            self.lm_head.weight = torch.nn.Parameter(weight)  # shares weight's storage
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.lm_head
+
+        def forward(self, hidden_states: Tensor, **_: Any) -> Any:  # replaced by add_fused_lm_head's forward
+            raise NotImplementedError("call with fused_lm_head=True")
+
+    return HiddenStatesLM
+
+
+def trl_fused_head_step(hidden: Tensor, weight: Tensor, inputs: dict[str, Any]) -> tuple[Step | None, str | None]:
+    """TRL 1.16's ``add_fused_lm_head`` path from ``hidden`` (a leaf), or ``(None, why)``.
+
+    The model is patched as ``GRPOTrainer`` patches it (``outputs=("log_probs", "entropy")``, the temperature) and
+    called with ``fused_lm_head=True`` and the completion ids as pre-shifted labels (``shift_labels``; -100 where
+    masked: the hidden states are already aligned with the ids). TRL's forward projects the kept positions only on
+    a Triton device, every position elsewhere, in tiles of 4096 tokens x 32768 vocabulary entries
+    (``trl.kernels.ChunkedLogProbFunction``); then :func:`trl_loss`. The step returns the loss, its gradients w.r.t.
+    hidden and weight, and the per-token entropies.
+    """
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+
+        model = trl_head_class()(weight.detach())
+        add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+    except Exception as exc:  # TRL or transformers missing, or an add_fused_lm_head of another shape
+        return None, f"trl's add_fused_lm_head unavailable ({peers.short_reason(exc)}); {TRL_INSTALL}"
+    leaves = (hidden, model.lm_head.weight)
+    labels = inputs["ids"].masked_fill(inputs["mask"] == 0, -100)
+
+    def step():
+        out = model(hidden_states=hidden, shift_labels=labels, fused_lm_head=True)
+        loss, _ = trl_loss(out.log_probs, out.entropy, inputs)
+        return (loss, *torch.autograd.grad(loss, leaves), out.entropy.detach())
+
+    return step, None
 
 
 def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: torch.device,
@@ -291,21 +445,31 @@ def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: 
     def gemm():
         return flat_h @ inputs["weight"].t(), g @ inputs["weight"], g.t() @ flat_h
 
+    notes: dict[str, str] = {}
+    trl_step, reason = trl_fused_head_step(hidden, inputs["weight"], inputs)
+    if reason:
+        notes["trl-chunked"] = reason
     steps: dict[str, Step | None] = {
-        "gemm": gemm, "grpo_ext": fused(), "grpo_ext/all-kept": fused(mask=kept),
+        "gemm": gemm, "grpo_ext": fused(), "trl-chunked": trl_step, "grpo_ext/all-kept": fused(mask=kept),
         f"grpo_ext/all-kept chunk={rows_n}": fused(mask=kept, chunk_size=rows_n),
         "grpo_ext/half-masked": fused(mask=half),
     }  # fmt: skip
     small = first_rows(inputs, args.check_rows)
     sh = small["hidden"].detach().requires_grad_(True)
     h64, w64 = sh.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
-    kwargs64 = {k: v.double() if isinstance(v, Tensor) else v for k, v in fused_loss.loss_kwargs(small, BETA).items()}
     truth = reference.grpo_loss_from_hidden(h64, w64, small["ids"], small["advantages"].double(), small["mask"],
-                                            **kwargs64).loss  # fmt: skip
-    truth_all = (truth, *torch.autograd.grad(truth, (h64, w64)))
+                                            **kwargs64(small)).loss  # fmt: skip
+    grad_hidden, grad_weight = torch.autograd.grad(truth, (h64, w64))
+    truth_all = {"loss": truth, "grad hidden": grad_hidden, "grad weight": grad_weight}
     small_steps = {"grpo_ext": fused(sh, weight, small)}
-    notes: dict[str, str] = {}
-    check(case, steps, notes, small_steps, lambda name: truth_all, dtype, small["batch"] * small["length"])
+    truths = {"grpo_ext": truth_all}
+    if trl_step is not None:
+        small_steps["trl-chunked"], _ = trl_fused_head_step(sh, inputs["weight"], small)
+        with torch.no_grad():
+            entropy = reference.selective_log_softmax(h64 @ w64.t(), small["ids"], temperature=TEMPERATURE,
+                                                      return_entropy=True).entropy  # fmt: skip
+        truths["trl-chunked"] = truth_all | {"entropy": entropy * small["mask"]}  # 0 where masked, as TRL's
+    check(case, steps, notes, small_steps, truths.__getitem__, dtype, small["batch"] * small["length"])
     for name in ("grpo_ext/all-kept", f"grpo_ext/all-kept chunk={rows_n}", "grpo_ext/half-masked"):
         if steps["grpo_ext"] is None:
             steps[name], notes[name] = None, notes["grpo_ext"]
@@ -334,7 +498,7 @@ def main() -> None:
         args.target_s = 0.05 if args.quick else 0.2
     for key, default in (("logits", LOGITS_CASES), ("selective", SELECTIVE_CASES), ("hidden", HIDDEN_CASES)):
         if getattr(args, key) is None:
-            setattr(args, key, QUICK[key] if args.quick or device.type != "cuda" else default)
+            setattr(args, key, QUICK[key] if args.quick else (default if device.type == "cuda" else CPU[key]))
     env = environment.environment(device)
     print(f"device: {env['device_name']} | torch {env['torch_version']} | grpo_ext {grpo_ext.__version__}")
     rows: list[dict[str, Any]] = []

@@ -47,8 +47,8 @@ from torch import Tensor
 
 import grpo_ext
 from grpo_ext import reference
-from grpo_ext.ops.options import LogitOptions, LossOptions
 from grpo_ext.validation import validate_grpo_loss_args
+from grpo_ext.validation.options import LogitOptions, LossOptions
 from harness import checks, cli, environment, reporting, timing
 from trl_style import EPSILON, MASK_DTYPE, trl_style_loss, trl_style_selective_log_softmax
 

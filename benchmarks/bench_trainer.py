@@ -32,6 +32,13 @@ Usage::
     python benchmarks/bench_trainer.py --vocabs 151936 --lengths 1024 --contenders grpo_ext/fused,trl
     python benchmarks/bench_trainer.py --contenders trl,trl+grpo_ext/fused --options top_entropy_quantile=0.2
 
+``--gradient-checkpointing on|off|both`` (default off, as the rows of RESULTS.md were measured): ``on`` turns on
+transformers' activation checkpointing (``use_reentrant=False``) for every contender, ``GRPOConfig``'s
+``gradient_checkpointing`` for grpo_ext's trainer and what ``transformers.Trainer.train()`` does with TRL's for
+the others (this script calls TRL's loss itself, so TRL's own default of on never applies here); such a row's impl
+ends in ``+ckpt``. ``both`` gives each contender both rows, so the peak's fall reads off one table (the gradient-norm
+check compares them too: checkpointing changes no result).
+
 ``--options KEY=VALUE,...`` sets loss options of every contender's config (TRL's names: ``entropy_coef``,
 ``top_entropy_quantile``, ``off_policy_mask_threshold``, ...); a grpo_ext trainer contender whose GRPOConfig lacks
 one is reported n/a. The fixed batch has no old log-probs, so ``off_policy_mask_threshold`` keeps every row (the
@@ -126,13 +133,18 @@ def reward(prompts, completions, **columns) -> list[float]:
 
 def grpo_ext_runner(case: dict[str, Any], backend: str, model, tokenizer, device: torch.device, out_dir: str):
     """(step on the fixed batch, generation + step) of grpo_ext's own trainer."""
+    import dataclasses
+
     from grpo_ext.trainer import GRPOConfig, GRPOTrainer
 
+    options = dict(case["options"])
+    if "gradient_checkpointing" in {field.name for field in dataclasses.fields(GRPOConfig)}:
+        options["gradient_checkpointing"] = case["checkpointing"]  # (select_contenders: n/a when on and absent)
     config = GRPOConfig(
         output_dir=out_dir, logps_backend=backend, per_device_train_batch_size=case["batch"],
         num_generations=NUM_GENERATIONS, max_completion_length=case["length"], max_prompt_length=None,
         gradient_accumulation_steps=1, beta=0.0, loss_type="dapo", learning_rate=1e-5, report_to="none",
-        bf16=False, save_steps=0, plot=False, log_completions=False, **case["options"],
+        bf16=False, save_steps=0, plot=False, log_completions=False, **options,
     )  # fmt: skip
     dataset = [{"prompt": p} for p in prompts_of(case)]
     trainer = GRPOTrainer(model, reward, dataset, config=config, tokenizer=tokenizer)
@@ -160,7 +172,8 @@ def trl_runner(case: dict[str, Any], backend: str | None, model, tokenizer, devi
         output_dir=out_dir, report_to="none", use_cpu=device.type == "cpu", bf16=False, seed=case["seed"],
         per_device_train_batch_size=case["batch"], num_generations=NUM_GENERATIONS,
         max_completion_length=case["length"], gradient_accumulation_steps=1, steps_per_generation=1, beta=0.0,
-        loss_type="dapo", learning_rate=1e-5, save_strategy="no", disable_tqdm=True, **case["options"],
+        loss_type="dapo", learning_rate=1e-5, save_strategy="no", disable_tqdm=True,
+        gradient_checkpointing=case["checkpointing"], **case["options"],
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": prompts_of(case)})
     kwargs = dict(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
@@ -170,6 +183,8 @@ def trl_runner(case: dict[str, Any], backend: str | None, model, tokenizer, devi
         from grpo_ext.integrations.trl import GRPOExtTrainer
 
         trainer = GRPOExtTrainer(logps_backend=backend, **kwargs)
+    if case["checkpointing"]:  # what transformers' Trainer.train() does with TRL's gradient_checkpointing
+        enable_checkpointing(trainer.model)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by transformers' loop, read by TRL's loss
     trainer.create_optimizer()
@@ -193,6 +208,16 @@ def trl_runner(case: dict[str, Any], backend: str | None, model, tokenizer, devi
         return train_on(inputs)
 
     return (lambda: train_on(fixed)), generate_and_step
+
+
+def enable_checkpointing(model) -> None:
+    """transformers' activation checkpointing of ``model``'s layers with ``use_reentrant=False``, as
+    ``transformers.Trainer.train()`` enables it (``gradient_checkpointing_enable`` before transformers 5)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _rss_bytes(field: str) -> int:
@@ -285,15 +310,18 @@ def parse_options(text: str | None) -> dict[str, Any]:
     return options
 
 
-def select_contenders(requested: list[str], options: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+def select_contenders(
+    requested: list[str], options: dict[str, Any], checkpointing: bool = False
+) -> tuple[list[str], dict[str, str]]:
     """The contenders to run, and those that cannot run in this checkout with the reason (GRPOConfig's backends and
-    fields)."""
+    fields; ``checkpointing`` needs its ``gradient_checkpointing``)."""
     import dataclasses
 
     from grpo_ext.trainer import GRPOConfig
 
     found, others = accepted_backends()
-    lacking = sorted(set(options) - {field.name for field in dataclasses.fields(GRPOConfig)})
+    needed = set(options) | ({"gradient_checkpointing"} if checkpointing else set())
+    lacking = sorted(needed - {field.name for field in dataclasses.fields(GRPOConfig)})
     run: list[str] = []
     missing: dict[str, str] = {}
     for name in requested:
@@ -366,6 +394,9 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per contender and case")
     parser.add_argument("--options", default=None,
                         help="KEY=VALUE,... loss options of every contender's config (e.g. entropy_coef=0.01)")
+    parser.add_argument("--gradient-checkpointing", choices=("off", "on", "both"), default="off",
+                        help="transformers' activation checkpointing for every contender (rows +ckpt); both: each "
+                             "contender with and without (default off)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON of one case: run it in this process
     args = parser.parse_args()
     if args.child is not None:
@@ -386,7 +417,14 @@ def main() -> None:
     )  # fmt: skip
     if shape["batch"] % NUM_GENERATIONS:
         raise SystemExit(f"--batch must be a multiple of num_generations={NUM_GENERATIONS}")
-    contenders, missing = select_contenders(cli.parse_list(args.contenders), shape["options"])
+    settings_on = {"off": [False], "on": [True], "both": [False, True]}[args.gradient_checkpointing]
+    requested = cli.parse_list(args.contenders)
+    contenders, missing = [], {}
+    for checkpointing in settings_on:
+        run, lacking = select_contenders(requested, shape["options"], checkpointing)
+        suffix = "+ckpt" if checkpointing else ""
+        contenders += [(name + suffix, name, checkpointing) for name in run]
+        missing.update({name + suffix: why for name, why in lacking.items()})
     for name, reason in missing.items():
         print(f"note: {name} not run: {reason}")
 
@@ -397,15 +435,16 @@ def main() -> None:
             if shape["options"]:
                 case_name += " " + " ".join(f"{key}={value}" for key, value in shape["options"].items())
             logits_gib = shape["batch"] * (shape["prompt_length"] + length) * vocab * 4 / 2**30
-            for contender in contenders:
+            for label, contender, checkpointing in contenders:
                 full_logits = contender in ("grpo_ext/plain", "grpo_ext/torch", "grpo_ext/grpo_ext")
-                row: dict[str, Any] = dict(case=case_name, impl=contender, vocab=vocab, length=length)
+                row: dict[str, Any] = dict(case=case_name, impl=label, vocab=vocab, length=length)
                 if full_logits and args.max_logits_gib is not None and logits_gib > args.max_logits_gib:
                     row["note"] = f"skipped: its logits take {logits_gib:.1f} GiB, over --max-logits-gib"
                 else:
                     started = time.perf_counter()
-                    row.update(run_case(dict(shape, vocab=vocab, length=length, contender=contender), args.timeout_s))
-                    print(f"{case_name} {contender}: {time.perf_counter() - started:.0f} s", flush=True)
+                    child = dict(shape, vocab=vocab, length=length, contender=contender, checkpointing=checkpointing)
+                    row.update(run_case(child, args.timeout_s))
+                    print(f"{case_name} {label}: {time.perf_counter() - started:.0f} s", flush=True)
                 rows.append(row)
             rows += [dict(case=case_name, impl=name, vocab=vocab, length=length, note=why)
                      for name, why in missing.items()]  # fmt: skip

@@ -53,11 +53,13 @@ What cannot be made identical, and how it differs:
   script records them and checks it; 500 steps make an epoch). TRL shuffles the 32 rows of a generation batch before
   the loss (a one-micro-batch step sums the same terms);
 * TRL generates with the model in training mode and grpo_ext in eval mode (SmolLM2 has no dropout: no difference);
-* TRL's defaults that differ from grpo_ext's and are set here to grpo_ext's behaviour: ``gradient_checkpointing`` (TRL:
-  on; here off, as ``activation_checkpointing=False``, transformers 5's name), ``bf16`` (TRL: on; here off), ``optim``
-  (transformers' default ``adamw_torch_fused``; here ``adamw_torch``, the same ``torch.optim.AdamW`` grpo_ext builds),
-  ``logging_steps`` (TRL: 10; here 1); ``max_prompt_length``: TRL 1.16 has none (prompts are never cut), grpo_ext's is
-  set to None to match (the prompts are 46 tokens);
+* ``gradient_checkpointing``, on by default in both trainers, is off in all three runs (TRL's as
+  ``activation_checkpointing=False``, transformers 5's name), as in ``examples/smollm2_sums.yaml``: 62-token
+  sequences of a 135M model hold few activations, so recomputing them would only cost time;
+* TRL's defaults that differ from grpo_ext's and are set here to grpo_ext's behaviour: ``bf16`` (TRL: on; here off),
+  ``optim`` (transformers' default ``adamw_torch_fused``; here ``adamw_torch``, the same ``torch.optim.AdamW`` grpo_ext
+  builds), ``logging_steps`` (TRL: 10; here 1); ``max_prompt_length``: TRL 1.16 has none (prompts are never cut),
+  grpo_ext's is set to None to match (the prompts are 46 tokens);
 * TRL takes the dataset as a ``datasets.Dataset`` (the same rows), grpo_ext as a list of dicts.
 
 Usage::
@@ -303,8 +305,8 @@ def trl_config(out_dir: str, steps: int, seed: int) -> Any:
         # AdamW as grpo_ext builds it (torch.optim.AdamW; transformers' default would be the fused variant).
         optim="adamw_torch", learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
-        # float32 on the CPU; no activation (gradient) checkpointing: TRL's default gradient_checkpointing=True is on,
-        # grpo_ext has none (transformers 5 names it activation_checkpointing, the old name a deprecated alias).
+        # float32 on the CPU; no activation (gradient) checkpointing, as grpo_ext's run: TRL's default
+        # gradient_checkpointing=True is on (transformers 5 names it activation_checkpointing, the old name an alias).
         use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False, cast_lm_head_to_fp32=False,
         disable_dropout=False, torch_compile=False,
         # Every step logged, nothing saved or reported, no built-in evaluation (the callback does it).
@@ -327,7 +329,8 @@ def grpo_ext_config(out_dir: str, steps: int, eval_steps: int, seed: int) -> Any
         scale_rewards="group", reward_weights=None, logps_backend="fused",
         learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, warmup_ratio=0.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, bf16=False,
-        logging_steps=1, save_steps=0, report_to="none", log_completions=False, disable_tqdm=True, plot=False,
+        gradient_checkpointing=False, logging_steps=1, save_steps=0, report_to="none", log_completions=False,
+        disable_tqdm=True, plot=False,
         eval_steps=eval_steps, per_device_eval_batch_size=EVAL_BATCH,
     )  # fmt: skip
 

@@ -24,6 +24,12 @@ SCRIPTS = [
     "bench_overhead.py",  # the Python layer's per-call cost (issue 31), beside eager in one run
     "bench_floor.py",  # the GPU session's short table: each streaming op against its floor (issue 32)
 ]
+# Besides grpo_ext, what a CPU quick run must time (each peer agreed with float64 first: a disagreeing one is n/a),
+# and the peers it cannot run on a CPU, as n/a rows that say why (the venv has TRL: its chunked path runs on a CPU).
+CPU_TIMED = {"bench_floor.py": {"trl-chunked"}}
+CPU_NOT_AVAILABLE = {
+    "bench_floor.py": dict.fromkeys(("trl-triton fwd", "trl-triton+loss fwd", "trl-triton bwd"), "needs a CUDA device")
+}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -36,6 +42,10 @@ def test_quick_run_checks_and_writes_rows(script, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     timed = [row for row in rows if row["impl"] == "grpo_ext"]
     assert timed and all(row["median_ms"] > 0 for row in timed)
+    assert CPU_TIMED.get(script, set()) <= {row["impl"] for row in rows if row.get("median_ms")}
+    notes = {row["impl"]: row.get("note") or "" for row in rows if not row.get("median_ms")}
+    for impl, reason in CPU_NOT_AVAILABLE.get(script, {}).items():
+        assert reason in notes.get(impl, "no n/a row"), (impl, notes)
 
 
 def test_trainer_benchmark_quick_run(tmp_path):

@@ -23,7 +23,7 @@ from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset
 from grpo_ext.trainer.metrics import TIMING_METRICS
 from grpo_ext.trainer.sampling import RowSeededSampler
 from grpo_ext.trainer.trainer import GRPOTrainer
-from trainer_utils import gloo_rank
+from trainer_utils import AttentionCalls, gloo_rank
 
 WORLD = 2
 GLOBAL_BATCH = 16
@@ -54,6 +54,8 @@ EVAL_CASES = ("grpo", "grpo_fsdp")
 EVAL_ROWS = 7
 # Cases whose 2-rank run also resumes from its checkpoint-1 on 2 ranks (must end bit-identical).
 RESUMED = ("dapo_kl", "grpo_fsdp")
+# Gradient checkpointing on and off, one step each in float64, under each layout (fused path, beta > 0).
+CHECKPOINTING_LAYOUTS = {"ddp": dict(fsdp=False), "fsdp": dict(fsdp=True)}
 
 
 def case_config(output_dir: Path, case: str, world_size: int, **extra) -> GRPOConfig:
@@ -92,6 +94,24 @@ def full_params(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def float64_step(output_dir: Path, gradient_checkpointing: bool, **options) -> dict:
+    """One optimizer step of the demo model in float64 (case "dapo_kl"), with or without gradient checkpointing: the
+    parameters before and after, the gradient norm, and each layer's attention calls in the step (2: recomputed)."""
+    config = case_config(output_dir, "dapo_kl", WORLD, gradient_checkpointing=gradient_checkpointing, warmup_steps=0,
+                         save_steps=0, **options)  # fmt: skip
+    tokenizer = build_tokenizer()
+    train_rows, _ = reversal_dataset(seed=0)
+    trainer = GRPOTrainer(build_model(tokenizer, seed=0).double(), [reversal_reward], train_rows, config,
+                          tokenizer=tokenizer)  # fmt: skip
+    initial = full_params(trainer)
+    trainer._generate_and_score()
+    calls = AttentionCalls(trainer.model)
+    metrics = trainer._training_step()
+    calls.remove()
+    return {"initial": initial, "params": full_params(trainer), "grad_norm": metrics["grad_norm"],
+            "calls": calls.counts, "fused": trainer.policy_fused}  # fmt: skip
+
+
 def _worker(rank: int, store: str, out_dir: str) -> None:
     """One rank of the 2-process run: every case, then the resumed runs; results saved per rank."""
     with gloo_rank(rank, store, WORLD):
@@ -106,6 +126,10 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
                 resumed = make_trainer(case_config(run_dir, case, WORLD, save_steps=0))
                 resumed.train(resume_from_checkpoint=str(run_dir / "checkpoint-1"))
                 results[case]["resumed_params"] = full_params(resumed)
+        results["checkpointing"] = {
+            layout: {on: float64_step(Path(out_dir) / f"ckpt_{layout}_{on}", on, **options) for on in (False, True)}
+            for layout, options in CHECKPOINTING_LAYOUTS.items()
+        }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -177,6 +201,25 @@ def test_fsdp_fused_matches_one_rank_plain(two_rank_runs, tmp_path, case):
     assert not plain.policy_fused
     plain.train()
     assert_same_params(ranks[0][case]["params"], full_params(plain))
+
+
+@pytest.mark.parametrize("layout", CHECKPOINTING_LAYOUTS)
+def test_gradient_checkpointing_gives_the_same_step_under_ddp_and_fsdp(two_rank_runs, layout):
+    """2 ranks (float64, fused path, beta > 0): one optimizer step with gradient checkpointing (enabled before DDP or
+    FSDP2 wraps the model) updates the parameters as the step without it, to 1e-12, on both ranks; each layer's
+    attention runs twice in the step (the recompute inside FSDP2's gathered block), once without."""
+    _, ranks = two_rank_runs
+    for rank in ranks:
+        runs = rank["checkpointing"][layout]
+        assert runs[True]["fused"] and runs[False]["fused"]
+        assert runs[True]["calls"] == [2, 2] and runs[False]["calls"] == [1, 1]
+        assert runs[True]["grad_norm"] == pytest.approx(runs[False]["grad_norm"], rel=1e-12)
+        off, on = runs[False]["params"], runs[True]["params"]
+        assert max((off[name] - value).abs().max().item() for name, value in runs[False]["initial"].items()) > 1e-4
+        for name, value in on.items():
+            torch.testing.assert_close(value, off[name], rtol=0, atol=1e-12, msg=name)
+    replicas = [rank["checkpointing"][layout][True]["params"] for rank in ranks]
+    assert_same_params(replicas[1], replicas[0], exact=True)  # one replica (FSDP2: one sharded model)
 
 
 @pytest.mark.parametrize("case", RESUMED)

@@ -11,7 +11,7 @@ import grpo_ext
 from conftest import DEVICES, assert_close, cast_kwargs
 from grpo_ext import reference
 from grpo_ext.nn import FusedLinearGRPOLoss
-from grpo_ext.ops.options import LOSS_TYPES, LossOptions
+from grpo_ext.validation.options import LOSS_TYPES, LossOptions
 from test_grpo_loss_from_logits import make_problem
 
 COEF = 0.37

@@ -8,7 +8,7 @@ import torch
 import grpo_ext
 from conftest import HAS_CUDA, make_loss_batch
 from grpo_ext import reference
-from grpo_ext.ops.options import LossOptions
+from grpo_ext.validation.options import LossOptions
 
 IMPLEMENTATIONS = [grpo_ext, reference]
 
@@ -188,7 +188,7 @@ def test_advantage_tensor_errors(impl):
 def test_native_ops_refuse_a_nan_mask(op, which):
     """The raw CPU ops refuse a NaN mask value as the Python functions do (issue 40: grpo_loss_from_logits returned
     NaN), with the same message."""
-    from grpo_ext.ops.options import LogitOptions
+    from grpo_ext.validation.options import LogitOptions
 
     mask, sample_mask = torch.ones(2, 3), torch.ones(2)
     (mask[1, 2] if which == "completion_mask" else sample_mask[1]).fill_(float("nan"))

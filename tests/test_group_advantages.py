@@ -10,7 +10,7 @@ import torch
 import grpo_ext
 from conftest import DEVICES, assert_close
 from grpo_ext import reference
-from grpo_ext.ops.options import BASELINES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from grpo_ext.validation.options import BASELINES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 
 MODES = list(itertools.product(SCALE_REWARDS, BASELINES, MULTI_OBJECTIVE_AGGREGATIONS))
 

@@ -13,8 +13,8 @@ import torch
 import grpo_ext
 from conftest import DEVICES, assert_close, cast_kwargs, make_loss_batch
 from grpo_ext import reference
-from grpo_ext.ops.options import CLIP_FAMILY_LOSS_TYPES, LOSS_TYPES
-from grpo_ext.ops.options import IMPORTANCE_SAMPLING_LEVELS as LEVELS
+from grpo_ext.validation.options import CLIP_FAMILY_LOSS_TYPES, LOSS_TYPES
+from grpo_ext.validation.options import IMPORTANCE_SAMPLING_LEVELS as LEVELS
 
 # (beta, kl_estimator, kl_clamp, use_bias_correction_kl)
 KL_CONFIGS = {

@@ -9,8 +9,8 @@ import grpo_ext
 from conftest import DEVICES, assert_close, cast_kwargs
 from grpo_ext import reference
 from grpo_ext.ops.grpo_loss_from_hidden import hidden_loss
-from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 from grpo_ext.validation import validate_grpo_loss_args
+from grpo_ext.validation.options import LOSS_TYPES, LossOptions
 
 
 def make_problem(batch: int = 4, length: int = 5, size: int = 16, vocab: int = 37, *, seed: int = 0):

@@ -15,7 +15,7 @@ import grpo_ext
 from conftest import assert_close
 from grpo_ext import reference
 from grpo_ext.ops.grpo_loss_from_hidden import default_chunk_size, hidden_loss
-from grpo_ext.ops.options import LOSS_TYPES
+from grpo_ext.validation.options import LOSS_TYPES
 from test_grpo_loss_from_hidden import make_problem, run
 
 

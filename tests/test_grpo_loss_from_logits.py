@@ -8,7 +8,7 @@ import torch
 import grpo_ext
 from conftest import DEVICES, HAS_CUDA, assert_close, cast_kwargs
 from grpo_ext import reference
-from grpo_ext.ops.options import LOSS_TYPES, LossOptions
+from grpo_ext.validation.options import LOSS_TYPES, LossOptions
 
 
 def make_problem(batch: int = 4, length: int = 6, vocab: int = 50, *, seed: int = 0, per_token_adv: bool = False):
@@ -307,8 +307,8 @@ def test_errors():
 def test_native_op_needs_one_logits_row_per_token():
     # The op itself (below the Python checks): fewer logits rows than B*T tokens is an error naming both counts, not a
     # loss over rows that were never written.
-    from grpo_ext.ops.options import LogitOptions
-    from grpo_ext.validation_loss import validate_grpo_loss_args
+    from grpo_ext.validation.loss import validate_grpo_loss_args
+    from grpo_ext.validation.options import LogitOptions
 
     mask, adv = torch.ones(2, 3), torch.ones(2)
     option_args = validate_grpo_loss_args(torch.zeros(2, 3), adv, mask, LossOptions()).op_args()

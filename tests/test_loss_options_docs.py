@@ -1,6 +1,6 @@
 """Every public loss function's docstring lists each loss option it takes, with its meaning from LossOptions.
 
-The lists are generated from ``LossOptions`` (``ops/options.py``), so an option added there cannot be missing from a
+The lists are generated from ``LossOptions`` (``validation/options.py``), so an option added there cannot be missing from a
 docstring (issue 23, point 7: ``grpo_loss``' hand-written list had lost vespo's four options and ``skip_empty_rows``).
 """
 
@@ -14,7 +14,7 @@ import pytest
 import grpo_ext
 from grpo_ext import reference
 from grpo_ext.nn import FusedLinearGRPOLoss
-from grpo_ext.ops.options import LossOptions
+from grpo_ext.validation.options import LossOptions
 
 LOSS_FUNCTIONS = [
     grpo_ext.grpo_loss,

@@ -12,7 +12,7 @@ import torch
 import grpo_ext
 from conftest import DEVICES, HAS_CUDA, assert_close, make_loss_batch
 from grpo_ext.ops import OP_NAMES
-from grpo_ext.ops.options import LossOptions
+from grpo_ext.validation.options import LossOptions
 
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
@@ -138,7 +138,7 @@ def test_loss_options_defined_once():
     function (kernels and reference) takes exactly them as keywords, with LossOptions' defaults."""
     import inspect
 
-    from grpo_ext.ops.options import NATIVE_OPTION_NAMES, LossOptions
+    from grpo_ext.validation.options import NATIVE_OPTION_NAMES, LossOptions
 
     schema_names = tuple(arg.split()[-1] for arg in grpo_ext._native.LOSS_OPTIONS_SCHEMA.strip(", ").split(", "))
     assert schema_names == NATIVE_OPTION_NAMES

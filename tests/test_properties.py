@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import grpo_ext
 from conftest import DEVICES, assert_close, make_loss_batch
 from grpo_ext import reference
-from grpo_ext.ops.options import LOSS_TYPES
+from grpo_ext.validation.options import LOSS_TYPES
 
 
 def _policy_equals_reference(device: str, seed: int = 0):

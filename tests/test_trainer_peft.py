@@ -13,7 +13,7 @@ import grpo_ext
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
 from grpo_ext.trainer.policy_logps import fused_refusal
 from grpo_ext.trainer.trainer import GRPOTrainer
-from trainer_utils import read_metrics, small_config, step_loss_and_grads, without_timing
+from trainer_utils import AttentionCalls, read_metrics, small_config, step_loss_and_grads, without_timing
 
 # `make test` installs peft in its venv and sets this: there a missing peft fails instead of skipping.
 if os.environ.get("GRPO_EXT_REQUIRE_TRL") == "1":
@@ -76,8 +76,9 @@ def test_lora_fused_training_equals_plain(tmp_path, monkeypatch, targets):
     grpo_loss_from_hidden and with no fallback warning; 3 steps (num_iterations=2, beta > 0) give the plain path's
     metrics and LoRA parameters, one micro-batch its loss and every LoRA gradient, to float32 rounding."""
     hidden_calls = []
-    original = grpo_ext.grpo_loss_from_hidden
-    monkeypatch.setattr(grpo_ext, "grpo_loss_from_hidden", lambda *a, **k: hidden_calls.append(1) or original(*a, **k))
+    original = grpo_ext.ops.grpo_loss_from_hidden  # the trainer calls the ops (below the package's facade)
+    spy = lambda *a, **k: hidden_calls.append(1) or original(*a, **k)  # noqa: E731
+    monkeypatch.setattr(grpo_ext.ops, "grpo_loss_from_hidden", spy)
     runs = {}
     for backend in ("fused", "plain"):
         model = lora_model(targets)
@@ -112,6 +113,35 @@ def test_lora_fused_training_equals_plain(tmp_path, monkeypatch, targets):
     for name, grad in results[True][1].items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(grad, results[False][1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("backend", "kwargs"),
+    [("fused", None), ("plain", None), ("fused", {"use_reentrant": True})],
+    ids=["fused", "plain", "fused_reentrant"],
+)
+def test_lora_gradient_checkpointing_recomputes_and_gives_the_same_step(tmp_path, backend, kwargs):
+    """LoRA (the projections and the LM head) under gradient checkpointing, float64: one optimizer step's update of
+    every adapter equals the step without it to 1e-12, and the layer's attention runs twice in the step (the
+    recompute). Reentrant checkpointing reaches the adapters only because the embeddings' output requires grad."""
+    runs = {}
+    for on in (False, True):
+        model = lora_model([*PROJECTIONS, "lm_head"]).double()
+        trainer = lora_trainer(tmp_path / str(on), model, backend, warmup_steps=0, gradient_checkpointing=on,
+                               gradient_checkpointing_kwargs=kwargs)  # fmt: skip
+        assert trainer.policy_fused == (backend == "fused")
+        before = trainable(model)
+        trainer._generate_and_score()
+        calls = AttentionCalls(model)
+        metrics = trainer._training_step()
+        calls.remove()
+        assert calls.counts == ([2] if on else [1])
+        runs[on] = metrics, {name: value - before[name] for name, value in trainable(model).items()}
+    assert runs[True][0]["grad_norm"] == pytest.approx(runs[False][0]["grad_norm"], rel=1e-12)
+    assert runs[True][1].keys() == runs[False][1].keys()
+    for name, update in runs[False][1].items():
+        assert update.abs().max() > 0, name  # every adapter moved
+        torch.testing.assert_close(runs[True][1][name], update, rtol=0, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_ext
-from grpo_ext.ops.options import LOSS_TYPES
 from grpo_ext.trainer.demo import build_tokenizer
+from grpo_ext.validation.options import LOSS_TYPES
 
 # importing trl_utils skips this module when trl is missing or unsupported (fails with GRPO_EXT_REQUIRE_TRL=1)
 from trl_utils import (

@@ -79,6 +79,42 @@ def write_cli_inputs(folder: Path, num_rows: int = 40, **options) -> Path:
     return folder / "run.yaml"
 
 
+class AttentionCalls:
+    """Counts the calls of each decoder layer's attention of ``model`` (every ``transformers`` decoder layer that can
+    be checkpointed), to see that gradient checkpointing recomputes: 2 per layer and micro-batch when it is on.
+
+    A forward pre-hook on ``self_attn``: a hook on the layer itself sits outside what transformers checkpoints (it fires
+    once), and torch's recompute stops as soon as the last saved tensor is back, before the layer's end.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        assert layers, "no decoder layer found"
+        self.counts = [0] * len(layers)
+        self.positions: list[int] = []  # positions the first layer's attention saw, call by call
+        self._handles = [
+            layer.self_attn.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, layer in enumerate(layers)
+        ]
+
+    def _hook(self, index: int):
+        def count(module, args, kwargs) -> None:
+            self.counts[index] += 1
+            if index == 0:
+                self.positions.append(kwargs["hidden_states"].shape[1])
+
+        return count
+
+    def reset(self) -> None:
+        self.counts = [0] * len(self.counts)
+        self.positions.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def step_loss_and_grads(trainer: GRPOTrainer, fused: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's loss and the parameters' gradients, through the fused or the plain path (policy = model)."""
     mb = dict(trainer._micro_batches[0])

@@ -7,7 +7,7 @@ maps each op to its files.
 
 import torch
 
-from . import _native, nn, ops, reference  # ops before reference: the reference imports ops.options
+from . import _native, nn, ops, reference
 from .ops import (
     group_advantages,
     grpo_loss,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-import grpo_ext
+from .. import ops
 
 __all__ = [
     "POLICY_LOSS_NAME",
@@ -141,7 +141,7 @@ def compute_policy_loss(
     for name in ("beta", "kl_estimator", "kl_clamp"):
         options.pop(name, None)
     is_weights = None if rollout_is_weights is None else rollout_is_weights.detach()
-    out = grpo_ext.grpo_loss(log_prob, advantages, response_mask, old_logps=old_log_prob.detach(),
+    out = ops.grpo_loss(log_prob, advantages, response_mask, old_logps=old_log_prob.detach(),
                              is_weights=is_weights, **options)  # fmt: skip
     with torch.no_grad():  # verl's two metrics grpo_ext does not compute, with verl's definitions
         dtype = torch.promote_types(log_prob.dtype, torch.float32)
@@ -177,7 +177,7 @@ def group_index(index: np.ndarray | list) -> tuple[Tensor, int]:
 def _grouped_advantages(token_level_rewards, response_mask, index, **options) -> tuple[Tensor, Tensor]:
     scores = token_level_rewards.sum(dim=-1)
     group_ids, num_groups = group_index(index)
-    advantages = grpo_ext.group_advantages(scores.float(), group_ids=group_ids.to(scores.device), num_groups=num_groups,
+    advantages = ops.group_advantages(scores.float(), group_ids=group_ids.to(scores.device), num_groups=num_groups,
                                            singleton_groups="verl", **options).advantages  # fmt: skip
     advantages = advantages.to(scores.dtype).unsqueeze(-1) * response_mask
     return advantages, advantages

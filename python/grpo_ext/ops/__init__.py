@@ -5,12 +5,12 @@ hand-written CPU or CUDA kernel) and returns the result types of :mod:`grpo_ext.
 :mod:`grpo_ext.reference` does. The math is docs/math.md; the layers are docs/architecture.md.
 """
 
-from . import options  # first: grpo_ext.validation and the op modules import it
+from ..validation.options import LossOptions
+from . import options  # the loss options' public path (defined in grpo_ext.validation.options)
 from .group_advantages import group_advantages
 from .grpo_loss import grpo_loss
 from .grpo_loss_from_hidden import grpo_loss_from_hidden
 from .grpo_loss_from_logits import grpo_loss_from_logits
-from .options import LossOptions
 from .process_advantages import process_advantages
 from .selective_log_softmax import selective_log_softmax
 

@@ -11,9 +11,10 @@ import torch
 from torch import Tensor
 
 from ..results import GRPOLossOutput
-from ..validation_loss import resolve_grpo_loss_args
+from ..validation.loss import resolve_grpo_loss_args
+from ..validation.options import takes_loss_options
 from ._common import accumulate_dtype, below_autograd, refuse_double_backward
-from .options import NUM_METRICS, metrics_dict, takes_loss_options
+from .metrics import NUM_METRICS, metrics_dict
 
 # The forward op's overload, resolved once (not through the packet on every call).
 _FORWARD = torch.ops.grpo_ext.grpo_loss_forward.default

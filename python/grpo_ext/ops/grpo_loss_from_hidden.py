@@ -14,6 +14,7 @@ from torch import Tensor
 from .. import _native
 from ..results import GRPOLossOutput, GRPOLossTokenOutput
 from ..validation import check_bool, check_finite, check_int, validate_logit_options
+from ..validation.options import LogitOptions, LossOptions, takes_loss_options
 from ._common import accumulate_dtype, refuse_double_backward
 from .grpo_loss_from_logits import (
     check_entropy_weights,
@@ -28,7 +29,7 @@ from .grpo_loss_from_logits import (
 )
 from .kept_rows import Segment, chunk_segments, plan_rows, put_rows, take_rows, zero_outside
 from .lm_head import accumulate_product, chunk_rows, hidden_chunk_budget, product, project
-from .options import NUM_METRICS, LogitOptions, LossOptions, metrics_dict, takes_loss_options
+from .metrics import NUM_METRICS, metrics_dict
 from .selective_log_softmax import selective_log_softmax
 
 #: A reference model's LM head: (``[N, H']`` hidden states, ``[V, H']`` weight, ``[V]`` bias or None).

@@ -15,10 +15,11 @@ import torch
 from torch import Tensor
 
 from ..results import GRPOLossOutput, GRPOLossTokenOutput
-from ..validation_loss import resolve_fused_loss_args
-from ..validation_values import check_bool, check_finite, validate_logit_options
+from ..validation.loss import resolve_fused_loss_args
+from ..validation.options import LogitOptions, LossOptions, takes_loss_options
+from ..validation.values import check_bool, check_finite, validate_logit_options
 from ._common import accumulate_dtype, below_autograd, refuse_double_backward
-from .options import NUM_METRICS, LogitOptions, LossOptions, metrics_dict, takes_loss_options
+from .metrics import NUM_METRICS, metrics_dict
 
 
 def resolve_loss_options(
@@ -27,7 +28,7 @@ def resolve_loss_options(
     """The loss options of a fused call, checked by grpo_loss' own validation and resolved.
 
     The log-probs are computed by the call itself: grpo_loss' checks see them as a ``[B, T]`` stand-in, so that they
-    name every other argument (:func:`~grpo_ext.validation_loss.resolve_fused_loss_args`).
+    name every other argument (:func:`~grpo_ext.validation.loss.resolve_fused_loss_args`).
     """
     return resolve_fused_loss_args(function, batch, length, like, advantages, completion_mask, kwargs)[0]
 

@@ -13,7 +13,8 @@ One module per op, named after it; the argument checks they share with the kerne
 :mod:`grpo_ext.validation`, so every implementation raises the same ``ValueError`` messages.
 """
 
-from ..ops.options import (
+from ..results import GroupAdvantages, GRPOLossOutput, SelectiveLogSoftmax
+from ..validation.options import (
     BASELINES,
     CISPO_DEFAULT_CAP,
     CLIP_FAMILY_LOSS_TYPES,
@@ -24,7 +25,6 @@ from ..ops.options import (
     SCALE_REWARDS,
     ZERO_STD_TOL,
 )
-from ..results import GroupAdvantages, GRPOLossOutput, SelectiveLogSoftmax
 from .group_advantages import group_advantages
 from .grpo_loss import grpo_loss
 from .grpo_loss_from_hidden import grpo_loss_from_hidden

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..ops.options import LogitOptions
+from ..validation.options import LogitOptions
 
 
 def compute_dtype(t: Tensor) -> torch.dtype:

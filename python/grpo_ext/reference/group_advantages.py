@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..ops.options import ZERO_STD_TOL
 from ..results import GroupAdvantages
 from ..validation import reward_weights_tensor, validate_group_advantages_args
+from ..validation.options import ZERO_STD_TOL
 from ._common import compute_dtype, nan_mean_std
 
 

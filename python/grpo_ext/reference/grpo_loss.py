@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.options import (
+from ..results import GRPOLossOutput
+from ..validation import validate_grpo_loss_args
+from ..validation.options import (
     CLIP_FAMILY_LOSS_TYPES,
     LOW_VAR_KL_CAP,
     VESPO_LOG_RATIO_BOUND,
@@ -15,8 +17,6 @@ from ..ops.options import (
     LossOptions,
     takes_loss_options,
 )
-from ..results import GRPOLossOutput
-from ..validation import validate_grpo_loss_args
 from ._common import absolute, clamp, compute_dtype, minimum, per_row
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.options import takes_loss_options
 from ..results import GRPOLossOutput
+from ..validation.options import takes_loss_options
 from .grpo_loss_from_logits import grpo_loss_from_logits, kept_tokens
 
 

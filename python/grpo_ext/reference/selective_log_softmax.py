@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops.options import LogitOptions
 from ..results import SelectiveLogSoftmax
 from ..validation import validate_selective_log_softmax_args
+from ..validation.options import LogitOptions
 from ._common import compute_dtype, transform_logits
 
 

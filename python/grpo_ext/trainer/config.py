@@ -8,8 +8,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..ops.options import SCALE_REWARDS, LossOptions  # the loss options' defaults, defined once
 from ..validation import check_finite, validate_loss_option_values  # and their ranges
+from ..validation.options import SCALE_REWARDS, LossOptions  # the loss options' defaults, defined once
 
 _LOSS_DEFAULTS = LossOptions._field_defaults
 
@@ -27,6 +27,7 @@ _TYPE_CHECKS: dict[str, tuple[Any, str]] = {
     "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
     "str": (lambda v: isinstance(v, str), "a string"),
     "list[float]": (lambda v: isinstance(v, list), "a list of numbers"),
+    "dict[str, Any]": (lambda v: isinstance(v, dict), "a mapping"),
     "None": (lambda v: v is None, "null (None)"),
 }
 
@@ -61,6 +62,19 @@ class GRPOConfig:
     (``num_generations`` per prompt), scored once and reused ``num_iterations`` times. Under torch.distributed these
     counts are per process: the global batch is ``world_size`` times larger, and results depend on the global batch
     only, not on how many processes share it.
+
+    Gradient checkpointing (``gradient_checkpointing``, on by default as in TRL): each decoder layer keeps only its
+    input in the forward and runs again in the backward (transformers' activation checkpointing,
+    :func:`~grpo_ext.trainer.trainer.enable_gradient_checkpointing`), so a training step holds one layer's
+    activations instead of all of them. It stays on because that is what a long-sequence run needs to fit (a 4-layer
+    Qwen2-style model of hidden 256 at 8 x 1056 tokens: peak RSS above the model 1136 -> 608 MiB,
+    ``benchmarks/bench_trainer.py``), at the price of one more forward of the body per micro-batch: measured on the
+    CPU (CPU time, one thread), +19-20% per training pass for a 4-layer LLaMA of hidden 256 at 8 x 288 tokens and
+    +19-26% for the demo's 133k-parameter model (+21-23% of its whole step, generation included). A small model or
+    short sequences, whose activations fit anyway, pay that for nothing: the demo and ``examples/smollm2_sums.yaml``
+    turn it off. Only the training forward recomputes: generation (KV cache) and the no-grad old-policy and reference
+    passes run as they are. The model must support it (transformers' ``supports_gradient_checkpointing``), or the
+    trainer refuses it naming this option.
     """
 
     output_dir: str = "grpo_output"
@@ -122,6 +136,13 @@ class GRPOConfig:
     # Distributed (under torchrun): DDP by default; True shards the policy and the reference model with FSDP2
     fsdp: bool = False
 
+    # Memory (TRL's names and default; the class docstring says why it is on): recompute each decoder layer in the
+    # backward instead of keeping its activations. Changes no result, so it may change on resume.
+    gradient_checkpointing: bool = True
+    # torch.utils.checkpoint.checkpoint's options: use_reentrant (default False, as transformers' default),
+    # determinism_check, debug (CHECKPOINT_KWARGS). Not preserve_rng_state: False would recompute other dropout masks.
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+
     # Optimization
     learning_rate: float = 1e-6
     adam_beta1: float = 0.9
@@ -178,6 +199,8 @@ class GRPOConfig:
                     _fail("reward_weights", "must hold finite numbers", self.reward_weights)
                 weights.append(float(w))
             self.reward_weights = weights
+        if self.gradient_checkpointing_kwargs is not None:
+            self.gradient_checkpointing_kwargs = dict(self.gradient_checkpointing_kwargs)  # the caller's stays theirs
         self._validate()
 
     @property
@@ -249,6 +272,23 @@ class GRPOConfig:
             )
         if not isinstance(self.output_dir, str) or not self.output_dir:
             _fail("output_dir", "must be a non-empty path", self.output_dir)
+        self._validate_checkpointing_kwargs()
+
+    def _validate_checkpointing_kwargs(self) -> None:
+        """``gradient_checkpointing_kwargs``: known keys of :data:`CHECKPOINT_KWARGS`, each of its type and values."""
+        options = self.gradient_checkpointing_kwargs
+        if options is None:
+            return
+        for key, value in options.items():
+            if key not in CHECKPOINT_KWARGS:
+                _fail("gradient_checkpointing_kwargs", f"takes only {', '.join(CHECKPOINT_KWARGS)} (keys of "
+                      f"torch.utils.checkpoint.checkpoint that change no result), not {key!r}", options)  # fmt: skip
+            kind, allowed = CHECKPOINT_KWARGS[key]
+            if not isinstance(value, kind) or (allowed and value not in allowed):
+                expected = " or ".join(repr(v) for v in allowed) if allowed else "true or false"
+                _fail("gradient_checkpointing_kwargs", f"[{key!r}] must be {expected}", options)
+        if options.get("use_reentrant") and options.get("debug"):
+            _fail("gradient_checkpointing_kwargs", "debug=True needs use_reentrant=False (torch's checkpoint)", options)
 
     def _validate_loss_options(self) -> None:
         """Checks the loss options this config carries with the loss's own checks, so that a bad value fails here,
@@ -273,6 +313,15 @@ class GRPOConfig:
         return cls(**options)
 
 
+#: The keys ``GRPOConfig.gradient_checkpointing_kwargs`` takes: ``(type, allowed values or None)``. Options of
+#: ``torch.utils.checkpoint.checkpoint`` that change no result: ``preserve_rng_state=False`` would recompute a dropout
+#: layer with another mask (a wrong gradient), and a ``context_fn`` is no run-file value.
+CHECKPOINT_KWARGS: dict[str, tuple[type, tuple[Any, ...] | None]] = {
+    "use_reentrant": (bool, None),
+    "determinism_check": (str, ("default", "none")),
+    "debug": (bool, None),
+}
+
 #: The fields that are loss options (``beta``, ``epsilon``, ``sapo_temperature_pos``, ...): the trainer passes them to
 #: the loss as they are, and the config checks them as the loss does.
 LOSS_OPTION_FIELDS: tuple[str, ...] = tuple(
@@ -280,15 +329,16 @@ LOSS_OPTION_FIELDS: tuple[str, ...] = tuple(
 )
 
 #: The fields a resumed run may change (README "Failure behaviour"): how long it runs, the optimizer's schedule and
-#: hyperparameters, precision, layout and logging; not what it samples, scores and optimizes. Every other field must
-#: equal the checkpoint's (:func:`check_resume_config`). ``per_device_train_batch_size`` may change with the number
-#: of processes as long as the global batch stays the same (checked when the checkpoint loads).
+#: hyperparameters, precision, layout, gradient checkpointing and logging; not what it samples, scores and optimizes.
+#: Every other field must equal the checkpoint's (:func:`check_resume_config`). ``per_device_train_batch_size`` may
+#: change with the number of processes as long as the global batch stays the same (checked when the checkpoint loads).
 RESUMABLE_FIELDS: frozenset[str] = frozenset({
     "output_dir", "overwrite_output_dir", "max_steps", "max_time_s", "learning_rate", "lr_scheduler_type",
     "warmup_steps", "warmup_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-    "per_device_train_batch_size", "fsdp", "bf16", "logps_backend", "logging_steps", "save_steps",
-    "save_total_limit", "report_to", "log_completions", "log_completions_steps", "num_completions_to_print",
-    "disable_tqdm", "plot", "max_consecutive_nonfinite_steps", "eval_steps", "per_device_eval_batch_size",
+    "per_device_train_batch_size", "fsdp", "bf16", "logps_backend", "gradient_checkpointing",
+    "gradient_checkpointing_kwargs", "logging_steps", "save_steps", "save_total_limit", "report_to", "log_completions",
+    "log_completions_steps", "num_completions_to_print", "disable_tqdm", "plot", "max_consecutive_nonfinite_steps",
+    "eval_steps", "per_device_eval_batch_size",
 })  # fmt: skip
 
 

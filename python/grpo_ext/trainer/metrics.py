@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-import grpo_ext
-
+from ..results import GroupAdvantages
 from . import distributed as dist_utils
 from .config import GRPOConfig
 
@@ -59,7 +58,7 @@ def rollout_metrics(
     lengths: Tensor,
     truncated: Tensor,
     prompt_lengths: Tensor,
-    adv: grpo_ext.GroupAdvantages,
+    adv: GroupAdvantages,
     sampling_rounds: int | None,
 ) -> dict[str, float]:
     """The logged metrics of one global generation batch of ``N`` rows.

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import grpo_ext
-
+from .. import ops
 from ..ops.lm_head import chunk_rows, project
 from ..results import GRPOLossOutput
 
@@ -281,7 +280,7 @@ def fused_token_logps(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
         with torch.autocast(flat_hidden.device.type, enabled=False):
             for start in range(0, rows, step):
                 logits = project(flat_hidden[start : start + step], weight, bias)
-                chunk = grpo_ext.selective_log_softmax(
+                chunk = ops.selective_log_softmax(
                     logits, flat_ids[start : start + step], temperature=temperature, logit_scale=scale,
                     logit_softcap=softcap, return_entropy=with_entropy,
                 )  # fmt: skip
@@ -313,7 +312,7 @@ def fused_policy_loss(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
         hidden, weight, bias = _completion_head(model, input_ids, attention_mask, position_ids,
                                                 batch["prompt_ids"].shape[1])  # fmt: skip
         with torch.autocast(hidden.device.type, enabled=False):
-            return grpo_ext.grpo_loss_from_hidden(
+            return ops.grpo_loss_from_hidden(
                 hidden, weight, batch["completion_ids"], batch["advantages"], batch["completion_mask"],
                 lm_head_bias=bias, temperature=temperature, logit_scale=scale, logit_softcap=softcap,
                 **loss_options,
@@ -335,11 +334,12 @@ def plain_token_logps(model: torch.nn.Module, batch: dict[str, Any], temperature
     """
     prompt_len = batch["prompt_ids"].shape[1]
     input_ids, attention_mask, position_ids = model_inputs(batch)
-    with autocast or nullcontext():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    with autocast or nullcontext():  # no KV cache: nothing reads it (and gradient checkpointing refuses one)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits  # fmt: skip
     logits = logits[:, prompt_len - 1 : -1]
     if backend == "plain":
-        selected = grpo_ext.selective_log_softmax(
+        selected = ops.selective_log_softmax(
             logits, batch["completion_ids"], temperature=temperature, return_entropy=with_entropy
         )
         if not with_entropy:

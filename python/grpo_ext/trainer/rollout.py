@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessorList
 
-import grpo_ext
-
+from .. import ops
+from ..results import GroupAdvantages
 from . import distributed as dist_utils
 from .batches import concat_rollouts, map_tensors, select_groups, select_rows
 from .config import GRPOConfig
@@ -26,9 +26,9 @@ from .sampling import NEUTRAL_GENERATION, NEUTRAL_SAMPLING, RowSeededSampler, bf
 ScoreFunc = Callable[[list[Prompt], list[Completion], dict[str, list]], Tensor]
 
 
-def group_advantages(rewards: Tensor, config: GRPOConfig) -> grpo_ext.GroupAdvantages:
+def group_advantages(rewards: Tensor, config: GRPOConfig) -> GroupAdvantages:
     """:func:`grpo_ext.group_advantages` of ``rewards [N, K]`` float32 with the config's group size and weights."""
-    return grpo_ext.group_advantages(
+    return ops.group_advantages(
         rewards, config.num_generations, reward_weights=config.reward_weights, scale_rewards=config.scale_rewards
     )
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ops.options import TOKEN_LEVEL_LOSS_TYPES
+from ..validation.options import TOKEN_LEVEL_LOSS_TYPES
 from . import distributed as dist_utils
 from .guards import is_finite_step
 from .metrics import StepMetrics

@@ -21,8 +21,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-import grpo_ext
-
+from .. import ops
 from ..ops.grpo_loss_from_logits import masked_mean_entropy
 from . import distributed as dist_utils
 from .checkpoint import CheckpointManager
@@ -32,7 +31,7 @@ from .guards import NonFiniteSteps
 from .loop import TrainingLoopMixin
 from .metrics import MetricsLogger
 from .optimizer import build_optimizer
-from .policy_logps import fused_policy_loss, fused_token_logps, plain_token_logps, use_fused
+from .policy_logps import causal_lm, fused_policy_loss, fused_token_logps, is_peft_model, plain_token_logps, use_fused
 from .prompts import check_prompts
 from .rewards import score_completions
 from .rollout import RolloutGenerator
@@ -49,6 +48,42 @@ def _reward_name(func: RewardFunc) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module, checkpoint_kwargs: dict[str, Any] | None = None) -> None:
+    """Turn on transformers' activation checkpointing of ``model``'s decoder layers, as ``transformers.Trainer`` does
+    for TRL's ``gradient_checkpointing``: each layer's forward runs under ``torch.utils.checkpoint.checkpoint`` with
+    ``checkpoint_kwargs`` (``use_reentrant=False`` unless given).
+
+    A layer recomputes only in a forward with grad on and the model in training mode: ``generate`` (eval mode, KV
+    cache) and the no-grad old-policy and reference passes run as before. Called before DDP or FSDP2 wraps the
+    model: transformers checkpoints the layer's ``forward``, inside FSDP2's hooks, so the recompute finds the
+    block's parameters gathered. A peft ``PeftModel``'s wrapped causal LM is the one enabled; its input embeddings'
+    output then requires grad (peft's and TRL's rule), which reentrant checkpointing needs to reach the adapters.
+
+    Args:
+        model: a ``transformers`` causal LM or a ``PeftModel`` around one.
+        checkpoint_kwargs: ``torch.utils.checkpoint.checkpoint``'s options
+            (``GRPOConfig.gradient_checkpointing_kwargs``).
+
+    Raises:
+        ValueError: naming ``GRPOConfig.gradient_checkpointing`` when the model does not support it.
+    """
+    lm = causal_lm(model)
+    if not getattr(lm, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"GRPOConfig.gradient_checkpointing=True needs a model that supports it (transformers' "
+            f"supports_gradient_checkpointing), and {type(lm).__name__} does not: set gradient_checkpointing=False"
+        )
+    kwargs = {"use_reentrant": False, **(checkpoint_kwargs or {})}
+    if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns there
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers 5 hooks the embeddings itself; older versions only for their own peft integration
+    hooked = getattr(lm, "_require_grads_hooks", None) or getattr(lm, "_require_grads_hook", None)
+    if is_peft_model(model) and not hooked:
+        lm.enable_input_require_grads()
+
+
 class GRPOTrainer(TrainingLoopMixin, RunStateMixin, OptimizerStepMixin):
     """GRPO on a causal LM from ``transformers`` (or any module with the same ``generate``/``forward``).
 
@@ -56,6 +91,8 @@ class GRPOTrainer(TrainingLoopMixin, RunStateMixin, OptimizerStepMixin):
         model: the policy, a ``PreTrainedModel`` (``forward(input_ids, attention_mask, position_ids).logits`` and
             ``generate``); trained in place. With ``logps_backend="fused"`` its loss and log-probs come from its
             body's last hidden states and its LM head (:mod:`.policy_logps`), never from ``[B, T, V]`` logits.
+            With ``config.gradient_checkpointing`` (the default) its decoder layers are checkpointed here
+            (:func:`enable_gradient_checkpointing`); a model without transformers' support for it needs that off.
         reward_funcs: one callable or a list, each ``f(prompts, completions, **columns) -> list[float | None]``.
             As in TRL, a completion is its text (special tokens removed) when its prompt is a string, and
             ``[{"role": "assistant", "content": text}]`` when its prompt is a list of messages; ``prompts`` are the
@@ -166,6 +203,9 @@ class GRPOTrainer(TrainingLoopMixin, RunStateMixin, OptimizerStepMixin):
             self.ref_model, cfg.logps_backend, "reference", self.is_main_process
         )
 
+        # After the reference copy (it runs under no_grad: nothing to recompute), before DDP or FSDP2 wraps the policy.
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model, cfg.gradient_checkpointing_kwargs)
         model_class_name = type(model).__name__  # FSDP2 swaps in a generated subclass
         self._train_model = dist_utils.wrap_for_training(model, self.ref_model, cfg.fsdp, self.device)
 
@@ -305,7 +345,7 @@ class GRPOTrainer(TrainingLoopMixin, RunStateMixin, OptimizerStepMixin):
         else:
             logps, token_entropy = self.token_logps(self._train_model, mb, with_entropy=True,
                                                     entropy_grad=cfg.entropy_coef != 0)  # fmt: skip
-            out = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options)
+            out = ops.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options)
             entropy = masked_mean_entropy(token_entropy, mb["completion_mask"], options["sample_mask"])
             if cfg.entropy_coef:  # the micro-batch's entropy sum, differentiated: its mean times its tokens
                 out = out._replace(loss=out.loss - entropy_weight * entropy)

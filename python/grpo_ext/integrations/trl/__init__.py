@@ -59,7 +59,7 @@ except ImportError as exc:  # pragma: no cover - CI installs trl
     ) from exc
 from packaging.version import InvalidVersion, Version
 
-from ...ops.options import LOSS_TYPES
+from ...validation.options import LOSS_TYPES
 from .fused import GrpoExtHead, _log_probs_through_grpo_ext  # noqa: F401  (the tests reach the first here)
 from .log_probs import _GrpoExtLogProbs  # noqa: F401  (the tests reach it here)
 from .loss import _compute_loss

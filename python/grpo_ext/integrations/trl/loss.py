@@ -17,7 +17,7 @@ import trl.trainer.utils as _trl_utils
 from torch import Tensor
 
 from ... import ops
-from ...ops.options import CLIP_FAMILY_LOSS_TYPES, TOKEN_LEVEL_LOSS_TYPES
+from ...validation.options import CLIP_FAMILY_LOSS_TYPES, TOKEN_LEVEL_LOSS_TYPES
 from .fused import FusedLossRequest, fused_loss_request
 
 # Arguments of TRL's `_get_per_token_logps_and_entropies` that `_compute_loss` does not build itself: they are

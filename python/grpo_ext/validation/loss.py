@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from .ops.options import (
+from .options import (
     CISPO_DEFAULT_CAP,
     IMPORTANCE_SAMPLING_LEVELS,
     KL_ESTIMATORS,
@@ -25,7 +25,7 @@ from .ops.options import (
     NATIVE_OPTION_NAMES,
     LossOptions,
 )
-from .validation_tensors import (
+from .tensors import (
     check_floating,
     check_no_nan_mask,
     check_per_row,
@@ -34,7 +34,7 @@ from .validation_tensors import (
     check_shape,
     check_tensor,
 )
-from .validation_values import (
+from .values import (
     check_bool,
     check_choice,
     check_finite,

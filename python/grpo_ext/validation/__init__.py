@@ -4,29 +4,29 @@ Each ``validate_<op>_args`` raises a ``ValueError`` naming the bad argument and 
 the host, and returns the arguments normalized; both implementations call it, so they fail alike. The checks live
 in small modules by what they check, all importable from here:
 
-- :mod:`grpo_ext.validation_values`: plain values (choices, numbers, flags) and the logits options;
-- :mod:`grpo_ext.validation_tensors`: tensors (type, dtype, shape, device, NaN in a mask);
-- :mod:`grpo_ext.validation_loss`: the loss options' ranges (also run by the trainer's ``GRPOConfig``),
+- :mod:`grpo_ext.validation.values`: plain values (choices, numbers, flags) and the logits options;
+- :mod:`grpo_ext.validation.tensors`: tensors (type, dtype, shape, device, NaN in a mask);
+- :mod:`grpo_ext.validation.loss`: the loss options' ranges (also run by the trainer's ``GRPOConfig``),
   grpo_loss' arguments, and the cached per-call path of the kernels' wrappers;
-- :mod:`grpo_ext.validation_advantages`: group_advantages' and process_advantages' arguments;
-- :mod:`grpo_ext.validation_logits`: selective_log_softmax's arguments.
+- :mod:`grpo_ext.validation.advantages`: group_advantages' and process_advantages' arguments;
+- :mod:`grpo_ext.validation.logits`: selective_log_softmax's arguments.
 """
 
 from __future__ import annotations
 
-from .validation_advantages import (
+from .advantages import (
     reward_weights_tensor,
     validate_group_advantages_args,
     validate_process_advantages_args,
 )
-from .validation_logits import validate_selective_log_softmax_args
-from .validation_loss import (
+from .logits import validate_selective_log_softmax_args
+from .loss import (
     resolve_fused_loss_args,
     resolve_grpo_loss_args,
     validate_grpo_loss_args,
     validate_loss_option_values,
 )
-from .validation_tensors import (
+from .tensors import (
     check_floating,
     check_integer,
     check_no_nan_mask,
@@ -36,7 +36,7 @@ from .validation_tensors import (
     check_shape,
     check_tensor,
 )
-from .validation_values import (
+from .values import (
     check_bool,
     check_choice,
     check_finite,

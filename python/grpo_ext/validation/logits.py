@@ -1,14 +1,14 @@
 """Checks of selective_log_softmax's arguments, shared by its kernel's wrapper and its reference. Part of
 :mod:`grpo_ext.validation`; the logits options themselves are checked by
-:func:`~grpo_ext.validation_values.validate_logit_options`."""
+:func:`~grpo_ext.validation.values.validate_logit_options`."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from .ops.options import LogitOptions
-from .validation_tensors import check_floating, check_integer, check_same_device, check_tensor
-from .validation_values import validate_logit_options
+from .options import LogitOptions
+from .tensors import check_floating, check_integer, check_same_device, check_tensor
+from .values import validate_logit_options
 
 
 def validate_selective_log_softmax_args(

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .ops.options import BASELINES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, SINGLETON_GROUPS
-from .validation_tensors import check_floating, check_integer, check_same_device, check_shape, check_tensor
-from .validation_values import check_choice, check_int, check_positive
+from .options import BASELINES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, SINGLETON_GROUPS
+from .tensors import check_floating, check_integer, check_same_device, check_shape, check_tensor
+from .values import check_choice, check_int, check_positive
 
 
 def reward_weights_tensor(

@@ -8,7 +8,7 @@ import numbers
 import operator
 from collections.abc import Sequence
 
-from .ops.options import LogitOptions
+from .options import LogitOptions
 
 
 def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
