@@ -5,7 +5,8 @@
 # cannot eat the next. Logs and JSON go to $OUT (./gpu-out); the short table (bench_floor.py) and the summary are
 # printed last.
 #   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] [WHEELS=.whl] bash benchmarks/gpu_session.sh [all|test|sanitize|bench]
-# WHEELS: a folder of wheels the machine lacks (liger-kernel, trl and its few missing needs), installed into
+# WHEELS: a folder of wheels the machine lacks (liger-kernel, trl and its few missing needs; bench_floor.py times
+# Liger's and TRL's kernels, bench_trainer.py TRL's trainer), installed into
 # /tmp/site with no network: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux_2_28_x86_64 -d .whl liger-kernel trl==1.16.0 datasets==4.7.0 dill==0.4.1 multiprocess==0.70.19`
 # here (the H100 machine of 2026-11-26 had the rest), then carry .whl and dist.
@@ -44,6 +45,22 @@ for name in ('liger_kernel', 'trl', 'triton'):
 [[ "${PIPESTATUS[0]}" == 0 ]] || exit 1
 
 if [[ "$what" == all || "$what" == test ]]; then
+  stage "CUDA tests of mul_rounded (FMA contraction), first and by name"
+  # The cases that failed on the H100 when nvcc contracted z - max (z = x * scale) into one FMA (RESULTS.md, "H100,
+  # second call"), which mul_rounded (csrc/logit_transform.h) prevents: logits scaled by a temperature or
+  # logit_scale != 1 (uncapped and capped) with a confident token, whose exp(z - max) must be exactly 1 at the max.
+  # Only a GPU shows contraction (the emulated suite is built without it), so each is run and reported by name.
+  fma_cases=()
+  for vocab in 1 7 50257 151936; do
+    fma_cases+=("tests/test_grpo_loss_from_logits.py::test_vocabulary_sizes_and_temperature[$vocab-cuda]")
+  done
+  for level in token sequence; do
+    for options in 0.6-None 1.0-3.0 1.7-2.5; do
+      fma_cases+=("tests/test_grpo_loss_from_logits.py::test_logit_scale_and_softcap_match_reference[$level-$options-cuda]")
+    done
+  done
+  timeout 120 python3 -m pytest -v -p no:cacheprovider -rfEs "${fma_cases[@]}" 2>&1 \
+    | grep -E "(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|skipped|error|not found" | tee "$OUT/pytest-fma.txt"
   stage "CUDA tests"
   # the tests that run on the GPU (the emulated suite and verl's parity run on the CPU in CI)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -k cuda -rfs --ignore=tests/cuda_emu \
@@ -81,6 +98,7 @@ fi
 stage done
 echo
 echo "######## summary ($((SECONDS - start)) s)"
+grep -h -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|skipped|error|not found" "$OUT/pytest-fma.txt" 2>/dev/null
 grep -h -E "passed|failed|error" "$OUT/pytest.txt" 2>/dev/null | tail -3
 grep -h "exit:" "$OUT"/sanitizer-*.txt 2>/dev/null
 grep -h -A14 "^case .* impl .* ms .* x eager" "$OUT/bench_group_advantages.txt" 2>/dev/null | head -40

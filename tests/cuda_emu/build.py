@@ -1,10 +1,12 @@
 """Builds cuda_emu's driver (the CUDA kernel headers on the CPU) with the system g++, AddressSanitizer and UBSan.
 
-The kernel headers are compiled as they are, from a copy of ``csrc/`` in which one thing is rewritten: each
-``__shared__`` declaration becomes a reference to per-block heap storage (``::cuda_emu::shared``, see runtime.h), on
-the same line, so that ASan sees an access past a shared array and the harness can poison it. Each copied file
-starts with a ``#line`` directive naming the original, so that reports point into ``csrc/``. The kernels'
-``__launch_bounds__`` are read from the same headers into a table the launch checks.
+The kernel headers and the host plans (``csrc/plan/*.h``) are compiled as they are, from a copy of ``csrc/`` in
+which two things are rewritten: each ``__shared__`` declaration becomes a reference to per-block heap storage
+(``::cuda_emu::shared``, see runtime.h), on the same line, so that ASan sees an access past a shared array and the
+harness can poison it; and ``plan/stable_api.h``, where the plans meet torch, is replaced by ``stable_api_emu.h``,
+which offers the same names over the driver's tensors. Each copied file starts with a ``#line`` directive naming the
+original, so that reports point into ``csrc/``. The kernels' ``__launch_bounds__`` are read from the same headers into
+a table the launch checks.
 
 The result is cached under ``build/cuda_emu/<hash of every input>/``: a second build with the same sources is free.
 ``python tests/cuda_emu/build.py`` builds and prints the driver's path.
@@ -30,9 +32,12 @@ SOURCES = ("runtime.cpp", "shared_memory.cpp", "driver.cpp", "traffic.cpp", "ops
 KERNEL_SOURCES = tuple(name for name in SOURCES if name.startswith("ops_"))
 # Kernel headers of the harness itself, compiled (and rewritten) like csrc's.
 HARNESS_KERNELS = ("selftest_kernels.cuh",)
-HARNESS_FILES = (*SOURCES, *HARNESS_KERNELS, "runtime.h", "shared_memory.h", "half_types.h", "driver.h", "loss_plan.h",
-                 "include/cuda_runtime.h", "include/cuda_bf16.h", "include/cuda_fp16.h", "include/cooperative_groups.h",
-                 "build.py")  # fmt: skip
+# csrc/plan/stable_api.h's stand-in in the copy of csrc/ (the plans over the driver's tensors instead of torch's).
+STABLE_API = "plan/stable_api.h"
+STABLE_API_STAND_IN = "stable_api_emu.h"
+HARNESS_FILES = (*SOURCES, *HARNESS_KERNELS, "runtime.h", "shared_memory.h", "half_types.h", "driver.h", "plans.h",
+                 STABLE_API_STAND_IN, "include/cuda_runtime.h", "include/cuda_bf16.h", "include/cuda_fp16.h",
+                 "include/cooperative_groups.h", "build.py")  # fmt: skip
 CXX = os.environ.get("CXX", "g++")
 SANITIZE = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all"]
 # The traffic build: no sanitizer runtime; every load and store of the kernel sources calls traffic.cpp. -O0 there:
@@ -117,7 +122,7 @@ def launch_bounds(texts: dict[str, str]) -> dict[str, int]:
 
 
 def _inputs(csrc: Path) -> dict[str, bytes]:
-    headers = sorted([*csrc.glob("*.h"), *csrc.glob("cuda/*.cuh")])
+    headers = sorted([*csrc.glob("*.h"), *csrc.glob("cuda/*.cuh"), *csrc.glob("plan/*.h")])
     files = {f"csrc/{p.relative_to(csrc)}": p.read_bytes() for p in headers}
     files.update({f"harness/{name}": (HERE / name).read_bytes() for name in HARNESS_FILES})
     return files
@@ -167,6 +172,7 @@ def build(csrc: Path | None = None, out_root: Path | None = None, jobs: int | No
         sources = {name.removeprefix("csrc/"): (csrc / name.removeprefix("csrc/"), data) for name, data in
                    files.items() if name.startswith("csrc/")}  # fmt: skip
         sources.update({f"harness/{name}": (HERE / name, (HERE / name).read_bytes()) for name in HARNESS_KERNELS})
+        sources[STABLE_API] = (HERE / STABLE_API_STAND_IN, (HERE / STABLE_API_STAND_IN).read_bytes())
         for rel, (origin, data) in sources.items():
             text = data.decode()
             texts[rel] = text

@@ -149,7 +149,7 @@ std::optional<double> Args::optional_number() {
 bool Args::boolean() {
   return next(Value::Kind::kBool, "a bool").i != 0;
 }
-std::string Args::string() {
+const std::string& Args::string() {
   return next(Value::Kind::kString, "a string").s;
 }
 DType Args::dtype() {

@@ -1,7 +1,8 @@
 // cuda_emu's driver: runs grpo_ext's raw ops (torch.ops.grpo_ext.*, same arguments, same outputs) through the CUDA
-// launchers of csrc/cuda/*.cuh on the emulated device, for tests/cuda_emu/client.py. Each ops_*.cpp mirrors an op's
-// host planning (csrc/plan/<op>.h) and CUDA binding (csrc/cuda/<op>.cu) without torch: the same views, option
-// parsing, output shapes and dtypes, launcher template arguments and launch arguments.
+// launchers of csrc/cuda/*.cuh on the emulated device, for tests/cuda_emu/client.py. The loss ops (grpo_loss_forward,
+// the logits pass and grpo_loss_from_logits) run their host plans, csrc/plan/*.h, as they are (plans.h); the other
+// ops_*.cpp mirror theirs without torch. Each mirrors its op's CUDA binding (csrc/cuda/<op>.cu): the same launcher
+// template arguments and launch arguments, and the same output shapes and dtypes.
 #pragma once
 
 #include <cstdint>
@@ -68,10 +69,9 @@ class Args {
   double number();
   std::optional<double> optional_number();
   bool boolean();
-  std::string string();
+  const std::string& string();  // the request's own: it lives as long as the Args
   DType dtype();
-  void done() const;                                            // every argument was read
-  const std::vector<Value>& values() const { return values_; }  // all of them, for an op that composes others
+  void done() const;  // every argument was read
 
  private:
   const Value& next(Value::Kind kind, const char* what);

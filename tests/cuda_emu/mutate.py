@@ -1,5 +1,6 @@
-"""The mutation check of cuda_emu: plants one known bug at a time in a copy of csrc/ and shows that the emulated-device
-tests (tests/cuda_emu) fail on it. Not part of the default test run: each mutation rebuilds the driver (about a
+"""The mutation check of cuda_emu: plants one known bug at a time in a copy of csrc/ (the kernel headers, and the host
+plans of csrc/plan, which the driver runs as they are) and shows that the emulated-device tests (tests/cuda_emu) fail
+on it. Not part of the default test run: each mutation rebuilds the driver (about a
 minute on 2 cores) and runs the suite until its first failure.
 
     python tests/cuda_emu/mutate.py            # every mutation; prints a Markdown table
@@ -110,6 +111,38 @@ MUTATIONS = [
              "cuda/kept_entropy.cuh", "b += num_warps", "b += 2 * num_warps"),
     Mutation("weights ignored", "kept entropy mean: the bonus takes the plain mean where entropy_weights were given",
              "cuda/kept_entropy.cuh", "entropy_means(sums, entropy_weights.present())", "entropy_means(sums, false)"),
+    Mutation("dropped rows", "row weights: skip_empty_rows counts only the rows of more than one kept token",
+             "cuda/grpo_loss_from_logits.cuh", "total[1] += row_weight[b] > T(0) ? 1.0 : 0.0;",
+             "total[1] += row_weight[b] > T(1) ? 1.0 : 0.0;"),
+    Mutation("dropped rows", "loss rows: the non-empty slot (skip_empty_rows) is 1 only for more than one kept token",
+             "cuda/grpo_loss.cuh", "row_sum[kSlotNonEmpty] = row_sum[kSlotMask] > 0.0 ? 1.0 : 0.0;",
+             "row_sum[kSlotNonEmpty] = row_sum[kSlotMask] > 1.0 ? 1.0 : 0.0;"),
+    Mutation("lost lane", "vector_max (bf16): the packed max's high lane dropped (the odd elements' max)",
+             "cuda/vector_io.cuh",
+             "__hmax2(pairs[2], pairs[3]));\n  return fmaxf(__low2float(top), __high2float(top));\n}\ntemplate <>\n"
+             "__device__ __forceinline__ float vector_max<float, __half>",
+             "__hmax2(pairs[2], pairs[3]));\n  return __low2float(top);\n}\ntemplate <>\n"
+             "__device__ __forceinline__ float vector_max<float, __half>"),
+    Mutation("wrong row stride", "logits pass (two-read): a new gradient's row written at the logits' row offset",
+             "cuda/grpo_loss_from_logits.cuh",
+             "the thread that writes it).\n    In* grad_row = a.compute_grad ? (a.grad_in_logits ? grad + "
+             "a.logits.offset(r) : grad + r * vocab)",
+             "the thread that writes it).\n    In* grad_row = a.compute_grad ? (a.grad_in_logits ? grad + "
+             "a.logits.offset(r) : grad + a.logits.offset(r))"),
+    Mutation("wrong row stride", "resident pass: a new gradient's row written at the logits' row offset",
+             "cuda/grpo_loss_from_logits.cuh",
+             "grad + r * vocab) : nullptr;\n    if (row.m == T(0)) {  // the same branch",
+             "grad + a.logits.offset(r)) : nullptr;\n    if (row.m == T(0)) {  // the same branch"),
+    # The host plan of the whole op (plan/logits_loss.h), which the driver runs as it is.
+    Mutation("skipped launch", "logits_loss: a sequence-level loss's second pass (which writes the gradient) not run",
+             "plan/logits_loss.h", "    device.pass(second, inplace);\n", ""),
+    Mutation("wrong scale", "logits_loss: the entropy bonus taken off the loss without loss_scale",
+             "plan/logits_loss.h", "bonus_scale = entropy_coef == 0.0 ? 0.0 : entropy_coef * options.loss_scale;",
+             "bonus_scale = entropy_coef == 0.0 ? 0.0 : entropy_coef;"),
+    Mutation("wrong level", "logits_loss: the loss of the pass's log-probs planned per token whatever the option",
+             "plan/logits_loss.h",
+             "plan.params.sequence_level = parse_sequence_level(options.importance_sampling_level);",
+             "plan.params.sequence_level = false;"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

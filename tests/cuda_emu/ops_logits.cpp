@@ -1,12 +1,14 @@
-// selective_log_softmax and the fused logits pass on the emulated device: plan/selective_log_softmax.h,
-// plan/grpo_loss_from_logits.h, cuda/selective_log_softmax.cu and cuda/grpo_loss_from_logits.cu without torch.
+// selective_log_softmax and grpo_loss_from_logits on the emulated device: selective_log_softmax's plan and binding
+// mirrored without torch (plan/selective_log_softmax.h, cuda/selective_log_softmax.cu); the fused pass and the whole
+// op through their plans as they are (plan/grpo_loss_from_logits.h, plan/logits_loss.h; plans.h), launched as
+// cuda/grpo_loss_from_logits.cu launches them.
 #include <cstdlib>
 
 #include "cuda/grpo_loss_from_logits.cuh"
 #include "cuda/kept_entropy.cuh"
 #include "cuda/selective_log_softmax.cuh"
 #include "driver.h"
-#include "loss_plan.h"
+#include "plans.h"
 
 namespace cuda_emu {
 namespace {
@@ -97,86 +99,64 @@ grpo_ext::RowResidency row_residency() {
   return grpo_ext::with_layout_from_env(residency);
 }
 
-// The entropy bonus' arguments: its coefficient and the weights of the tokens in its mean (absent: every kept one).
-struct EntropyBonus {
-  double coef = 0.0;
-  grpo_ext::StridedMatrix weights;
-};
-
 // cuda/grpo_loss_from_logits.cu's run_pass: the row weights (token-level gradient), then the pass.
 template <typename T, typename In>
-void run_pass(const LossPlan& loss, const grpo_ext::LogitsRows& logits, const grpo_ext::StridedMatrix& ids,
-              const grpo_ext::StridedMatrix& token_grad, int64_t row_offset, bool compute_grad, bool grad_in_logits,
-              void* grad_data, const LogitArgs& logit, const EntropyBonus& bonus, const Tensor& logps,
-              const Tensor& entropy) {
-  const bool with_grad = compute_grad && grad_data != nullptr;
-  const grpo_ext::LogitsPassArgs args{loss.params,  loss.inputs,    logits,
-                                      ids,          token_grad,     row_offset,
-                                      with_grad,    grad_in_logits, with_grad && bonus.coef != 0.0,
-                                      bonus.weights};
-  std::optional<Tensor> row_weight;  // [B + 1]: the rows' weights, then the entropy bonus'
-  if (args.compute_grad && (!token_grad.present() || args.entropy_bonus)) {
-    row_weight = empty({loss.inputs.batch + 1}, logps.dtype);
-    const T* num_items_device = loss.num_items_device ? loss.num_items_device->data_as<T>() : nullptr;
+void run_pass(grpo_ext::LogitsPassPlan& plan, bool grad_in_logits) {
+  const bool with_grad = plan.compute_grad && plan.grad_data != nullptr;
+  const grpo_ext::LogitsPassArgs args{plan.loss.params,
+                                      plan.loss.inputs,
+                                      plan.logits,
+                                      plan.ids,
+                                      plan.token_grad,
+                                      plan.row_offset,
+                                      with_grad,
+                                      grad_in_logits,
+                                      with_grad && plan.entropy_coef != 0.0,
+                                      plan.entropy_weights};
+  grpo_ext::Tensor row_weight;  // [B + 1]: the rows' weights, then the entropy bonus'
+  if (args.compute_grad && (!plan.token_grad.present() || args.entropy_bonus)) {
+    row_weight = grpo_ext::new_empty(plan.logps, {plan.loss.inputs.batch + 1}, plan.logps.scalar_type());
+    const grpo_ext::LossForwardPlan& lp = plan.loss;
+    const T* num_items_device = lp.num_items_device.defined() ? lp.num_items_device.const_data_ptr<T>() : nullptr;
     grpo_ext::launch_grpo_loss_from_logits_row_weights<T>(
-        loss.params, loss.inputs, loss.max_completion_length, loss.has_num_items, T(loss.num_items), num_items_device,
-        T(loss.loss_scale), T(bonus.coef), bonus.weights, row_weight->data_as<T>(), nullptr);
+        lp.params, lp.inputs, lp.max_completion_length, lp.has_num_items, T(lp.num_items), num_items_device,
+        T(lp.loss_scale), T(plan.entropy_coef), plan.entropy_weights, row_weight.mutable_data_ptr<T>(), nullptr);
   }
-  grpo_ext::launch_grpo_loss_from_logits<T, In>(
-      args, logit.transform<T>(), row_weight ? row_weight->data_as<T>() : nullptr, static_cast<In*>(grad_data),
-      logps.data_as<T>(), entropy.data_as<T>(), row_residency(), nullptr);
+  grpo_ext::launch_grpo_loss_from_logits<T, In>(args, plan.logit.transform<T>(),
+                                                row_weight.defined() ? row_weight.mutable_data_ptr<T>() : nullptr,
+                                                static_cast<In*>(plan.grad_data), plan.logps.mutable_data_ptr<T>(),
+                                                plan.entropy.mutable_data_ptr<T>(), row_residency(), nullptr);
+}
+
+void run_logits_pass(grpo_ext::LogitsPassPlan& plan, bool grad_in_logits) {
+  switch (plan.logits.dtype) {
+    case DType::kFloat64: run_pass<double, double>(plan, grad_in_logits); break;
+    case DType::kFloat32: run_pass<float, float>(plan, grad_in_logits); break;
+    case DType::kBFloat16: run_pass<float, __nv_bfloat16>(plan, grad_in_logits); break;
+    case DType::kFloat16: run_pass<float, __half>(plan, grad_in_logits); break;
+    default: bad_args("logits must be float32, float64, bfloat16 or float16");
+  }
 }
 
 // grpo_loss_from_logits_pass (a new gradient tensor) and grpo_loss_from_logits_pass_ (the gradient over the logits).
 std::vector<Tensor> logits_pass(Args& a, bool inplace) {
-  const Tensor logits = a.tensor(), ids = a.tensor();
+  const grpo_ext::Tensor logits = tensor_arg(a), ids = tensor_arg(a);
   const int64_t row_offset = a.integer();
-  const Tensor advantages = a.tensor(), mask = a.tensor();
-  const std::optional<Tensor> token_grad = a.optional_tensor();
-  const int64_t batch = mask.size(0), seq_len = mask.size(1);
-  const grpo_ext::LogitsRows rows = logits_rows(logits);
-  const DType acc = accumulate_type(logits.dtype);
-  const LossPlan loss = plan_loss_inputs(batch, seq_len, std::nullopt, acc, advantages, mask, a, false, true);
-  const LogitArgs logit = logit_args(a);
-  EntropyBonus bonus;
-  bonus.coef = a.number();
-  const std::optional<Tensor> entropy_weights = a.optional_tensor();
-  if (entropy_weights) bonus.weights = matrix_view(*entropy_weights, batch, seq_len, false);
+  const grpo_ext::Tensor advantages = tensor_arg(a), mask = tensor_arg(a);
+  const std::optional<grpo_ext::Tensor> token_grad = optional_tensor_arg(a);
+  const grpo_ext::LossOptionArgs options = loss_option_args(a);
+  const double temperature = a.number(), logit_scale = a.number(), logit_softcap = a.number();
+  const double entropy_coef = a.number();
+  const std::optional<grpo_ext::Tensor> entropy_weights = optional_tensor_arg(a);
   const bool compute_grad = a.boolean();
   a.done();
-  const grpo_ext::StridedMatrix id = matrix_view(ids, rows.rows, 1, true);
-  grpo_ext::StridedMatrix tg;
-  if (token_grad) tg = matrix_view(*token_grad, rows.rows, 1, true);
-  Tensor logps = empty({rows.rows}, acc), entropy = empty({rows.rows}, acc);
-  Tensor grad = empty({0}, logits.dtype);
-  void* grad_data = nullptr;
-  if (inplace) {
-    grad_data = logits.data();
-  } else if (compute_grad) {
-    grad = empty({rows.rows, rows.vocab}, logits.dtype);
-    grad_data = grad.numel() > 0 ? grad.data() : nullptr;  // at::empty's data_ptr is null without elements
-  }
-  switch (logits.dtype) {
-    case DType::kFloat64:
-      run_pass<double, double>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, bonus, logps,
-                               entropy);
-      break;
-    case DType::kFloat32:
-      run_pass<float, float>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, bonus, logps,
-                             entropy);
-      break;
-    case DType::kBFloat16:
-      run_pass<float, __nv_bfloat16>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, bonus,
-                                     logps, entropy);
-      break;
-    case DType::kFloat16:
-      run_pass<float, __half>(loss, rows, id, tg, row_offset, compute_grad, inplace, grad_data, logit, bonus, logps,
-                              entropy);
-      break;
-    default: bad_args("logits must be float32, float64, bfloat16 or float16");
-  }
-  if (inplace) return {logps, entropy, logits};
-  return {logps, entropy, grad};
+  if (inplace) grpo_ext::check_inplace_logits(logits);
+  grpo_ext::LogitsPassPlan plan = grpo_ext::plan_grpo_loss_from_logits(
+      logits, ids, row_offset, advantages, mask, token_grad, options, temperature, logit_scale, logit_softcap,
+      entropy_coef, entropy_weights, compute_grad, inplace);
+  run_logits_pass(plan, /*grad_in_logits=*/inplace);
+  if (inplace) return {plan.logps.emu(), plan.entropy.emu(), logits.emu()};  // the written argument last
+  return {plan.logps.emu(), plan.entropy.emu(), plan.grad_logits.emu()};
 }
 
 std::vector<Tensor> logits_pass_new(Args& a) {
@@ -186,99 +166,42 @@ std::vector<Tensor> logits_pass_inplace(Args& a) {
   return logits_pass(a, true);
 }
 
-// Value helpers for the argument lists logits_loss builds.
-Value tensor_value(const Tensor& t) {
-  Value v;
-  v.kind = Value::Kind::kTensor;
-  v.tensor = t;
-  return v;
-}
-Value scalar_value(Value::Kind kind, double x) {
-  Value v;
-  v.kind = kind;
-  v.i = static_cast<int64_t>(x);
-  v.f = x;
-  return v;
-}
-
-// `t` (contiguous) viewed with the contiguous shape `sizes`: the same storage.
-Tensor view_contiguous(const Tensor& t, const std::vector<int64_t>& sizes) {
-  Tensor view = t;
-  view.sizes = sizes;
-  view.strides.assign(sizes.size(), 1);
-  for (size_t d = sizes.size(); d-- > 1;) view.strides[d - 1] = view.strides[d] * sizes[d];
-  return view;
-}
-
-// grpo_loss_from_logits and grpo_loss_from_logits_: plan/logits_loss.h's logits_loss over this device's pass and
-// loss forward (the ops above and in ops_loss.cpp, called with the arguments the composition hands them), then the
-// kept-entropy kernel (cuda/grpo_loss_from_logits.cu's CudaLogitsLoss::entropy).
-std::vector<Tensor> logits_loss(Args& a, bool inplace) {
-  const std::vector<Value>& v = a.values();
-  // logits, ids, advantages, completion_mask, the loss options, then 6: the logit options, the bonus, compute_grad
-  if (v.size() < 10) bad_args("grpo_loss_from_logits: too few arguments");
-  const Tensor logits = v[0].tensor, advantages = v[2].tensor, mask = v[3].tensor;
-  const bool ids_as_mask =
-      v[1].tensor.sizes == mask.sizes && v[1].tensor.strides == std::vector<int64_t>{mask.size(1), 1};
-  const Tensor ids = ids_as_mask ? view_contiguous(v[1].tensor, {v[1].tensor.numel()}) : v[1].tensor;  // [B, T] as [N]
-  const auto option_begin = v.begin() + 4, option_end = v.end() - 6;
-  const Value &temperature = v.end()[-6], &logit_scale = v.end()[-5], &logit_softcap = v.end()[-4];
-  const Value &coef = v.end()[-3], &weights = v.end()[-2];
-  const bool compute_grad = v.end()[-1].i != 0;
-  const int64_t batch = mask.size(0), seq_len = mask.size(1);
-  const DType acc = accumulate_type(logits.dtype);
-  // The options as the loss plans read them: the loss type, the level and loss_scale.
-  Args option_args("options", std::vector<Value>(option_begin, option_end));
-  const LossPlan options = plan_loss_inputs(batch, seq_len, std::nullopt, acc, advantages, mask, option_args, false,
-                                            false);  // fmt: skip
-  const bool whole_rows =
-      compute_grad && (options.params.sequence_level || options.params.loss_type == grpo_ext::LossType::kVESPO);
-  const auto run_pass_op = [&](const Value& token_grad, double entropy_coef, const Value& entropy_weights, bool grad,
-                               bool in_place) {
-    std::vector<Value> args{tensor_value(logits),     tensor_value(ids),  scalar_value(Value::Kind::kInt, 0),
-                            tensor_value(advantages), tensor_value(mask), token_grad};
-    args.insert(args.end(), option_begin, option_end);
-    args.insert(args.end(), {temperature, logit_scale, logit_softcap, scalar_value(Value::Kind::kFloat, entropy_coef),
-                             entropy_weights, scalar_value(Value::Kind::kBool, grad)});
-    Args pass_args(in_place ? "grpo_loss_from_logits_pass_" : "grpo_loss_from_logits_pass", args);
-    return logits_pass(pass_args, in_place);
-  };
-  const Value none;
-  const std::vector<Tensor> pass = whole_rows ? run_pass_op(none, 0.0, weights, false, false)
-                                              : run_pass_op(none, coef.f, weights, compute_grad, inplace);
-  const Tensor logps = pass[0], entropy = pass[1];
-  Tensor grad = pass[2];
-  std::vector<Value> loss_values{tensor_value(view_contiguous(logps, {batch, seq_len})), tensor_value(advantages),
-                                 tensor_value(mask)};
-  loss_values.insert(loss_values.end(), option_begin, option_end);
-  loss_values.push_back(scalar_value(Value::Kind::kBool, whole_rows));
-  Args loss_args("grpo_loss_forward", loss_values);
-  const std::vector<Tensor> loss = op_table().at("grpo_loss_forward")(loss_args);
-  if (whole_rows) {  // token_grad = grad_raw * grad_scale, as aten::mul computes it on the device
-    const Tensor token_grad = empty({batch * seq_len}, acc);
-    for (int64_t i = 0; i < batch * seq_len; ++i) {
-      if (acc == DType::kFloat64) {
-        token_grad.data_as<double>()[i] = loss[2].data_as<double>()[i] * loss[3].data_as<double>()[0];
-      } else {
-        token_grad.data_as<float>()[i] = loss[2].data_as<float>()[i] * loss[3].data_as<float>()[0];
-      }
+// The emulated device's kernels of plan/logits_loss.h (cuda/grpo_loss_from_logits.cu's CudaLogitsLoss).
+struct EmuLogitsLoss {
+  void pass(grpo_ext::LogitsPassPlan& plan, bool grad_in_logits) { run_logits_pass(plan, grad_in_logits); }
+  void loss(grpo_ext::LossForwardPlan& plan) { run_loss_forward(plan); }
+  grpo_ext::Tensor entropy(const grpo_ext::LogitsPassPlan& plan, double bonus_scale, grpo_ext::Tensor& loss) {
+    const grpo_ext::Tensor& entropy = plan.entropy;
+    grpo_ext::Tensor mean = grpo_ext::new_empty(entropy, {}, entropy.scalar_type());
+    if (entropy.scalar_type() == grpo_ext::ScalarType::Double) {
+      grpo_ext::launch_kept_entropy_mean<double>(
+          plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<double>(), bonus_scale,
+          loss.mutable_data_ptr<double>(), mean.mutable_data_ptr<double>(), nullptr);
+    } else {
+      grpo_ext::launch_kept_entropy_mean<float>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<float>(),
+                                                bonus_scale, loss.mutable_data_ptr<float>(),
+                                                mean.mutable_data_ptr<float>(), nullptr);
     }
-    grad = run_pass_op(tensor_value(token_grad), coef.f, weights, true, inplace)[2];
+    return mean;
   }
-  grpo_ext::StridedMatrix weights_view;
-  if (weights.kind == Value::Kind::kTensor) weights_view = matrix_view(weights.tensor, batch, seq_len, false);
-  const double bonus_scale = coef.f == 0.0 ? 0.0 : coef.f * options.loss_scale;
-  const Tensor mean = empty({}, acc);
-  if (acc == DType::kFloat64) {
-    grpo_ext::launch_kept_entropy_mean<double>(options.inputs, weights_view, entropy.data_as<double>(), bonus_scale,
-                                               loss[0].data_as<double>(), mean.data_as<double>(), nullptr);
-  } else {
-    grpo_ext::launch_kept_entropy_mean<float>(options.inputs, weights_view, entropy.data_as<float>(), bonus_scale,
-                                              loss[0].data_as<float>(), mean.data_as<float>(), nullptr);
-  }
-  if (inplace) return {loss[0], loss[1], mean, logps, entropy, logits};  // the written argument last
-  if (compute_grad) grad = view_contiguous(grad, logits.sizes);          // [N, V] as the logits' [B, T, V]
-  return {loss[0], loss[1], mean, grad, logps, entropy};
+};
+
+// grpo_loss_from_logits and grpo_loss_from_logits_: plan/logits_loss.h's logits_loss on this device.
+std::vector<Tensor> logits_loss(Args& a, bool inplace) {
+  const grpo_ext::Tensor logits = tensor_arg(a), ids = tensor_arg(a), advantages = tensor_arg(a), mask = tensor_arg(a);
+  const grpo_ext::LossOptionArgs options = loss_option_args(a);
+  const double temperature = a.number(), logit_scale = a.number(), logit_softcap = a.number();
+  const double entropy_coef = a.number();
+  const std::optional<grpo_ext::Tensor> entropy_weights = optional_tensor_arg(a);
+  const bool compute_grad = a.boolean();
+  a.done();
+  if (inplace) grpo_ext::check_inplace_logits(logits);
+  EmuLogitsLoss device;
+  const auto [loss, metrics, mean, grad, logps, entropy] =
+      grpo_ext::logits_loss(device, logits, ids, advantages, mask, options, temperature, logit_scale, logit_softcap,
+                            entropy_coef, entropy_weights, compute_grad, inplace);
+  if (inplace) return {loss.emu(), metrics.emu(), mean.emu(), logps.emu(), entropy.emu(), logits.emu()};
+  return {loss.emu(), metrics.emu(), mean.emu(), grad.emu(), logps.emu(), entropy.emu()};
 }
 
 std::vector<Tensor> logits_loss_new(Args& a) {

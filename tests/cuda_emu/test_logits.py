@@ -1,20 +1,21 @@
 """The logits kernels on the emulated device, driven by their launchers: selective_log_softmax's forward and backward,
 the fused pass of grpo_loss_from_logits (its row weights, the pass in a new tensor and in place, scale_grad_) and the
-whole op in one call (the pass(es), the loss, the kept-entropy kernel). V
-from 1 to 50257 (never a multiple of a block or vector width), every float dtype, temperature != 1, logit_scale and
-logit_softcap, strided and 3-D logits, masked rows holding NaN and padding ids, -inf and NaN logits, chunked rows
-(row_offset), batches over 32 rows (the row-weights kernel's warp loop wraps), every loss type at both importance
-levels. The cases are the CUDA tests' (tests/test_selective_log_softmax.py, tests/test_grpo_loss_from_logits.py) and
-more. The pass's layouts (the single-read kernel over clusters, the fallback, the run-time candidates):
-test_logits_layouts.py."""
+whole op in one call (the pass(es), the loss, the kept-entropy kernel, composed by csrc/plan/logits_loss.h as it
+is). V from 1 to 50257 (never a multiple of a block or vector width), every float dtype, temperature != 1,
+logit_scale and logit_softcap, strided and 3-D logits (strided rows with a new gradient too), masked rows holding NaN
+and padding ids, -inf and NaN logits, bf16 and fp16 rows masked with -1e4 whose real logits sit at odd (or even)
+indices, chunked rows (row_offset), batches over 32 rows (the row-weights kernel's warp loop wraps), skip_empty_rows
+over rows of zero, one and more kept tokens, every loss type at both importance levels. The cases are the CUDA
+tests' (tests/test_selective_log_softmax.py, tests/test_grpo_loss_from_logits.py) and more. The pass's layouts (the
+single-read kernel over clusters, the fallback, the run-time candidates): test_logits_layouts.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 from grpo_ext.validation import validate_grpo_loss_args
+from grpo_ext.validation.options import LOSS_TYPES, LossOptions
 from test_grpo_loss_from_logits import make_problem
 from test_selective_log_softmax import make_logits, poisoned_logits
 
@@ -386,3 +387,72 @@ def test_logits_pass_entropy_bonus(emu, dtype, level):
             check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
             check_op(emu, "grpo_loss_from_logits_pass_", args[0].clone(), *args[1:], tol=[VALUES, VALUES, LOGITS_GRAD],
                      names=("logps", "entropy", "logits"))  # fmt: skip
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "luspo", "dr_grpo"])
+def test_skip_empty_rows_with_one_token_rows(emu, loss_type, level):
+    """skip_empty_rows for the loss types whose per-row means it changes: rows of no kept token (row 0; row 5,
+    dropped by the sample mask), of one (rows 2 and 3: the first token, the last; a float mask weights row 3's 0.5)
+    and longer ones. The row-weights kernel counts the rows with a kept token for the pass (token level), the loss
+    kernel for the whole op (both levels); the whole op with the entropy bonus and loss_scale 0.5."""
+    logits, ids, adv, mask, old, _ = make_problem(6, 5, 50, seed=60)
+    mask[2:4] = False
+    mask[2, 0] = mask[3, -1] = True
+    mask[4, :2] = True
+    sample_mask = torch.tensor([True, True, True, True, True, False])
+    x, flat_ids = logits.float(), ids.reshape(-1)
+    float_mask = mask.float()
+    float_mask[3, -1] = 0.5
+    options = dict(old_logps=old.float(), loss_type=loss_type, importance_sampling_level=level, sample_mask=sample_mask,
+                   max_completion_length=7, loss_scale=0.5, skip_empty_rows=True)  # fmt: skip
+    for row_mask in (mask, float_mask):
+        if level == "token":
+            check_op(emu, "grpo_loss_from_logits_pass", *pass_args(x, flat_ids, adv.float(), row_mask, **options),
+                     tol=PASS_TOL, names=PASS_NAMES)  # fmt: skip
+        resolved = validate_grpo_loss_args(torch.empty(6, 5), adv.float(), row_mask, LossOptions(**options))
+        args = (x, flat_ids, adv.float(), row_mask, *resolved.op_args(), 0.9, 1.0, 0.0, 0.03, None, True)
+        check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES)
+
+
+@pytest.mark.parametrize("lane", ["odd", "even"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masked_vocabulary_rows_low_precision(emu, dtype, lane):
+    """Rows masked as a sampler masks them: every vocabulary entry -1e4 but a few real logits, all at odd (or all at
+    even) indices, the chosen token and the row's max among them, V a multiple of the 8-element vectors (rows start
+    on a 16-byte boundary): a vector's max (two elements per packed instruction) that dropped one lane of a pair
+    would take -1e4 for the max and overflow. selective_log_softmax and the fused pass, checked by value."""
+    rows, vocab = 6, 1000
+    g = torch.Generator().manual_seed(61)
+    logits = torch.full((rows, vocab), -1e4, dtype=torch.float64)
+    parity = 1 if lane == "odd" else 0
+    ids = torch.empty(rows, dtype=torch.int64)
+    for r in range(rows):
+        real = 2 * torch.randperm(vocab // 2, generator=g)[:5] + parity  # five indices of that parity
+        logits[r, real] = 3.0 * torch.randn(5, generator=g, dtype=torch.float64)
+        logits[r, real[0]] = logits[r, real].max() + 1.0 + r  # the max; the chosen token is the max in half the rows
+        ids[r] = real[r % 2]
+    assert (ids % 2 == parity).all() and (logits.argmax(1) % 2 == parity).all()
+    x = logits.to(dtype)
+    logps, _, _ = check_op(emu, "selective_log_softmax_forward", x, ids, 1.0, 1.0, 0.0, True)
+    assert torch.isfinite(logps).all()
+    softmax_round_trip(emu, x, ids, 0.8)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    adv = torch.tensor([0.7, -1.2])
+    args = pass_args(x, ids, adv, mask, temperature=1.0, loss_type="grpo")
+    logps, _, grad = check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+    assert torch.isfinite(logps).all() and torch.isfinite(grad.float()).all()
+
+
+def test_logits_loss_strided_rows_new_gradient(emu):
+    """The whole op on a ``logits[:, :-1]`` view (row stride V + 1, a NaN between the rows): the gradient
+    in a new [N, V] tensor, V apart, at both levels (one pass, or two around the loss)."""
+    logits, ids, adv, mask, old, _ = make_problem(seed=62)
+    wide = torch.full((24, 51), float("nan"))
+    wide[:, :-1] = logits.reshape(24, 50)
+    x = wide[:, :-1]
+    for level in ("token", "sequence"):
+        options = LossOptions(old_logps=old.float(), loss_type="grpo", importance_sampling_level=level)
+        resolved = validate_grpo_loss_args(torch.empty(4, 6), adv.float(), mask, options)
+        args = (x, ids.reshape(-1), adv.float(), mask, *resolved.op_args(), 0.9, 1.0, 0.0, 0.02, None, True)
+        check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES)

@@ -41,19 +41,24 @@ def kernels_launched(device, run) -> set[str]:
 
 
 @pytest.mark.parametrize(("dtype", "vocab", "path"), RESIDENT_CASES)
-@pytest.mark.parametrize("layout", ["contiguous", "misaligned in place"])
+@pytest.mark.parametrize("layout", ["contiguous", "misaligned in place", "strided rows"])
 def test_logits_pass_single_read_in_clusters(emu_small_shared, dtype, vocab, path, layout):
-    """Masked rows (never read), a confident token, rows that start off a 16-byte boundary written in place; the
-    outputs match the CPU kernel's whichever path the row size selects, under every schedule."""
+    """Masked rows (never read), a confident token, rows that start off a 16-byte boundary written in place, and
+    rows of a ``logits[:, :-1]`` view (row stride V + 1) whose gradient goes to a new contiguous tensor (row stride
+    V); the outputs match the CPU kernel's whichever path the row size selects, under every schedule."""
     logits, ids, adv, mask, old, ref = make_problem(2, 3, vocab, seed=vocab, per_token_adv=True)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     options = dict(old_logps=old.to(acc), ref_logps=ref.to(acc), beta=0.1, loss_type="dapo")
     x = logits.to(dtype).reshape(6, vocab)
     op, names = "grpo_loss_from_logits_pass", PASS_NAMES
-    if layout != "contiguous":  # rows one element past a 16-byte boundary (row stride V + 1)
+    if layout == "misaligned in place":  # rows one element past a 16-byte boundary (row stride V + 1)
         wide = torch.zeros(6, vocab + 1, dtype=dtype)
         wide[:, 1:] = x
         x, op, names = wide[:, 1:], "grpo_loss_from_logits_pass_", ("logps", "entropy", "logits")
+    elif layout == "strided rows":  # the gradient's rows (V apart) are not the logits' (V + 1 apart)
+        wide = torch.full((6, vocab + 1), float("nan"), dtype=dtype)
+        wide[:, :-1] = x
+        x = wide[:, :-1]
     args = pass_args(x, ids.reshape(-1), adv.to(acc), mask, temperature=0.7, logit=(1.5, 20.0), **options)
     launched = kernels_launched(emu_small_shared, lambda: check_op(emu_small_shared, op, *args, tol=PASS_TOL,
                                                                    names=names))  # fmt: skip

@@ -2,7 +2,7 @@
 grpo_loss_backward_kernel), driven by their launchers through grpo_loss_forward and grpo_loss_backward: every loss
 type, importance level, KL configuration and extra of the CUDA tests (tests/test_grpo_loss.py), float64 and
 low-precision inputs, masks of every dtype, strided inputs, rows from 1 to 4100 tokens (32 to 512 threads), NaN
-under the mask."""
+under the mask, skip_empty_rows over rows of zero, one and more kept tokens."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import make_loss_batch
-from grpo_ext.ops.options import IMPORTANCE_SAMPLING_LEVELS as LEVELS
-from grpo_ext.ops.options import LOSS_TYPES, LossOptions
 from grpo_ext.validation import validate_grpo_loss_args
+from grpo_ext.validation.options import IMPORTANCE_SAMPLING_LEVELS as LEVELS
+from grpo_ext.validation.options import LOSS_TYPES, LossOptions
 from test_grpo_loss import (
     EXTRAS,
     FLOAT64_BATCH,
@@ -193,3 +193,36 @@ def test_vespo_non_finite_kept_input_leaves_masked_gradients_zero(emu, level, wh
                   sample_mask="sample_mask")  # fmt: skip
     _, _, grad_raw, _ = run_forward_backward(emu, forward_args(batch, kwargs))
     assert (grad_raw[~kept] == 0).all() and torch.isnan(grad_raw[row][kept[row]]).any()
+
+
+#: The loss types whose per-row means skip_empty_rows changes (docs/math.md section 4; global_loss_scale).
+PER_ROW_MEAN_LOSS_TYPES = ("grpo", "sapo", "luspo", "dr_grpo")
+
+
+def rows_of_every_length(batch, mask_dtype: torch.dtype = torch.bool):
+    """``batch`` (8 rows of 9 tokens) with rows of no kept token (row 0; row 7, dropped by the sample mask), of one
+    (rows 2 and 3: the first token, the last) and longer ones; a float mask weights row 3's token 0.5 (a row with a
+    kept token all the same)."""
+    mask = batch.mask.clone()
+    mask[0] = False
+    mask[2:4] = False
+    mask[2, 0] = mask[3, -1] = True
+    mask[4, :3] = True  # at least two tokens
+    batch.mask = mask.to(mask_dtype)
+    if mask_dtype.is_floating_point:
+        batch.mask[3, -1] = 0.5
+    assert not batch.sample_mask[-1] and batch.sample_mask[:-1].all()
+    return batch
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", PER_ROW_MEAN_LOSS_TYPES)
+def test_skip_empty_rows_counts_one_token_rows(emu, loss_type, level):
+    """skip_empty_rows: the per-row means divide by the rows with a kept token (the rows kernel's non-empty slot),
+    over rows of none, one and more tokens, with a bool and a float mask (docs/math.md: a row of one token weighted
+    0.5 has a kept token)."""
+    for mask_dtype in (torch.bool, torch.float32):
+        batch = rows_of_every_length(make_loss_batch(seed=21, batch=8, seq_len=9).to("cpu", torch.float32), mask_dtype)
+        kwargs = dict(loss_type=loss_type, importance_sampling_level=level, old_logps="old_logps",
+                      sample_mask="sample_mask", max_completion_length=12, skip_empty_rows=True)  # fmt: skip
+        run_forward_backward(emu, forward_args(batch, kwargs))

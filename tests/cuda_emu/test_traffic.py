@@ -111,7 +111,7 @@ def test_logits_pass_reads_unmasked_rows_once_or_twice_and_writes_each_gradient_
             assert x.read == 2 * unmasked * vocab * es + unmasked * es, name
         else:  # once (staged in shared memory), plus its chosen logit in each block of the row's cluster
             assert x.read == unmasked * vocab * es + unmasked * blocks[dtype] * es, name
-        grad = x if in_place else t["new3"]
+        grad = x if in_place else t["new2"]
         assert grad.written == rows * vocab * es, name  # every row once (masked rows get zeros, not read)
 
 
