@@ -1,7 +1,8 @@
 """Every public loss function's docstring lists each loss option it takes, with its meaning from LossOptions.
 
-The lists are generated from ``LossOptions`` (``validation/options.py``), so an option added there cannot be missing from a
-docstring (issue 23, point 7: ``grpo_loss``' hand-written list had lost vespo's four options and ``skip_empty_rows``).
+The lists are generated from ``LossOptions`` (``validation/options.py``), so an option added there cannot be missing
+from a docstring (issue 23, point 7: ``grpo_loss``' hand-written list had lost vespo's four options and
+``skip_empty_rows``).
 """
 
 from __future__ import annotations
