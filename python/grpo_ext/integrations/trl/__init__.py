@@ -27,16 +27,23 @@ What changes, and what does not:
   ``off_policy_mask_threshold`` and ``top_entropy_quantile`` (all three as ``is_weights``; for vespo the vLLM ratio
   enters its sequence weight, as in TRL, and the two masks are ``policy_weights``), tool masks and the MoE router
   auxiliary loss;
-- **the log-prob passes** (policy, old policy and reference): TRL 1.16 computes them inside the model's forward
-  (``add_fused_lm_head``), projecting the hidden states through the LM head in tiles. The patched trainer keeps that
-  forward (PEFT, multimodal inputs, FSDP, ``cast_lm_head_to_fp32``, logit scaling and soft-capping all stay TRL's)
-  and swaps only the tile math for :func:`grpo_ext.selective_log_softmax`, in row chunks whose logits are
-  recomputed in the backward, so the ``[N, V]`` logits are never all held at once;
+- **the log-prob passes** (policy, old policy and reference): TRL 1.15/1.16 compute them inside the model's forward
+  (``add_fused_lm_head``; 1.14 in ``GRPOTrainer._chunked_logps``), projecting the hidden states through the LM head
+  in tiles. The patched trainer keeps that forward (PEFT, multimodal inputs, FSDP, ``cast_lm_head_to_fp32``, logit
+  scaling and soft-capping all stay TRL's) and swaps only the tile math for :func:`grpo_ext.selective_log_softmax`,
+  in row chunks whose logits are recomputed in the backward, so the ``[N, V]`` logits are never all held at once;
 - **the metrics** keep TRL's names and reductions (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
   ``vespo/phi_seq_mean``).
 
-Every TRL 1.16 loss option is supported; a loss type TRL does not have is refused when the trainer is built or
-patched.
+Every TRL loss option is supported; a loss type TRL does not have is refused when the trainer is built or patched.
+
+**TRL releases**: 1.14.x, 1.15.x and 1.16.x (:func:`check_trl_version` refuses any other, naming the range, and an
+installed release lacking an internal the integration hooks, naming that internal). The loss code is the same in all
+three; what differs is how TRL scores log-probs (:mod:`.compat`): 1.15 and 1.16 through ``add_fused_lm_head`` as
+above; 1.14 from the model's full logits unless ``GRPOConfig.use_liger_kernel=True`` (its chunked LM-head path,
+where the loss is fused as above), so with its default config, or an MoE model with a router loss, the loss takes
+the log-prob path (TRL's full logits through :func:`grpo_ext.selective_log_softmax`, then
+:func:`grpo_ext.grpo_loss`) with a one-line warning saying why.
 The differences from TRL are listed in the README ("Using grpo_ext from TRL").
 """
 
@@ -52,14 +59,14 @@ from torch import Tensor
 
 try:
     import trl
-    import trl.trainer.utils as _trl_utils
 except ImportError as exc:  # pragma: no cover - CI installs trl
     raise ImportError(
-        "grpo_ext.integrations.trl needs TRL: pip install 'trl==1.16.0' (the version this integration is tested with)"
+        "grpo_ext.integrations.trl needs TRL 1.14.x to 1.16.x: pip install 'trl==1.16.0' (the version the main test "
+        "environment pins)"
     ) from exc
-from packaging.version import InvalidVersion, Version
 
 from ...validation.options import LOSS_TYPES
+from . import compat
 from .fused import GrpoExtHead, _log_probs_through_grpo_ext  # noqa: F401  (the tests reach the first here)
 from .log_probs import _GrpoExtLogProbs  # noqa: F401  (the tests reach it here)
 from .loss import _compute_loss
@@ -67,6 +74,7 @@ from .loss import _compute_loss
 __all__ = [
     "LOGPS_BACKENDS",
     "SUPPORTED_LOSS_TYPES",
+    "SUPPORTED_TRL_VERSIONS",
     "TESTED_TRL_VERSION",
     "GRPOExtTrainer",
     "check_trl_version",
@@ -75,11 +83,13 @@ __all__ = [
     "unpatch",
 ]
 
-#: The TRL release this integration is tested against; any 1.16.x is accepted (it relies on TRL internals).
+#: The TRL release the main test environment pins; 1.14.x, 1.15.x and 1.16.x are accepted (the integration hooks TRL
+#: internals that change between releases: :mod:`.compat`), and ``make test`` runs the parity tests under 1.14.0 and
+#: 1.15.0 too.
 TESTED_TRL_VERSION = "1.16.0"
-_SUPPORTED_RELEASE = (1, 16)
+SUPPORTED_TRL_VERSIONS = ">=1.14.0,<1.17"
 
-#: TRL loss types grpo_ext computes: all of TRL 1.16's.
+#: TRL loss types grpo_ext computes: all of TRL 1.14-1.16's (the same eight in each).
 SUPPORTED_LOSS_TYPES: tuple[str, ...] = LOSS_TYPES
 
 
@@ -99,28 +109,28 @@ def _check_backend(logps_backend: str) -> str:
 def check_trl_version(version: str | None = None) -> None:
     """Raises unless ``version`` (default: the installed TRL's) is a release this integration supports.
 
+    Without ``version``, also checks that the installed TRL has every internal the integration hooks in that release
+    (:func:`.compat.required_internals`).
+
     Args:
-        version: a TRL version string, e.g. ``"1.16.0"``; None reads ``trl.__version__``.
+        version: a TRL version string, e.g. ``"1.15.0"``; None reads ``trl.__version__``.
 
     Raises:
-        RuntimeError: naming the version found and the one to install.
+        RuntimeError: naming the version found and the supported range, or the missing internal.
     """
     found = trl.__version__ if version is None else version
-    try:
-        release = Version(found).release[:2]
-    except InvalidVersion:
-        release = None
-    if release != _SUPPORTED_RELEASE:
-        supported = ".".join(map(str, _SUPPORTED_RELEASE))
+    if not compat.is_supported(found):
         raise RuntimeError(
-            f"grpo_ext.integrations.trl supports trl {supported}.x (it hooks TRL internals that change between "
-            f"releases), found trl {found}: pip install 'trl=={TESTED_TRL_VERSION}'"
+            f"grpo_ext.integrations.trl supports trl 1.14.x to 1.16.x (it hooks TRL internals that change between "
+            f"releases), found trl {found}: pip install 'trl{SUPPORTED_TRL_VERSIONS}'"
         )
-    if not hasattr(_trl_utils, "_ChunkedLogProbFunction"):
-        raise RuntimeError(
-            f"trl {found} has no trl.trainer.utils._ChunkedLogProbFunction, which grpo_ext.integrations.trl "
-            f"replaces: pip install 'trl=={TESTED_TRL_VERSION}'"
-        )
+    if version is None:
+        missing = compat.missing_internal()
+        if missing is not None:
+            raise RuntimeError(
+                f"trl {found} has no {missing.path}, which grpo_ext.integrations.trl {missing.use}: "
+                f"pip install 'trl=={TESTED_TRL_VERSION}'"
+            )
 
 
 def _check_config(args: Any) -> None:

@@ -1,7 +1,8 @@
 """The policy loss from TRL's fused LM head: grpo_ext.grpo_loss_from_hidden inside the model's forward.
 
-TRL 1.16's ``add_fused_lm_head`` forward runs the backbone, takes the LM head's weight (gathered under FSDP2 and
-DeepSpeed ZeRO-3) and hands the hidden states to ``trl.trainer.utils._ChunkedLogProbFunction.apply``. While
+TRL's ``add_fused_lm_head`` forward (1.15 and 1.16; 1.14's ``GRPOTrainer._chunked_logps``, see :mod:`.compat`) runs
+the backbone, takes the LM head's weight (gathered under FSDP2 and DeepSpeed ZeRO-3) and hands the hidden states to
+its ``_ChunkedLogProbFunction.apply``. While
 :func:`fused_loss_request` is open, :class:`GrpoExtHead` (installed in that slot by ``_log_probs_through_grpo_ext``)
 takes that call: it picks the completion rows out of the hidden states and computes the whole GRPO loss from them
 with :func:`grpo_ext.grpo_loss_from_hidden` (each chunk's logits exist once; the gradients for the hidden states and
@@ -19,12 +20,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import trl.trainer.utils as _trl_utils
 from torch import Tensor
 
 from ... import ops
 from ...results import GRPOLossOutput
-from .log_probs import _compute_dtype, _GrpoExtLogProbs
+from . import compat
+from .log_probs import _compute_dtype, _GrpoExtLogProbs, full_logits_log_probs, full_logits_log_probs_and_entropy
 
 
 @dataclasses.dataclass
@@ -76,12 +77,12 @@ def fused_loss_request(request: FusedLossRequest) -> Iterator[FusedLossRequest]:
 def _completion_rows(request: FusedLossRequest, hidden: Tensor) -> tuple[Tensor | None, str | None]:
     """The ``[B, T, H]`` hidden states scoring the completion ids, from the rows TRL's forward passes, or a refusal.
 
-    TRL passes either every shifted position (``[B * (P + T - 1), H]``) or, on Triton devices, only the positions
-    with a label (the completion tokens whose mask is set), in row-major order.
+    TRL passes either every shifted position (``[B * (P + T - 1), H]``: 1.16 off Triton devices) or only the
+    positions with a label (the completion tokens whose mask is set), in row-major order.
     """
     batch, length = request.completion_ids.shape
     size = hidden.shape[-1]
-    if _trl_utils._use_triton(hidden.device):  # compact: scatter the labelled rows back into [B, T]
+    if compat.head_rows_are_compact(hidden.device):  # compact: scatter the labelled rows back into [B, T]
         kept = request.completion_mask.to(hidden.device) != 0
         if hidden.shape[0] != int(kept.sum()):
             return None, f"the forward scored {hidden.shape[0]} rows, not the batch's {int(kept.sum())} tokens"
@@ -156,17 +157,41 @@ def _token_weights(request: FusedLossRequest, rows: Tensor, weight: Tensor, bias
     return request.token_weights(logps.view(ids.shape), entropy.view(ids.shape))
 
 
+class GrpoExtHeadTwoOutputs:
+    """:class:`GrpoExtHead` under TRL 1.14's ``_ChunkedLogProbFunction`` contract (eight arguments; log-probs and
+    entropy, both always computed)."""
+
+    @staticmethod
+    def apply(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+              chunk_size: int, final_logit_softcapping: float | None = None,
+              logit_scale: float = 1.0) -> tuple[Tensor, Tensor]:  # fmt: skip
+        head_options = (final_logit_softcapping, logit_scale, ("log_probs", "entropy"))
+        logps, entropy, *_ = GrpoExtHead.apply(hidden, weight, bias, targets, temperature, chunk_size, *head_options)
+        return logps, entropy
+
+
 @contextlib.contextmanager
 def _log_probs_through_grpo_ext() -> Iterator[None]:
-    """While open, TRL's fused LM head runs on grpo_ext: the fused loss of an open request, else the log-prob pass.
+    """While open, TRL's chunked LM head runs on grpo_ext: the fused loss of an open request, else the log-prob pass.
 
-    TRL 1.16's ``add_fused_lm_head`` forward looks ``_ChunkedLogProbFunction`` up in ``trl.trainer.utils`` at call
-    time; swapping that one name keeps the rest of the forward (backbone, PEFT, multimodal inputs, FSDP gathers,
-    label masking) TRL's own, and is undone on exit, so other TRL trainers in the process are unaffected.
+    TRL looks its ``_ChunkedLogProbFunction`` up at call time (1.15 and 1.16: ``trl.trainer.utils``, from
+    ``add_fused_lm_head``'s forward; 1.14: ``trl.trainer.grpo_trainer``, from ``_chunked_logps``); swapping that one
+    name keeps the rest of the forward (backbone, PEFT, multimodal inputs, FSDP gathers, label masking) TRL's own.
+    TRL 1.14's full-logits path gets grpo_ext's ``selective_log_softmax`` in place of its two functions. Every swap
+    is undone on exit, so other TRL trainers in the process are unaffected.
     """
-    previous = _trl_utils._ChunkedLogProbFunction
-    _trl_utils._ChunkedLogProbFunction = GrpoExtHead
+    module, name = compat.head_slot()
+    swaps = [(module, name, GrpoExtHead if compat.has_fused_lm_head() else GrpoExtHeadTwoOutputs)]
+    if not compat.has_fused_lm_head():
+        swaps += [
+            (module, "selective_log_softmax_and_entropy", full_logits_log_probs_and_entropy),
+            (module, "selective_log_softmax", full_logits_log_probs),
+        ]
+    previous = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in swaps]
+    for owner, attr, replacement in swaps:
+        setattr(owner, attr, replacement)
     try:
         yield
     finally:
-        _trl_utils._ChunkedLogProbFunction = previous
+        for owner, attr, value in previous:
+            setattr(owner, attr, value)

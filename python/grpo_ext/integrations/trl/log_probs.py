@@ -1,4 +1,5 @@
-"""The log-prob pass of TRL's fused LM head through grpo_ext.selective_log_softmax (see the package docstring).
+"""The log-prob pass of TRL's fused LM head through grpo_ext.selective_log_softmax (see the package docstring), and
+TRL 1.14's full-logits log-prob functions on the same op.
 
 The chunking and the chunk's logits are grpo_ext's shared LM-head helpers (:mod:`grpo_ext.ops.lm_head`), the ones
 grpo_loss_from_hidden uses; ``logit_scale`` and soft-capping go through the kernels' logits options.
@@ -154,3 +155,40 @@ class _GrpoExtLogProbs(torch.autograd.Function):
             None if grad_bias is None else grad_bias.to(bias.dtype),
             *nothing[3:],
         )
+
+
+def full_logits_log_probs_and_entropy(logits: Tensor, index: Tensor, entropy_requires_grad: bool = True,
+                                      temperature: float = 1.0,
+                                      row_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """TRL 1.14's ``selective_log_softmax_and_entropy`` (its full-logits path) on grpo_ext.selective_log_softmax.
+
+    Args:
+        logits: ``[B, T, V]`` (or ``[N, V]``) logits, any float dtype, already aligned with ``index``.
+        index: ``[B, T]`` (or ``[N]``) int64 ids, one per row.
+        entropy_requires_grad: whether the entropy keeps its gradient (TRL: only with an entropy bonus).
+        temperature: the logits are divided by it (> 0).
+        row_mask: rows where it is 0 score 0 (log-prob and entropy), with no gradient; None keeps every row.
+
+    Returns:
+        ``(log_probs, entropy)`` shaped like ``index``, float32 (float64 for float64 logits).
+    """
+    if index.shape != logits.shape[:-1]:
+        raise ValueError(f"index must have shape {tuple(logits.shape[:-1])} (one id per row), got {tuple(index.shape)}")
+    out = ops.selective_log_softmax(logits, index, temperature=temperature, return_entropy=True)
+    logps, entropy = out.logps, out.entropy
+    if not entropy_requires_grad:
+        entropy = entropy.detach()
+    if row_mask is not None:
+        keep = row_mask != 0
+        logps, entropy = torch.where(keep, logps, 0.0), torch.where(keep, entropy, 0.0)
+    return logps, entropy
+
+
+def full_logits_log_probs(logits: Tensor, index: Tensor, temperature: float = 1.0,
+                          row_mask: Tensor | None = None) -> Tensor:  # fmt: skip
+    """TRL 1.14's ``selective_log_softmax`` (its full-logits path, one id per row) on grpo_ext; see
+    :func:`full_logits_log_probs_and_entropy`."""
+    if index.shape != logits.shape[:-1]:
+        raise ValueError(f"index must have shape {tuple(logits.shape[:-1])} (one id per row), got {tuple(index.shape)}")
+    logps = ops.selective_log_softmax(logits, index, temperature=temperature).logps
+    return logps if row_mask is None else torch.where(row_mask != 0, logps, 0.0)

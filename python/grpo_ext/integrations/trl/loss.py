@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ... import ops
 from ...validation.options import CLIP_FAMILY_LOSS_TYPES, TOKEN_LEVEL_LOSS_TYPES
+from . import compat
 from .fused import FusedLossRequest, fused_loss_request
 
 # Arguments of TRL's `_get_per_token_logps_and_entropies` that `_compute_loss` does not build itself: they are
@@ -38,8 +39,17 @@ _BUILT_ARGUMENTS = frozenset(
 
 @functools.cache
 def _forwarded_input_names() -> tuple[str, ...]:
-    params = inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies).parameters
-    return tuple(name for name in params if name not in _BUILT_ARGUMENTS)
+    # TRL 1.14's method takes (model, *args, **kwargs) on to _full_logits_logps, which names the fields.
+    names: list[str] = []
+    methods = [trl.GRPOTrainer._get_per_token_logps_and_entropies]
+    if hasattr(trl.GRPOTrainer, "_full_logits_logps"):
+        methods.append(trl.GRPOTrainer._full_logits_logps)
+    for method in methods:
+        for name, param in inspect.signature(method).parameters.items():
+            named = param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+            if named and name not in _BUILT_ARGUMENTS and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 def _global_mean(trainer: trl.GRPOTrainer, local_sum: Tensor, local_count: Tensor) -> float:
@@ -280,7 +290,11 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
     bonus_coef = _entropy_bonus_coef(trainer)
 
     request = None
-    if getattr(trainer, "logps_backend", "fused") == "fused":  # no TRL option keeps the loss off the fused path
+    fused = getattr(trainer, "logps_backend", "fused") == "fused"
+    refusal = compat.fused_path_refusal(trainer) if fused else None  # TRL 1.14's full-logits path
+    if refusal is not None:
+        _warn_fallback(trainer, refusal)
+    elif fused:  # no TRL 1.15/1.16 option keeps the loss off the fused path
         token_weights = None
         if _needs_token_values(trainer):  # weights from a no-grad pass inside the forward, before the loss
             def token_weights(logps: Tensor, entropies: Tensor) -> dict[str, Tensor | None]:
