@@ -1,43 +1,81 @@
-"""Benchmark of one full GRPO training step: grpo_ext's trainer (plain / fused log-probs), TRL's, GRPOExtTrainer.
+"""Benchmark of one full GRPO training step, as TRL ships it: grpo_ext's trainer, TRL 1.16's and GRPOExtTrainer's.
 
-Each contender runs in a fresh process (so that its peak memory is its own) on the same tiny random-init Qwen2-style
-model (hidden 256, 2 layers, 4 heads, untied LM head, float32 on the CPU, or the shape --hidden, --layers, --heads,
---kv-heads and --intermediate give; built in the script, nothing downloaded) and the
-same batch (``--batch`` completions, ``num_generations`` 4, prompts of ``--prompt-length`` tokens, completions of
-exactly ``T`` tokens, ``loss_type="dapo"``, ``beta=0``, one micro-batch per step). Contenders:
+Each contender runs in a fresh process (so that its peak memory is its own) on the same random-init Qwen2-style model
+(``--shape``: ``small``, hidden 256, 2 layers, 4 heads, 2 key/value heads, MLP 2 x hidden, untied LM head;
+``qwen2.5-0.5b``: H 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, V 151936, tied embeddings as the real model;
+``qwen2.5-1.5b``: H 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, V 151936, tied; ``--layers N`` cuts the depth,
+and the case then says so; ``--hidden``, ``--heads``, ``--kv-heads``, ``--intermediate`` override the preset; built
+in the script, nothing downloaded) and the same batch (``--batch`` completions, ``num_generations`` 4, prompts of
+``--prompt-length`` tokens, completions of exactly ``T`` tokens, ``loss_type="dapo"``, one micro-batch per step).
+Contenders:
 
 * ``grpo_ext/<backend>``: :class:`grpo_ext.trainer.GRPOTrainer` with ``GRPOConfig(logps_backend=<backend>)``, for
   ``plain`` and ``fused``; a backend the installed GRPOConfig does not accept is reported n/a, and then the backends it
   does accept are run instead (so the script measures whatever exists in the checkout);
-* ``trl``: TRL 1.16's own ``trl.GRPOTrainer``, unpatched;
+* ``trl``: TRL 1.16's own ``trl.GRPOTrainer``, unpatched (its ``add_fused_lm_head`` chunked LM head included);
 * ``trl+grpo_ext/<backend>``: ``grpo_ext.integrations.trl.GRPOExtTrainer(logps_backend=<backend>)``.
 
-Two figures per contender, case by case:
+The step as TRL ships it (each setting a row of the case, or a case):
+
+* ``--precision bf16,fp32`` (default bf16, TRL's default ``bf16=True``). TRL's contenders get the model the way TRL
+  1.16 loads it by default: the script saves the random-init model and passes its directory, which TRL's
+  ``create_model_from_path`` loads in float32 (its default ``dtype``; not the checkpoint's); with ``bf16=True``
+  transformers sets ``mixed_precision="bf16"`` and the step runs as ``Trainer.train()`` runs it:
+  ``accelerator.prepare(model, optimizer)`` wraps the model's forward in ``torch.autocast(<device>, bfloat16)``
+  (TRL's loss also enters ``accelerator.autocast()``), so weights, gradients and AdamW state stay float32 and the
+  forward (and the checkpoint recompute) autocasts to bfloat16. grpo_ext's trainer gets ``GRPOConfig(bf16=True)``,
+  its own option: bfloat16 autocast around its forward, loss and generation, on CUDA only; on the CPU that autocast
+  is a no-op, so the script gives it ``torch.autocast("cpu", bfloat16)`` at the same places (its trainer and rollout
+  modules' ``bf16_autocast``), float32 weights as TRL's. ``fp32``: ``bf16=False`` everywhere.
+* ``--gradient-checkpointing on|off|both`` (default on, TRL's default): transformers' activation checkpointing with
+  ``use_reentrant=False``, enabled for TRL's contenders as ``Trainer.train()`` enables it
+  (``activation_checkpointing_enable``, ``gradient_checkpointing_enable`` before transformers 5; this script calls
+  TRL's loss itself, so it repeats that step), and by ``GRPOConfig(gradient_checkpointing=...)`` for grpo_ext's
+  trainer; a row without it ends in ``[no ckpt]``. ``both`` gives each contender both rows.
+* ``--beta 0,0.04`` (default 0): each value a case. ``beta > 0`` builds a reference model as each contender does
+  (TRL: ``create_model_from_path`` of the policy's directory; grpo_ext's trainer: a deep copy of the policy); the
+  fixed batch then carries reference log-probs (the float32 model's, plus seeded noise of std 0.05, so that the KL
+  term has a gradient from the first step on), and the reference forward is part of ``gen+step``, where both
+  trainers run it (scoring), not of ``step``.
+
+Figures per contender, case by case:
 
 * ``step``: forward, backward, gradient clipping and the AdamW update of one step on a fixed batch (generation
   excluded), median of ``--steps`` timed steps after one warm-up step;
-* ``gen+step``: the same contender's own generation of a batch (``T`` new tokens at most, sampling) and scoring, then
-  the step on it (generation included), timed once.
+* ``gen+step``: the same contender's own generation of a batch (``T`` new tokens at most, sampling) and scoring (the
+  reference model's forward with ``beta > 0``), then the step on it, timed once; ``gen %``: the share of it spent
+  in the model's ``generate`` (timed around it);
+* ``peak MiB``: on the CPU the process's peak RSS during the timed steps above its RSS just before them (Linux
+  ``VmHWM`` reset through ``/proc/self/clear_refs``; glibc is told to return large blocks to the system), so the
+  model, its gradients, the optimizer state and the reference model, allocated before or by the warm-up step, are
+  not counted; on CUDA the allocator's peak above what was allocated before.
+* ``--profile``: where the time of the timed steps goes (torch.profiler over them), per step: the decoder layers'
+  forward, their backward (the checkpoint recompute included), the LM head + log-probs + loss forward and backward,
+  the optimizer (AdamW's step and zero_grad) and the rest (gradient clipping, embedding and its gradient, final
+  norm, input preparation, metrics, Python). Method: each profiler event's self time goes to one part. Forward: module
+  hooks put the decoder layers in ``record_function`` ranges and mark the backbone's end; what runs after it and
+  before the backward is the head + loss. Backward: autograd runs each node in an ``evaluate_function`` event whose
+  sequence number is that of the forward op that made the node (on the forward thread, ``fwd_thread_id``); the hooks
+  record the sequence numbers at each layer's start and end and at the backbone's end, so each backward event goes
+  to the part whose forward made it, and the checkpoint recompute, run inside the first backward node of its layer,
+  goes with it. On CUDA the parts are device (kernel) time and ``rest`` is the step's wall time less them (idle
+  included); the CPU rows check that the parts' events sum to the profiled step time (printed). The profiled steps
+  are the timed ones. Also per contender the GEMM floor: the median time of the three ``[N, H] x [H, V]`` products
+  of an LM head (forward logits, gradient of the input, gradient of the weight) at the case's N = B x T completion
+  tokens, H, V and compute dtype (bfloat16 under ``bf16``), timed in the same process after the steps; ``head / GEMMs``
+  is the LM head + loss part (forward + backward) over it. (TRL's chunked head scores only the completion tokens on
+  Triton devices; elsewhere, the CPU included, every position of every row: B x (P + T - 1).)
 
-Peak memory, ``peak MiB``: on the CPU the process's peak RSS during the timed steps above its RSS just before them
-(Linux ``VmHWM`` reset through ``/proc/self/clear_refs``; glibc is told to return large blocks to the system), so
-the model, its gradients and the optimizer state, allocated by the warm-up step, are not counted; on CUDA the
-allocator's peak above what was allocated before. ``--max-logits-gib`` skips a contender (n/a) whose step would
-hold the ``[B, P + T, V]`` float32 logits above that size (the plain path on a small machine).
+``--max-logits-gib`` skips a contender (n/a) whose step would hold the ``[B, P + T, V]`` float32 logits above that
+size (the plain path on a small machine).
 
 Usage::
 
-    python benchmarks/bench_trainer.py           # V in {32000, 151936} x T in {256, 1024}
+    python benchmarks/bench_trainer.py           # small shape, V in {32000, 151936} x T in {256, 1024}
     python benchmarks/bench_trainer.py --quick   # smoke run (CI): V=512, T=16, hidden 32
-    python benchmarks/bench_trainer.py --vocabs 151936 --lengths 1024 --contenders grpo_ext/fused,trl
+    python benchmarks/bench_trainer.py --shape qwen2.5-0.5b --layers 2 --lengths 128 --precision bf16,fp32 \\
+        --beta 0,0.04 --contenders trl,trl+grpo_ext/fused,grpo_ext/fused --profile
     python benchmarks/bench_trainer.py --contenders trl,trl+grpo_ext/fused --options top_entropy_quantile=0.2
-
-``--gradient-checkpointing on|off|both`` (default off, as the rows of RESULTS.md were measured): ``on`` turns on
-transformers' activation checkpointing (``use_reentrant=False``) for every contender, ``GRPOConfig``'s
-``gradient_checkpointing`` for grpo_ext's trainer and what ``transformers.Trainer.train()`` does with TRL's for
-the others (this script calls TRL's loss itself, so TRL's own default of on never applies here); such a row's impl
-ends in ``+ckpt``. ``both`` gives each contender both rows, so the peak's fall reads off one table (the gradient-norm
-check compares them too: checkpointing changes no result).
 
 ``--options KEY=VALUE,...`` sets loss options of every contender's config (TRL's names: ``entropy_coef``,
 ``top_entropy_quantile``, ``off_policy_mask_threshold``, ...); a grpo_ext trainer contender whose GRPOConfig lacks
@@ -48,6 +86,8 @@ sampling log-probs are the current ones) while still computing its mask.
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
 import json
 import os
 import statistics
@@ -55,6 +95,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +110,18 @@ CONTENDERS = ("grpo_ext/plain", "grpo_ext/fused", "trl", "trl+grpo_ext/fused", "
 NUM_GENERATIONS = 4
 RESULT_PREFIX = "RESULT "
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+NO_CHECKPOINTING = " [no ckpt]"
+#: Model shapes: ``vocab`` None takes ``--vocabs``; ``intermediate`` None is 2 x hidden. Qwen2.5's from its configs.
+SHAPES: dict[str, dict[str, Any]] = {
+    "small": dict(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=None, vocab=None, tied=False),
+    "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True),
+    "qwen2.5-1.5b": dict(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True),
+}
+#: The parts of a profiled step (``--profile``), in table order.
+PARTS = ("layers_fwd", "layers_bwd", "head_fwd", "head_bwd", "optimizer", "rest")
+#: Largest relative gap of the contenders' first-step gradient norms, per precision: bfloat16 autocast rounds the
+#: logits and activations differently on each path (TRL's chunks, grpo_ext's fused head), float32 only sums apart.
+GRAD_NORM_RTOL = {"fp32": 1e-3, "bf16": 2e-2}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -93,15 +146,16 @@ def build_tokenizer(vocab: int):
 
 
 def build_model(case: dict[str, Any], tokenizer, device: torch.device):
-    """The tiny random-init Qwen2 causal LM of the case (seeded, float32)."""
+    """The random-init Qwen2 causal LM of the case (seeded, float32)."""
     import transformers
 
     config = transformers.Qwen2Config(
         vocab_size=case["vocab"], hidden_size=case["hidden"],
         intermediate_size=case.get("intermediate") or 2 * case["hidden"], num_hidden_layers=case["layers"],
         num_attention_heads=case.get("heads", 4), num_key_value_heads=case.get("kv_heads", 2),
-        max_position_embeddings=case["prompt_length"] + case["length"] + 8, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=case["prompt_length"] + case["length"] + 8,
+        tie_word_embeddings=case.get("tied", False), pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     torch.manual_seed(case["seed"])
     return transformers.Qwen2ForCausalLM(config).to(device)
@@ -127,30 +181,60 @@ def fixed_batch(case: dict[str, Any], device: torch.device) -> dict[str, torch.T
     return {name: value.to(device) for name, value in batch.items()}
 
 
+@torch.no_grad()
+def reference_logps(model, batch: dict[str, torch.Tensor], seed: int) -> torch.Tensor:
+    """``[B, T]`` float32: the completion tokens' log-probs under ``model`` (float32, one row at a time, so that no
+    ``[B, P + T, V]`` logits exist), plus seeded noise of std 0.05: the fixed batch's reference log-probs."""
+    prompt_length = batch["prompt_ids"].shape[1]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    rows = []
+    for row in ids:
+        logits = model(input_ids=row[None], use_cache=False).logits[0, prompt_length - 1 : -1].float()
+        rows.append(logits.log_softmax(-1).gather(-1, row[prompt_length:, None])[:, 0])
+    noise = torch.randn(ids.shape[0], ids.shape[1] - prompt_length, generator=torch.Generator().manual_seed(seed))
+    return torch.stack(rows) + 0.05 * noise.to(ids.device)
+
+
 def reward(prompts, completions, **columns) -> list[float]:
     return [float(len(c) % 7) for c in completions]
 
 
-def grpo_ext_runner(case: dict[str, Any], backend: str, model, tokenizer, device: torch.device, out_dir: str):
-    """(step on the fixed batch, generation + step) of grpo_ext's own trainer."""
+def autocast_grpo_ext_on_cpu() -> None:
+    """grpo_ext's ``GRPOConfig(bf16=True)`` autocasts to bfloat16 on CUDA only (``sampling.bf16_autocast``); this
+    gives its trainer the same autocast on the CPU, at the same places (the names its trainer and rollout call)."""
+    import grpo_ext.trainer.rollout as rollout_module
+    import grpo_ext.trainer.trainer as trainer_module
+
+    def bf16_autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager:
+        return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+    trainer_module.bf16_autocast = rollout_module.bf16_autocast = bf16_autocast
+
+
+def grpo_ext_runner(case: dict[str, Any], backend: str, model, tokenizer, device: torch.device, out_dir: str,
+                    ref_logps: torch.Tensor | None):  # fmt: skip
+    """(step on the fixed batch, generation + step, the trained model) of grpo_ext's own trainer."""
     import dataclasses
 
     from grpo_ext.trainer import GRPOConfig, GRPOTrainer
 
+    bf16 = case["precision"] == "bf16"
+    if bf16 and device.type != "cuda":
+        autocast_grpo_ext_on_cpu()
     options = dict(case["options"])
     if "gradient_checkpointing" in {field.name for field in dataclasses.fields(GRPOConfig)}:
         options["gradient_checkpointing"] = case["checkpointing"]  # (select_contenders: n/a when on and absent)
     config = GRPOConfig(
         output_dir=out_dir, logps_backend=backend, per_device_train_batch_size=case["batch"],
         num_generations=NUM_GENERATIONS, max_completion_length=case["length"], max_prompt_length=None,
-        gradient_accumulation_steps=1, beta=0.0, loss_type="dapo", learning_rate=1e-5, report_to="none",
-        bf16=False, save_steps=0, plot=False, log_completions=False, **options,
+        gradient_accumulation_steps=1, beta=case["beta"], loss_type="dapo", learning_rate=1e-5, report_to="none",
+        bf16=bf16, save_steps=0, plot=False, log_completions=False, **options,
     )  # fmt: skip
     dataset = [{"prompt": p} for p in prompts_of(case)]
     trainer = GRPOTrainer(model, reward, dataset, config=config, tokenizer=tokenizer)
     batch = fixed_batch(case, device)
     micro = dict(batch, zero_std=torch.zeros(case["batch"], dtype=torch.bool, device=device), old_logps=None,
-                 ref_logps=None)  # fmt: skip
+                 ref_logps=ref_logps)  # fmt: skip
 
     def step() -> float:
         trainer._micro_batches = [micro]
@@ -160,54 +244,63 @@ def grpo_ext_runner(case: dict[str, Any], backend: str, model, tokenizer, device
         trainer._micro_batches = []
         return float(trainer._training_step()["grad_norm"])  # generates when the queue is empty
 
-    return step, generate_and_step
+    return step, generate_and_step, trainer.model
 
 
-def trl_runner(case: dict[str, Any], backend: str | None, model, tokenizer, device: torch.device, out_dir: str):
-    """(step on the fixed batch, generation + step) of TRL's GRPOTrainer, or of GRPOExtTrainer with ``backend``."""
+def trl_runner(case: dict[str, Any], backend: str | None, model_dir: str, tokenizer, device: torch.device,
+               out_dir: str, ref_logps: torch.Tensor | None):  # fmt: skip
+    """(step on the fixed batch, generation + step, the trained model) of TRL's GRPOTrainer, or of GRPOExtTrainer
+    with ``backend``, given the model as a directory (loaded by TRL) and run as ``Trainer.train()`` runs a step."""
     import trl
     from datasets import Dataset
 
     args = trl.GRPOConfig(
-        output_dir=out_dir, report_to="none", use_cpu=device.type == "cpu", bf16=False, seed=case["seed"],
-        per_device_train_batch_size=case["batch"], num_generations=NUM_GENERATIONS,
-        max_completion_length=case["length"], gradient_accumulation_steps=1, steps_per_generation=1, beta=0.0,
-        loss_type="dapo", learning_rate=1e-5, save_strategy="no", disable_tqdm=True,
+        output_dir=out_dir, report_to="none", use_cpu=device.type == "cpu", bf16=case["precision"] == "bf16",
+        seed=case["seed"], per_device_train_batch_size=case["batch"], num_generations=NUM_GENERATIONS,
+        max_completion_length=case["length"], gradient_accumulation_steps=1, steps_per_generation=1,
+        beta=case["beta"], loss_type="dapo", learning_rate=1e-5, save_strategy="no", disable_tqdm=True,
         gradient_checkpointing=case["checkpointing"], **case["options"],
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": prompts_of(case)})
-    kwargs = dict(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+    kwargs = dict(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
     if backend is None:
         trainer = trl.GRPOTrainer(**kwargs)
     else:
         from grpo_ext.integrations.trl import GRPOExtTrainer
 
         trainer = GRPOExtTrainer(logps_backend=backend, **kwargs)
-    if case["checkpointing"]:  # what transformers' Trainer.train() does with TRL's gradient_checkpointing
+    # What transformers' Trainer.train() does before its first step: checkpointing, the optimizer, then
+    # accelerator.prepare (which wraps the forward in bf16 autocast when args.bf16).
+    if case["checkpointing"]:
         enable_checkpointing(trainer.model)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by transformers' loop, read by TRL's loss
     trainer.create_optimizer()
+    model, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+    trainer.model_wrapped = model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by transformers' loop, read by TRL's loss
     batch = fixed_batch(case, device)
     fixed = dict(batch, completion_mask=batch["completion_mask"].long(),
                  num_items_in_batch=batch["completion_mask"].sum())  # fmt: skip
+    if ref_logps is not None:
+        fixed["ref_per_token_logps"] = ref_logps
     rows = [{"prompt": p} for p in prompts_of(case) for _ in range(NUM_GENERATIONS)]
 
     def train_on(inputs) -> float:
-        loss = trainer.compute_loss(trainer.model, inputs)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), args.max_grad_norm)
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(model, inputs)
+        trainer.accelerator.backward(loss)
+        grad_norm = trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
     def generate_and_step() -> float:
-        trainer.model.eval()
+        model.eval()
         inputs = trainer._generate_and_score_completions(rows)
-        trainer.model.train()
+        model.train()
         return train_on(inputs)
 
-    return (lambda: train_on(fixed)), generate_and_step
+    return (lambda: train_on(fixed)), generate_and_step, trainer.accelerator.unwrap_model(model)
 
 
 def enable_checkpointing(model) -> None:
@@ -232,24 +325,232 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_child(case: dict[str, Any]) -> dict[str, Any]:
-    """Builds the contender, runs one warm-up step, then times ``steps`` steps and one generation + step.
+# ---------------------------------------------------------------------------------------------------------------
+# where the time goes (--profile) and the GEMM floor
+# ---------------------------------------------------------------------------------------------------------------
+
+STEP_RANGE = "bench::step"
+LAYER_RANGE = "bench::decoder_layer"
+BACKBONE_RANGE = "bench::backbone"
+BACKWARD_EVENT = "autograd::engine::evaluate_function"
+OPTIMIZER_EVENTS = ("Optimizer.step#", "Optimizer.zero_grad#")  # torch.optim's own ranges
+
+
+class StepMarkers:
+    """Module hooks marking the forward of the profiled steps: each decoder layer in a ``record_function`` range with
+    the autograd sequence numbers at its start and end, and the backbone (embedding, layers, final norm) in a range
+    with the sequence number at its end. Only the forward that builds the step's graph is marked (grad on, outside a
+    backward: the checkpoint recompute runs inside one and belongs to the backward node that triggers it)."""
+
+    def __init__(self, model) -> None:
+        backbone = model.base_model
+        self._leaf = torch.zeros((), requires_grad=True)
+        self.step_starts: list[int] = []
+        self.layer_ranges: list[tuple[int, int]] = []
+        self.backbone_ends: list[int] = []
+        self._open: dict[str, list[tuple[Any, int]]] = {LAYER_RANGE: [], BACKBONE_RANGE: []}
+        self._handles = [backbone.register_forward_pre_hook(self._opener(BACKBONE_RANGE)),
+                         backbone.register_forward_hook(self._closer(BACKBONE_RANGE))]  # fmt: skip
+        for layer in backbone.layers:
+            self._handles += [layer.register_forward_pre_hook(self._opener(LAYER_RANGE)),
+                              layer.register_forward_hook(self._closer(LAYER_RANGE))]  # fmt: skip
+
+    def sequence_nr(self) -> int:
+        """The sequence number of a throwaway autograd node: above every node made before, below every one after."""
+        return (self._leaf * 1).grad_fn._sequence_nr()
+
+    @staticmethod
+    def _marking() -> bool:
+        return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+    def _opener(self, name: str) -> Callable:
+        def hook(module, args) -> None:
+            if self._marking():
+                marker = torch.profiler.record_function(name)
+                marker.__enter__()
+                self._open[name].append((marker, self.sequence_nr()))
+
+        return hook
+
+    def _closer(self, name: str) -> Callable:
+        def hook(module, args, output) -> None:
+            if self._marking() and self._open[name]:
+                marker, start = self._open[name].pop()
+                end = self.sequence_nr()
+                marker.__exit__(None, None, None)
+                if name == LAYER_RANGE:
+                    self.layer_ranges.append((start, end))
+                else:
+                    self.backbone_ends.append(end)
+
+        return hook
+
+    @contextlib.contextmanager
+    def step(self):
+        """The context of one profiled step."""
+        self.step_starts.append(self.sequence_nr())
+        with torch.profiler.record_function(STEP_RANGE):
+            yield
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def backward_part(self, sequence_nr: int) -> str:
+        """The part of the backward node made by the forward op of ``sequence_nr``."""
+        starts = [start for start, _ in self.layer_ranges]  # increasing: the layers run one after the other
+        k = bisect.bisect_right(starts, sequence_nr) - 1
+        if k >= 0 and sequence_nr < self.layer_ranges[k][1]:
+            return "layers_bwd"
+        step = bisect.bisect_right(self.step_starts, sequence_nr) - 1
+        j = bisect.bisect_right(self.backbone_ends, sequence_nr) - 1
+        if step >= 0 and j >= 0 and self.backbone_ends[j] > self.step_starts[step]:
+            return "head_bwd"  # made after the backbone's end in the same step: the LM head, log-probs and loss
+        return "rest"
+
+
+def classify_events(events, markers: StepMarkers) -> Iterator[tuple[Any, Any, str]]:
+    """``(step, event, part)`` for each profiler event of each profiled step (``bench::step`` range), any thread.
+
+    An event belongs to one of :data:`PARTS`: under a backward node (``evaluate_function``), the part of the forward op
+    that made the node (:meth:`StepMarkers.backward_part`); else under torch.optim's step or zero_grad range,
+    ``optimizer``; else in a decoder layer's range, ``layers_fwd``; else, when it starts between the backbone's end
+    and the step's first backward node, ``head_fwd``; else ``rest``.
+    """
+    events = sorted(events, key=lambda e: e.time_range.start)
+    steps = [e for e in events if e.name == STEP_RANGE]
+    if not steps:
+        raise RuntimeError("no profiled step")
+
+    def part_of(event, head_start: float, backward_start: float) -> str:
+        in_layer = in_optimizer = False
+        node = event
+        while node is not None:
+            if node.name.startswith(BACKWARD_EVENT):
+                return markers.backward_part(node.sequence_nr)
+            in_optimizer = in_optimizer or node.name.startswith(OPTIMIZER_EVENTS)
+            in_layer = in_layer or node.name == LAYER_RANGE
+            node = node.cpu_parent
+        if in_optimizer:
+            return "optimizer"
+        if in_layer:
+            return "layers_fwd"
+        return "head_fwd" if head_start <= event.time_range.start < backward_start else "rest"
+
+    for step in steps:
+        inside = [e for e in events if step.time_range.start <= e.time_range.start < step.time_range.end]
+        backward = [e.time_range.start for e in inside if e.name.startswith(BACKWARD_EVENT)]
+        backbone = [e.time_range.end for e in inside if e.name == BACKBONE_RANGE and e.thread == step.thread]
+        backward_start = min(backward, default=step.time_range.end)
+        head_start = max((end for end in backbone if end <= backward_start), default=backward_start)
+        for event in inside:
+            yield step, event, part_of(event, head_start, backward_start)
+
+
+def step_parts(events, markers: StepMarkers, device: torch.device) -> dict[str, Any]:
+    """Where the profiled steps' time went: ms per step of each of :data:`PARTS`.
+
+    Each event's self time goes to its part (:func:`classify_events`). The CPU parts then sum to the steps' wall time
+    (returned as ``check``: the ratio, the test of the method); time of threads other than the step's (CUDA's
+    autograd thread) is taken off the step's own self time, in which the step's thread waited for them. On CUDA also
+    the device (kernel) time per part, its ``rest`` the wall time less the named parts.
 
     Returns:
-        ``step_ms`` (median), ``gen_step_ms`` (None without ``generation``), ``peak_bytes`` above ``base_bytes``
-        (RSS or allocated before the timed steps), and ``grad_norm``: the gradient norm of the warm-up step (same
-        parameters and batch everywhere).
+        ``cpu``: {part: ms per step}; ``device``: the same for CUDA kernels, or None; ``wall_ms``: profiled ms per step;
+        ``check``: the CPU parts' sum over the wall time.
+    """
+    cpu = dict.fromkeys(PARTS, 0.0)
+    kernels = dict.fromkeys(PARTS, 0.0)
+    steps: dict[int, Any] = {}
+    waited: dict[int, float] = {}
+    for step, event, part in classify_events(events, markers):
+        steps[id(step)] = step
+        if event.thread != step.thread and event.cpu_parent is None:
+            waited[id(step)] = waited.get(id(step), 0.0) + event.cpu_time_total
+        cpu[part] += event.self_cpu_time_total
+        kernels[part] += getattr(event, "self_device_time_total", 0.0)
+    cpu["rest"] -= sum(waited.values())  # the step's thread waited in its own self time (a "rest" event)
+    wall = sum(step.cpu_time_total for step in steps.values())
+    count = len(steps)
+    result: dict[str, Any] = dict(
+        cpu={part: value / 1e3 / count for part, value in cpu.items()}, wall_ms=wall / 1e3 / count,
+        check=sum(cpu.values()) / wall if wall else None, device=None,
+    )  # fmt: skip
+    if device.type == "cuda":
+        named = {part: kernels[part] / 1e3 / count for part in PARTS if part != "rest"}
+        result["device"] = dict(named, rest=max(0.0, result["wall_ms"] - sum(named.values())))
+    return result
+
+
+def gemm_floor_ms(rows: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device, reps: int) -> float:
+    """Median ms of the three products of an LM head over ``rows`` tokens: logits ``[N, H] x [H, V]``, the input's
+    gradient ``[N, V] x [V, H]`` and the weight's ``[V, N] x [N, H]`` (one warm-up first; outputs preallocated)."""
+    torch.manual_seed(0)
+    hidden_states = torch.randn(rows, hidden, device=device, dtype=dtype)
+    weight = torch.randn(vocab, hidden, device=device, dtype=dtype)
+    grad_logits = torch.randn(rows, vocab, device=device, dtype=dtype)
+    logits = torch.empty(rows, vocab, device=device, dtype=dtype)
+    grad_hidden = torch.empty(rows, hidden, device=device, dtype=dtype)
+    grad_weight = torch.empty(vocab, hidden, device=device, dtype=dtype)
+
+    def products() -> float:
+        _sync(device)
+        start = time.perf_counter()
+        torch.mm(hidden_states, weight.t(), out=logits)
+        torch.mm(grad_logits, weight, out=grad_hidden)
+        torch.mm(grad_logits.t(), hidden_states, out=grad_weight)
+        _sync(device)
+        return 1e3 * (time.perf_counter() - start)
+
+    products()
+    return statistics.median(products() for _ in range(reps))
+
+
+class GenerateTimer:
+    """Times every ``model.generate`` call (the instance's method wrapped): the generation inside ``gen+step``."""
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.seconds = 0.0
+        original = model.generate
+
+        def generate(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _sync(device)
+                self.seconds += time.perf_counter() - start
+
+        model.generate = generate
+
+
+def run_child(case: dict[str, Any]) -> dict[str, Any]:
+    """Builds the contender, runs one warm-up step, then times ``steps`` steps (profiled with ``profile``) and one
+    generation + step, and with ``profile`` the GEMM floor.
+
+    Returns:
+        ``step_ms`` (median), ``gen_step_ms`` and ``gen_ms`` (None without ``generation``), ``peak_bytes`` above
+        ``base_bytes`` (RSS or allocated before the timed steps), ``grad_norm``: the gradient norm of the warm-up step
+        (same parameters and batch everywhere), and with ``profile`` ``profile`` (:func:`step_parts`) and
+        ``gemm_floor_ms``.
     """
     device = torch.device(case["device"])
     torch.manual_seed(case["seed"])
     tokenizer = build_tokenizer(case["vocab"])
     model = build_model(case, tokenizer, device)
+    ref_logps = reference_logps(model, fixed_batch(case, device), case["seed"] + 2) if case["beta"] else None
     family, _, backend = case["contender"].partition("/")
     with tempfile.TemporaryDirectory() as out_dir:
         if family == "grpo_ext":
-            step, generate_and_step = grpo_ext_runner(case, backend, model, tokenizer, device, out_dir)
-        else:
-            step, generate_and_step = trl_runner(case, backend or None, model, tokenizer, device, out_dir)
+            step, generate_and_step, trained = grpo_ext_runner(case, backend, model, tokenizer, device, out_dir,
+                                                               ref_logps)  # fmt: skip
+        else:  # TRL loads the policy (and the reference) from a directory, as from a model id
+            model_dir = os.path.join(out_dir, "model")
+            model.save_pretrained(model_dir)
+            tokenizer.save_pretrained(model_dir)
+            del model
+            step, generate_and_step, trained = trl_runner(case, backend or None, model_dir, tokenizer, device, out_dir,
+                                                          ref_logps)  # fmt: skip
         grad_norm = step()  # warm-up: the optimizer state and the allocator's pools exist from here on
         _sync(device)
         if device.type == "cuda":
@@ -258,21 +559,36 @@ def run_child(case: dict[str, Any]) -> dict[str, Any]:
         else:
             before = _rss_bytes("VmRSS")
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        markers = StepMarkers(trained) if case["profile"] else None
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities) if markers else contextlib.nullcontext()
         times = []
-        for _ in range(case["steps"]):
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            times.append(1e3 * (time.perf_counter() - start))
+        with profiler:
+            for _ in range(case["steps"]):
+                with markers.step() if markers else contextlib.nullcontext():
+                    start = time.perf_counter()
+                    step()
+                    _sync(device)
+                    times.append(1e3 * (time.perf_counter() - start))
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss_bytes("VmHWM")
-        total_ms = None
+        result = dict(step_ms=statistics.median(times), gen_step_ms=None, gen_ms=None,
+                      peak_bytes=max(0, peak - before), base_bytes=before, grad_norm=grad_norm)  # fmt: skip
+        if markers:
+            markers.remove()
+            result["profile"] = step_parts(profiler.events(), markers, device)
         if case["generation"]:
+            timer = GenerateTimer(trained, device)
             start = time.perf_counter()
             generate_and_step()
             _sync(device)
-            total_ms = 1e3 * (time.perf_counter() - start)
-    return dict(step_ms=statistics.median(times), gen_step_ms=total_ms, peak_bytes=max(0, peak - before),
-                base_bytes=before, grad_norm=grad_norm)  # fmt: skip
+            result.update(gen_step_ms=1e3 * (time.perf_counter() - start), gen_ms=1e3 * timer.seconds)
+    if case["profile"]:
+        dtype = torch.bfloat16 if case["precision"] == "bf16" else torch.float32
+        tokens = case["batch"] * case["length"]
+        result["gemm_floor_ms"] = gemm_floor_ms(tokens, case["hidden"], case["vocab"], dtype, device, case["steps"])
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -354,17 +670,20 @@ def run_case(case: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     return json.loads(lines[-1][len(RESULT_PREFIX) :])
 
 
-def check_grad_norms(rows: list[dict[str, Any]], rtol: float = 1e-3) -> bool:
-    """Prints, per case, how far the contenders' first-step gradient norms are apart; False when above ``rtol``.
+def check_grad_norms(rows: list[dict[str, Any]]) -> bool:
+    """Prints, per case, how far the contenders' first-step gradient norms are apart; False when above the case's
+    tolerance (:data:`GRAD_NORM_RTOL` of its precision).
 
     Every contender starts from the same parameters and trains on the same batch, so the norms of their first
-    gradients must agree (up to float32 summation order): a check that each one computed the same step.
+    gradients must agree (up to float32 summation order, or bfloat16 rounding under autocast): a check that each one
+    computed the same step.
     """
     ok = True
     for case in dict.fromkeys(row["case"] for row in rows):
         norms = {row["impl"]: row["grad_norm"] for row in rows if row["case"] == case and "grad_norm" in row}
         if not norms:
             continue
+        rtol = GRAD_NORM_RTOL[next(row["precision"] for row in rows if row["case"] == case)]
         reference = statistics.median(norms.values())
         spread = max(abs(n - reference) for n in norms.values()) / max(abs(reference), 1e-12)
         ok = ok and spread <= rtol
@@ -374,29 +693,72 @@ def check_grad_norms(rows: list[dict[str, Any]], rtol: float = 1e-3) -> bool:
     return ok
 
 
+def shape_of(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The model's dimensions from ``--shape`` and the overrides, and the case's label for them."""
+    preset = SHAPES[args.shape]
+    small_quick = args.quick and args.shape == "small"
+    dims = dict(
+        hidden=args.hidden or (32 if small_quick else preset["hidden"]),
+        layers=preset["layers"] if args.layers is None else args.layers,
+        heads=args.heads or preset["heads"], kv_heads=args.kv_heads or preset["kv_heads"],
+        intermediate=args.intermediate or preset["intermediate"], tied=preset["tied"],
+    )  # fmt: skip
+    if dims["layers"] < 1:
+        raise SystemExit(f"--layers must be at least 1, got {dims['layers']}")
+    label = args.shape
+    if dims["layers"] < preset["layers"] and args.shape != "small":
+        label += f" (cut to {dims['layers']} of {preset['layers']} layers)"
+    elif args.shape != "small" and any(dims[key] != preset[key] for key in ("hidden", "heads", "kv_heads",
+                                                                            "intermediate", "layers")):  # fmt: skip
+        label += " (modified)"
+    return dims, label
+
+
+def add_derived(row: dict[str, Any], device: torch.device) -> None:
+    """The table's columns computed from a child's result: the generation's share, the parts, head vs its GEMMs."""
+    if row.get("gen_ms") is not None and row.get("gen_step_ms"):
+        row["gen_pct"] = 100.0 * row["gen_ms"] / row["gen_step_ms"]
+    profile = row.get("profile")
+    if profile:
+        parts = profile["device"] if device.type == "cuda" else profile["cpu"]
+        row.update({f"part_{part}": ms for part, ms in parts.items()})
+        row["head_ms"] = parts["head_fwd"] + parts["head_bwd"]
+        if row.get("gemm_floor_ms"):
+            row["head_vs_floor"] = row["head_ms"] / row["gemm_floor_ms"]
+
+
 def main() -> None:
     parser = cli.make_parser(__doc__)
-    parser.add_argument("--vocabs", default=None, help="comma-separated V (default 32000,151936; quick: 512)")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="small",
+                        help="model shape preset (default small: hidden 256, 2 layers; the Qwen2.5 ones as released)")
+    parser.add_argument("--vocabs", default=None,
+                        help="comma-separated V (default: the shape's, or 32000,151936 for small; quick: 512)")
     parser.add_argument("--lengths", default=None, help="comma-separated completion lengths T (default 256,1024)")
     parser.add_argument("--batch", type=int, default=None, help="completions per step (default 8; quick: 4)")
     parser.add_argument("--prompt-length", type=int, default=None, help="prompt tokens (default 32; quick: 4)")
-    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default 256; quick: 32)")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (Qwen2.5-0.5B: 14)")
-    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (Qwen2.5-0.5B: 2)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: the shape's; quick: 32)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: the shape's; fewer cut the depth, said in the case)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default: the shape's)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: the shape's)")
     parser.add_argument("--intermediate", type=int, default=None,
-                        help="MLP width (default 2 x hidden; Qwen2.5-0.5B: 4864)")
+                        help="MLP width (default: the shape's; small: 2 x hidden)")
+    parser.add_argument("--precision", default="bf16",
+                        help="comma-separated bf16 (TRL's default: float32 weights, bf16 autocast) and/or fp32")
+    parser.add_argument("--beta", default="0", help="comma-separated KL coefficients; > 0 builds a reference model")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 3; quick: 1)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated: " + ", ".join(CONTENDERS))
     parser.add_argument("--max-logits-gib", type=float, default=None,
                         help="skip a contender holding [B, P+T, V] float32 logits above this (default: none)")
     parser.add_argument("--no-generation", action="store_true", help="skip the gen+step figure (reported n/a)")
+    parser.add_argument("--profile", action="store_true",
+                        help="where the timed steps' time goes (torch.profiler), and the LM head's GEMM floor")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per contender and case")
     parser.add_argument("--options", default=None,
                         help="KEY=VALUE,... loss options of every contender's config (e.g. entropy_coef=0.01)")
-    parser.add_argument("--gradient-checkpointing", choices=("off", "on", "both"), default="off",
-                        help="transformers' activation checkpointing for every contender (rows +ckpt); both: each "
-                             "contender with and without (default off)")
+    parser.add_argument("--gradient-checkpointing", choices=("off", "on", "both"), default="on",
+                        help="transformers' activation checkpointing for every contender (default on, as TRL; rows "
+                             "without it end in [no ckpt]); both: each contender with and without")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON of one case: run it in this process
     args = parser.parse_args()
     if args.child is not None:
@@ -407,22 +769,33 @@ def main() -> None:
     env = environment.environment(device)
     print(f"device: {env['device_name']} | torch {env['torch_version']} | CUDA {env['cuda_version']}")
     quick = args.quick
-    vocabs = [int(v) for v in cli.parse_list(args.vocabs or ("512" if quick else "32000,151936"))]
+    dims, shape_label = shape_of(args)
+    preset_vocab = SHAPES[args.shape]["vocab"]
+    default_vocabs = "512" if quick and args.shape == "small" else str(preset_vocab or "32000,151936")
+    vocabs = [int(v) for v in cli.parse_list(args.vocabs or default_vocabs)]
     lengths = [int(t) for t in cli.parse_list(args.lengths or ("16" if quick else "256,1024"))]
+    precisions = cli.parse_list(args.precision)
+    if unknown := [p for p in precisions if p not in GRAD_NORM_RTOL]:
+        raise SystemExit(f"--precision takes bf16 and/or fp32, got {', '.join(unknown)}")
+    try:
+        betas = [float(b) for b in cli.parse_list(args.beta)]
+    except ValueError:
+        raise SystemExit(f"--beta takes comma-separated numbers, got {args.beta!r}") from None
+    if any(b < 0 for b in betas):
+        raise SystemExit(f"--beta values must be >= 0, got {args.beta!r}")
     shape = dict(
-        batch=args.batch or (4 if quick else 8), prompt_length=args.prompt_length or (4 if quick else 32),
-        hidden=args.hidden or (32 if quick else 256), layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-        intermediate=args.intermediate, steps=args.steps or (1 if quick else 3),
-        seed=args.seed, device=str(device), generation=not args.no_generation, options=parse_options(args.options),
+        dims, batch=args.batch or (4 if quick else 8), prompt_length=args.prompt_length or (4 if quick else 32),
+        steps=args.steps or (1 if quick else 3), seed=args.seed, device=str(device), generation=not args.no_generation,
+        options=parse_options(args.options), profile=args.profile,
     )  # fmt: skip
     if shape["batch"] % NUM_GENERATIONS:
         raise SystemExit(f"--batch must be a multiple of num_generations={NUM_GENERATIONS}")
-    settings_on = {"off": [False], "on": [True], "both": [False, True]}[args.gradient_checkpointing]
+    settings_on = {"off": [False], "on": [True], "both": [True, False]}[args.gradient_checkpointing]
     requested = cli.parse_list(args.contenders)
     contenders, missing = [], {}
     for checkpointing in settings_on:
         run, lacking = select_contenders(requested, shape["options"], checkpointing)
-        suffix = "+ckpt" if checkpointing else ""
+        suffix = "" if checkpointing else NO_CHECKPOINTING
         contenders += [(name + suffix, name, checkpointing) for name in run]
         missing.update({name + suffix: why for name, why in lacking.items()})
     for name, reason in missing.items():
@@ -431,32 +804,55 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for vocab in vocabs:
         for length in lengths:
-            case_name = f"V={vocab} T={length} B={shape['batch']} P={shape['prompt_length']} H={shape['hidden']}"
-            if shape["options"]:
-                case_name += " " + " ".join(f"{key}={value}" for key, value in shape["options"].items())
-            logits_gib = shape["batch"] * (shape["prompt_length"] + length) * vocab * 4 / 2**30
-            for label, contender, checkpointing in contenders:
-                full_logits = contender in ("grpo_ext/plain", "grpo_ext/torch", "grpo_ext/grpo_ext")
-                row: dict[str, Any] = dict(case=case_name, impl=label, vocab=vocab, length=length)
-                if full_logits and args.max_logits_gib is not None and logits_gib > args.max_logits_gib:
-                    row["note"] = f"skipped: its logits take {logits_gib:.1f} GiB, over --max-logits-gib"
-                else:
-                    started = time.perf_counter()
-                    child = dict(shape, vocab=vocab, length=length, contender=contender, checkpointing=checkpointing)
-                    row.update(run_case(child, args.timeout_s))
-                    print(f"{case_name} {label}: {time.perf_counter() - started:.0f} s", flush=True)
-                rows.append(row)
-            rows += [dict(case=case_name, impl=name, vocab=vocab, length=length, note=why)
-                     for name, why in missing.items()]  # fmt: skip
+            for precision in precisions:
+                for beta in betas:
+                    case_name = (f"{shape_label} V={vocab} T={length} B={shape['batch']} P={shape['prompt_length']} "
+                                 f"H={shape['hidden']} L={shape['layers']} {precision} beta={beta:g}")  # fmt: skip
+                    if shape["options"]:
+                        case_name += " " + " ".join(f"{key}={value}" for key, value in shape["options"].items())
+                    logits_gib = shape["batch"] * (shape["prompt_length"] + length) * vocab * 4 / 2**30
+                    for label, contender, checkpointing in contenders:
+                        full_logits = contender in ("grpo_ext/plain", "grpo_ext/torch", "grpo_ext/grpo_ext")
+                        row: dict[str, Any] = dict(case=case_name, impl=label, vocab=vocab, length=length,
+                                                   precision=precision, beta=beta)  # fmt: skip
+                        if full_logits and args.max_logits_gib is not None and logits_gib > args.max_logits_gib:
+                            row["note"] = f"skipped: its logits take {logits_gib:.1f} GiB, over --max-logits-gib"
+                        else:
+                            started = time.perf_counter()
+                            child = dict(shape, vocab=vocab, length=length, precision=precision, beta=beta,
+                                         contender=contender, checkpointing=checkpointing)  # fmt: skip
+                            row.update(run_case(child, args.timeout_s))
+                            add_derived(row, device)
+                            print(f"{case_name} {label}: {time.perf_counter() - started:.0f} s", flush=True)
+                        rows.append(row)
+                    rows += [dict(case=case_name, impl=name, vocab=vocab, length=length, precision=precision,
+                                  beta=beta, note=why) for name, why in missing.items()]  # fmt: skip
 
     checked = check_grad_norms(rows)
-    columns = [("case", "case", "s"), ("impl", "impl", "s"), ("step_ms", "step ms", "ms"),
-               ("gen_step_ms", "gen+step ms", "ms"), ("peak_bytes", "peak MiB", "mib")]  # fmt: skip
+    columns = [("impl", "impl", "s"), ("step_ms", "step ms", "ms"), ("peak_bytes", "peak MiB", "mib"),
+               ("gen_step_ms", "gen+step ms", "ms"), ("gen_pct", "gen %", "f1")]  # fmt: skip
+    if args.profile:
+        columns += [("part_layers_fwd", "layers fwd", "ms"), ("part_layers_bwd", "layers bwd", "ms"),
+                    ("part_head_fwd", "head+loss fwd", "ms"), ("part_head_bwd", "head+loss bwd", "ms"),
+                    ("part_optimizer", "optim", "ms"), ("part_rest", "rest", "ms"),
+                    ("gemm_floor_ms", "3 GEMMs ms", "ms"), ("head_vs_floor", "head+loss/GEMMs", "x")]  # fmt: skip
     memory = "allocator peak" if device.type == "cuda" else "peak RSS"
     print()
-    print(f"one training step (step: generation excluded; gen+step: included); peak MiB: {memory} above the model and "
-          "optimizer state")  # fmt: skip
-    print(reporting.format_table(rows, columns))
+    print(f"one training step (step: generation excluded; gen+step: included, gen %: its share in generate); peak MiB: "
+          f"{memory} above the model, optimizer state and reference")  # fmt: skip
+    if args.profile:
+        clock = "CUDA kernel time, rest = wall less the parts" if device.type == "cuda" else "CPU time"
+        print(f"parts of a step (ms, {clock}): decoder layers fwd / bwd (recompute included), LM head + log-probs + "
+              "loss fwd / bwd, optimizer (AdamW step, zero_grad), rest (clipping included); 3 GEMMs: the head's "
+              "[N,H]x[H,V] products at N = B x T")  # fmt: skip
+    for case in dict.fromkeys(row["case"] for row in rows):
+        print(f"\n{case}")
+        print(reporting.format_table([row for row in rows if row["case"] == case], columns))
+    for row in rows:
+        if row.get("profile"):
+            profile = row["profile"]
+            print(f"profile check {row['case']} {row['impl']}: CPU parts sum to {100 * profile['check']:.1f}% of the "
+                  f"profiled step ({profile['wall_ms']:.0f} ms profiled, {row['step_ms']:.0f} ms timed)")  # fmt: skip
     for row in rows:
         if row.get("note"):
             print(f"n/a  {row['case']} {row['impl']}: {row['note']}")

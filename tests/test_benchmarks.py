@@ -62,8 +62,85 @@ def test_trainer_benchmark_quick_run(tmp_path):
     assert any(row["impl"].startswith("grpo_ext/") for row in timed)  # grpo_ext's own trainer, whichever backends
     for row in timed:
         assert row["step_ms"] > 0 and row["gen_step_ms"] > 0 and row["peak_bytes"] >= 0, row
+        assert 0 < row["gen_pct"] < 100 and row["gen_ms"] < row["gen_step_ms"], row  # the share spent in generate
+        assert " bf16 " in row["case"] and "beta=0" in row["case"]  # TRL's defaults: bf16, checkpointing on
     for row in rows:  # a contender that did not run says why: only a backend the checkout's GRPOConfig lacks
         assert "note" not in row or "does not accept logps_backend" in row["note"], row
+
+
+def test_trainer_benchmark_profile_with_a_reference_model(tmp_path):
+    """--profile --beta 0.04 --precision fp32: each contender builds its reference model, agrees on the first step
+    (the KL term included), and its profiled parts sum to the step; the LM head's GEMM floor is timed."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_trainer.py"), "--quick", "--device", "cpu", "--out", str(out),
+           "--no-generation", "--profile", "--beta", "0.04", "--precision", "fp32",
+           "--contenders", "grpo_ext/fused,trl,trl+grpo_ext/fused"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "(ok, " in result.stdout and "MISMATCH" not in result.stdout
+    rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"grpo_ext/fused", "trl", "trl+grpo_ext/fused"}
+    for impl, row in rows.items():
+        assert "note" not in row and " fp32 beta=0.04" in row["case"], row
+        profile = row["profile"]
+        assert 0.95 <= profile["check"] <= 1.05, (impl, profile)
+        assert all(profile["cpu"][part] > 0 for part in ("layers_fwd", "layers_bwd", "head_fwd", "optimizer")), row
+        assert row["gemm_floor_ms"] > 0 and row["head_vs_floor"] == pytest.approx(row["head_ms"] / row["gemm_floor_ms"])
+
+
+def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):
+    """bench_trainer.py --profile's attribution on a small checkpointed Qwen2: each backward node goes to the part
+    whose forward op made it (found by autograd's sequence numbers), the checkpoint recompute to the layers'
+    backward, and the parts' self times sum to the profiled steps."""
+    import collections
+
+    import transformers
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_trainer
+
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).train()
+    bench_trainer.enable_checkpointing(model)  # use_reentrant=False, as transformers' Trainer.train()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 64, (2, 12))
+    markers = bench_trainer.StepMarkers(model)
+    steps = 2
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        for _ in range(steps):
+            with markers.step():
+                hidden = model.model(input_ids=ids).last_hidden_state
+                loss = model.lm_head(hidden).logsumexp(-1).mean()  # the head and a loss: LogsumexpBackward0
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    markers.remove()
+    events = profiler.events()
+    count = collections.Counter()
+    for _, event, part in bench_trainer.classify_events(events, markers):
+        count[part, event.name.removeprefix(bench_trainer.BACKWARD_EVENT + ": ")] += 1
+    def parts_of(name: str) -> set[str]:
+        return {part for part, op in count if op == name}
+
+    layers = config.num_hidden_layers
+    # the forward: each layer's attention once in its range; the recompute runs it again inside the backward
+    assert count["layers_fwd", "aten::scaled_dot_product_attention"] == steps * layers
+    assert count["layers_bwd", "aten::scaled_dot_product_attention"] == steps * layers
+    assert parts_of("aten::scaled_dot_product_attention") == {"layers_fwd", "layers_bwd"}
+    assert parts_of("aten::logsumexp") == {"head_fwd"} and parts_of("aten::embedding") == {"rest"}
+    # the backward: each node where its forward op was
+    assert parts_of("LogsumexpBackward0") == {"head_bwd"} and parts_of("EmbeddingBackward0") == {"rest"}
+    attention_backward = {op for _, op in count if "Attention" in op and op.endswith("Backward0")}
+    assert attention_backward and all(parts_of(op) == {"layers_bwd"} for op in attention_backward), count
+    assert parts_of("Optimizer.step#AdamW.step") == {"optimizer"} and parts_of("aten::addcdiv_") == {"optimizer"}
+    assert parts_of("aten::linalg_vector_norm") == {"rest"}  # gradient clipping
+    parts = bench_trainer.step_parts(events, markers, torch.device("cpu"))
+    assert parts["check"] == pytest.approx(1.0, abs=0.01)  # every microsecond of the steps in exactly one part
+    assert all(parts["cpu"][part] > 0 for part in bench_trainer.PARTS)
 
 
 def test_trainer_benchmark_with_trl_loss_options(tmp_path):
