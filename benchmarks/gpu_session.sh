@@ -79,6 +79,8 @@ or error_at_most_twice or every_dtype)"
 fi
 if [[ "$what" == all || "$what" == bench ]]; then
   stage "bench_floor"
+  # every layout candidate of the logits pass (bench_floor.LAYOUTS, small-blocks included: issue 38) at five shapes;
+  # ~4 s per added candidate (benchmarks/NOTES.md, "The single-read pass in clusters of up to 16 small blocks")
   timeout 200 python3 benchmarks/bench_floor.py --out "$OUT/bench_floor.json" 2>&1 | tee "$OUT/bench_floor.txt"
   stage "bench_group_advantages"
   timeout 60 python3 benchmarks/bench_group_advantages.py --no-compile --out "$OUT/bench_group_advantages.json" \

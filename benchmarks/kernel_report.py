@@ -49,12 +49,15 @@ TOOLS = ("cuobjdump", "ptxas", "cu++filt")
 
 # Kernels whose loops stream a [rows, V] logits tensor (or a [B, T] one): their loads are the bandwidth.
 BANDWIDTH_BOUND = ("selective_log_softmax", "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_resident_kernel",
-                   "scale_rows", "grpo_loss_rows", "grpo_loss_backward")  # fmt: skip
+                   "grpo_loss_from_logits_small_block_kernel", "scale_rows", "grpo_loss_rows",
+                   "grpo_loss_backward")  # fmt: skip
 
 # Kernels whose occupancy the launcher's dynamic shared memory sets, not the static figures of the table.
 DYNAMIC_SHARED = {
     "grpo_loss_from_logits_resident_kernel": "plus dynamic shared memory: its part of a row (up to 227 KiB; "
     "148 KiB at V=151936 bf16, one block per SM)",
+    "grpo_loss_from_logits_small_block_kernel": "plus dynamic shared memory: its part of a row, 1/16 to 1/2 of the "
+    "row (the small-block layout section below gives the blocks per SM at each shape)",
 }
 
 # Bandwidth-bound kernels whose loops keep scalar loads on purpose, and why (printed in the note column instead of
@@ -262,7 +265,8 @@ def widths(table: dict[str, int]) -> str:
 
 # The row kernels of the logits ops (their loops stream [rows, V]), and what an H100 gives them.
 ROW_LOOP_KERNELS = ("selective_log_softmax_forward_kernel", "selective_log_softmax_backward_kernel",
-                    "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_resident_kernel")  # fmt: skip
+                    "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_resident_kernel",
+                    "grpo_loss_from_logits_small_block_kernel")  # fmt: skip
 H100_ISSUE_RATE = 132 * 4 * 32 * 1.98e9  # lane-instructions per second: 132 SMs x 4 schedulers x 32 lanes x 1.98 GHz
 H100_IN_FLIGHT_NEEDED = 3.0e12 * 1e-6 / 132  # bytes each SM keeps in flight for 3 TB/s at about 1 us of latency
 VECTORS_IN_FLIGHT = 2  # vector_io.cuh kRowUnroll: 16-byte loads each thread issues before using the first
@@ -336,6 +340,74 @@ def row_loop_section(kernels: list[Kernel]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+# The small-block layout (csrc/cuda/grpo_loss_from_logits.cuh, small_block_layout) on an H100: its shared memory per
+# SM and per block (opt-in), the kernel's launch bounds, and the shapes of benchmarks/NOTES.md's layout table.
+H100_SHARED_PER_SM, H100_SHARED_PER_BLOCK = 233472, 232448
+SMALL_BLOCK_THREADS, SMALL_BLOCKS_PER_SM, SMALL_MAX_CLUSTER = 256, 4, 16
+SMALL_BLOCK_SHAPES = [(vocab, dtype) for vocab in (32000, 128256, 151936, 262144) for dtype in ("bf16", "float")]
+
+
+def small_block_layout(vocab: int, element: int, static: int) -> tuple[int, int, int] | None:
+    """(cluster blocks, blocks per SM, slice) that small_block_layout picks on an H100 for a row of ``vocab``
+    elements of ``element`` bytes (the kernel's ``static`` shared memory), or None (the two-read pass)."""
+    width = 16 // element
+    for per_sm in range(SMALL_BLOCKS_PER_SM, 1, -1):
+        share = min(H100_SHARED_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK, H100_SHARED_PER_BLOCK)
+        per_block = ((share - static) // element - width) // width * width
+        blocks = -(-vocab // per_block) if per_block >= width else SMALL_MAX_CLUSTER + 1
+        if blocks <= SMALL_MAX_CLUSTER:
+            return blocks, per_sm, (-(-vocab // blocks) + width - 1) // width * width
+    return None
+
+
+def small_block_section(kernels: list[Kernel]) -> str:
+    """The small-block kernel at each shape of the layout table on DETAIL_ARCH: the blocks per SM that its registers,
+    threads and shared memory allow at the chosen part size, and the bytes each SM keeps in flight in each phase."""
+    found = {k.name: k for k in kernels if k.arch == DETAIL_ARCH and "small_block_kernel" in k.name}
+    rows = [
+        "| V | dtype | cluster | part (KiB) | regs | spills | blocks / SM: regs, threads, smem -> resident | "
+        "loads in flight / SM: all staging, one merging | stores in flight / SM, one block writing |",
+        "| ---: | --- | ---: | ---: | ---: | --- | --- | --- | --- |",
+    ]
+    limits = ARCHS[DETAIL_ARCH]
+    for vocab, dtype in SMALL_BLOCK_SHAPES:
+        k = found.get(f"grpo_loss_from_logits_small_block_kernel<float, {dtype}>")
+        if k is None:
+            continue
+        element = 2 if dtype == "bf16" else 4
+        layout = small_block_layout(vocab, element, k.smem)
+        if layout is None:
+            rows.append(f"| {vocab} | {dtype} | - | - | {k.registers} | - | over 16 blocks: two-read | - | - |")
+            continue
+        blocks, per_sm, slice_ = layout
+        threads = SMALL_BLOCK_THREADS
+        dynamic = (slice_ + 16 // element) * element
+        by_regs = limits["regs"] // (threads // 32 * (-(-k.registers * 32 // 256) * 256))
+        by_threads = limits["threads"] // threads
+        by_smem = limits["smem"] // (dynamic + k.smem + SMEM_RESERVED_PER_BLOCK)
+        resident = min(by_regs, by_threads, by_smem, limits["blocks"])
+        per_block = threads * VECTORS_IN_FLIGHT * 16
+        rows.append(
+            f"| {vocab} | {dtype} | {blocks} | {slice_ * element / 1024:.1f} | {k.registers} | "
+            f"{k.spill_stores}/{k.spill_loads} B | {by_regs}, {by_threads}, {by_smem} -> {resident} "
+            f"(layout: {per_sm}) | {resident * per_block / 1024:.0f} KiB, "
+            f"{(resident - 1) * per_block / 1024:.0f} KiB | "
+            f"{per_block / 1024:.0f} KiB |"
+        )
+    head = (
+        f"## The small-block layout on {DETAIL_ARCH}: blocks per SM and bytes in flight\n\n"
+        "`grpo_loss_from_logits_small_block_kernel` (`GRPO_EXT_LOGITS_SINGLE_READ=small-blocks`) at the cluster and "
+        "part size `small_block_layout` picks on an H100 (228 KiB of shared memory per SM, 1 KiB reserved per "
+        f"block, clusters of up to {SMALL_MAX_CLUSTER}). Blocks per SM: what the registers (at "
+        f"{SMALL_BLOCK_THREADS} threads), the threads and the shared memory (part + alignment vector + static + 1 KiB) "
+        "each allow, and the least of them. Bytes in flight: each block's threads keep "
+        f"{VECTORS_IN_FLIGHT} 16-byte loads outstanding while it stages its part, none while it merges the cluster's "
+        "states and finishes the row, and their 16-byte stores while it writes the gradient from shared memory; "
+        f"against the {H100_IN_FLIGHT_NEEDED / 1024:.0f} KiB per SM that 3 TB/s at about 1 us of latency needs.\n\n"
+    )
+    return head + "\n".join(rows) + "\n"
+
+
 def markdown(kernels: list[Kernel], library: str) -> str:
     """The report: a table per kernel for DETAIL_ARCH (every column), then one line per kernel across the
     architectures (registers, spills, occupancy)."""
@@ -388,7 +460,8 @@ def markdown(kernels: list[Kernel], library: str) -> str:
         f"## Every kernel on {detail_arch} ({ARCHS[detail_arch]['gpu']})\n\n"
     )
     return (head + "\n".join(rows) + "\n\n## Registers and occupancy on every architecture\n\n"
-            + "\n".join(across) + "\n\n" + row_loop_section(kernels))  # fmt: skip
+            + "\n".join(across) + "\n\n" + row_loop_section(kernels) + "\n"
+            + small_block_section(kernels))  # fmt: skip
 
 
 def main() -> int:

@@ -247,15 +247,17 @@ __global__ void __launch_bounds__(1024)
 // vector width, so that each part starts at the row's offset from a 16-byte boundary), one per block of a cluster
 // (cluster_num_blocks() blocks, one cluster per row; a single block where the row fits one block's shared memory).
 // Each block copies its part into dynamic shared memory while it accumulates the part's softmax state, the blocks
-// exchange their states through distributed shared memory (every block merges them in rank order: the same bits
-// everywhere), and each block writes its part's gradient from shared memory. HBM sees each row once.
+// exchange their states through distributed shared memory (every block merges them in the same fixed order: the same
+// bits everywhere), and each block writes its part's gradient from shared memory. HBM sees each row once. Two
+// kernels run this body: the resident one (blocks of up to 1024 threads, clusters of up to 8) and the small-block
+// one (256 threads, clusters of up to 16, several blocks per SM: small_block_layout).
 template <typename T, typename In>
-__global__ void __launch_bounds__(1024)
-    grpo_loss_from_logits_resident_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight,
-                                          In* grad, T* __restrict__ logps, T* __restrict__ entropy, int64_t slice) {
-  __shared__ PassShared<T> sh;
+__device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const LogitTransform<T>& f,
+                                                 const T* __restrict__ row_weight, In* grad, T* __restrict__ logps,
+                                                 T* __restrict__ entropy, int64_t slice, PassShared<T>& sh) {
   In* const staged_base = dynamic_shared<In>();  // slice + one vector of elements
   const unsigned rank = cluster_block_rank(), blocks = cluster_num_blocks();
+  CUDA_KERNEL_ASSERT(blocks <= 32);  // warp 0's merge: a lane per block
   const int64_t vocab = a.logits.vocab, lo = rank * slice;
   const int64_t n = lo < vocab ? (vocab - lo < slice ? vocab - lo : slice) : 0;
   int parity = 0;  // which block_state the row uses: a peer may still read the previous row's
@@ -283,12 +285,14 @@ __global__ void __launch_bounds__(1024)
       chosen = chosen_token(a, f, x, r);
     }
     cluster_sync();  // every block's state (and this block's staged part) is visible
-    if (threadIdx.x == 0) {
-      SoftmaxState<T> total = *cluster_map_shared(&sh.block_state[parity], 0);
-      for (unsigned k = 1; k < blocks; ++k) {
-        total = merge_states(total, *cluster_map_shared(&sh.block_state[parity], k));
-      }
-      finish_row(a, row_weight, chosen, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh);
+    if (threadIdx.x < 32) {
+      // Warp 0: lane k reads rank k's state (the cluster's distributed shared memory reads in flight together, not
+      // one after another), then warp_merge's fixed shuffle tree, the same in every block: the same bits everywhere.
+      const unsigned lane = threadIdx.x;
+      SoftmaxState<T> part{T(0), T(0), T(0)};
+      if (lane < blocks) part = *cluster_map_shared(&sh.block_state[parity], lane);
+      const SoftmaxState<T> total = warp_merge(part);
+      if (lane == 0) finish_row(a, row_weight, chosen, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh);
     }
     parity ^= 1;
     __syncthreads();
@@ -300,28 +304,59 @@ __global__ void __launch_bounds__(1024)
   cluster_sync();  // no block exits (its shared memory gone) while a peer may still read its block_state
 }
 
+template <typename T, typename In>
+__global__ void __launch_bounds__(1024)
+    grpo_loss_from_logits_resident_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight,
+                                          In* grad, T* __restrict__ logps, T* __restrict__ entropy, int64_t slice) {
+  __shared__ PassShared<T> sh;
+  single_read_pass(a, f, row_weight, grad, logps, entropy, slice, sh);
+}
+
+// The small-block layout (GRPO_EXT_LOGITS_SINGLE_READ=small-blocks): blocks of at most kSmallBlockThreads threads,
+// kSmallBlocksPerSm of them per SM. The bound caps the registers at 65536 / (256 * 4) = 64 a thread, which the pass
+// needs no more than (58-64 at 1024 threads, 0 spills: benchmarks/KERNELS.md), so that four blocks, of four different
+// rows, share an SM and one's loads run while another merges, finishes or writes.
+constexpr int kSmallBlockThreads = 256;
+constexpr unsigned kSmallBlocksPerSm = 4;
+
+template <typename T, typename In>
+__global__ void __launch_bounds__(256, 4)  // kSmallBlockThreads, kSmallBlocksPerSm (tests/cuda_emu reads numbers)
+    grpo_loss_from_logits_small_block_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight,
+                                             In* grad, T* __restrict__ logps, T* __restrict__ entropy, int64_t slice) {
+  __shared__ PassShared<T> sh;
+  single_read_pass(a, f, row_weight, grad, logps, entropy, slice, sh);
+}
+
 // What the device offers the single-read pass: dynamic shared memory per block (static included: the device's
 // opt-in maximum) and the largest cluster (8 on sm_90, 1 before). {0, 0}: the two-read pass only. And the pass's
 // layout on the SM: threads per block at most max_threads (both kernels), and the single-read kernel's blocks sized
-// so that blocks_per_sm of them fit an SM's shared memory (1: the largest parts, the fewest blocks per row).
+// so that blocks_per_sm of them fit an SM's shared memory (1: the largest parts, the fewest blocks per row). The
+// small-block layout (small_blocks) budgets the SM's shared memory (shared_per_sm) over its blocks and takes clusters
+// of up to max_small_cluster_blocks (16 on sm_90 and newer: the non-portable size; 0: not chosen).
 struct RowResidency {
   size_t shared_per_block = 0;
   unsigned max_cluster_blocks = 0;
   int max_threads = 1024;
   unsigned blocks_per_sm = 1;
+  bool small_blocks = false;
+  size_t shared_per_sm = 0;
+  unsigned max_small_cluster_blocks = 0;
 };
 
-// The layout candidates of issue 32, chosen at run time so that one GPU session compares them all (read at each
-// call; anything else keeps the default). The default is the two-read kernel for every row: on an H100 it was
+// The layout candidates of issues 32 and 38, chosen at run time so that one GPU session compares them all (read at
+// each call; anything else keeps the default). The default is the two-read kernel for every row: on an H100 it was
 // faster than the single-read one on every shape measured (2026-11-26, benchmarks/RESULTS.md), so that path waits
-// behind GRPO_EXT_LOGITS_SINGLE_READ=1 until a layout makes it win. GRPO_EXT_LOGITS_THREADS=256|512 caps the
-// threads per block (two blocks of 512 per SM, where one of 1024 leaves the SM idle while its block merges and
-// finishes a row); GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2 halves the single-read kernel's part of a row (more
-// blocks per cluster), so that two blocks, of at most 512 threads, share an SM and one's load overlaps the other's
-// gradient.
+// behind GRPO_EXT_LOGITS_SINGLE_READ=1 until a layout makes it win. GRPO_EXT_LOGITS_SINGLE_READ=small-blocks takes
+// the small-block layout (small_block_layout: clusters of up to 16 blocks of 256 threads, four blocks of four rows
+// per SM) where a row fits, else the two-read kernel. GRPO_EXT_LOGITS_THREADS=256|512 caps the threads per block
+// (two blocks of 512 per SM, where one of 1024 leaves the SM idle while its block merges and finishes a row);
+// GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2 halves the single-read kernel's part of a row (more blocks per cluster), so
+// that two blocks, of at most 512 threads, share an SM and one's load overlaps the other's gradient.
 inline RowResidency with_layout_from_env(RowResidency device) {
   const char* single_read = std::getenv("GRPO_EXT_LOGITS_SINGLE_READ");
-  if (single_read == nullptr || std::strcmp(single_read, "1") != 0)
+  device.small_blocks = single_read != nullptr && std::strcmp(single_read, "small-blocks") == 0;
+  if (!device.small_blocks) device.max_small_cluster_blocks = 0;
+  if (!device.small_blocks && (single_read == nullptr || std::strcmp(single_read, "1") != 0))
     device.shared_per_block = 0, device.max_cluster_blocks = 0;
   if (const char* threads = std::getenv("GRPO_EXT_LOGITS_THREADS")) {
     if (std::strcmp(threads, "256") == 0) device.max_threads = 256;
@@ -358,6 +393,49 @@ inline ResidentSplit resident_split(int64_t vocab, const RowResidency& device) {
   return {static_cast<unsigned>(blocks), slice, size_t((slice + width) * element)};
 }
 
+// The small-block layout of a row: `cluster_blocks` blocks (1 to 16) of `threads` threads, `blocks_per_sm` of them
+// per SM, each staging a `slice`-element part in `shared_bytes` of dynamic shared memory; cluster_blocks == 0 when
+// the row does not fit 16 blocks (the two-read pass then). The one table of the layout, from counts (benchmarks/
+// NOTES.md, "The single-read pass in clusters of up to 16 small blocks"):
+// - registers: 64 a thread at most (the kernel's launch bounds: 256 threads, 4 blocks), so an SM runs 4 blocks of
+//   256 threads;
+// - shared memory: an SM's (228 KiB on an H100) over blocks_per_sm blocks, 1 KiB of it reserved per block, less the
+//   kernel's static PassShared, and at most the per-block maximum;
+// - bytes in flight: a block keeps 256 threads x 2 vectors x 16 B = 8 KiB of loads outstanding while it stages, so
+//   four blocks (three loading while one merges or writes) keep 24-32 KiB per SM in flight, the ~25 KiB that Little's
+//   law asks of an H100 (3.35 TB/s x ~1 us / 132 SMs).
+// So the most blocks per SM that keep the cluster within 16 (4, else 3, else 2), and then the fewest blocks per row
+// (each merge and barrier is per row and block).
+struct SmallBlockLayout {
+  unsigned cluster_blocks = 0;
+  int threads = 0;
+  unsigned blocks_per_sm = 0;
+  int64_t slice = 0;
+  size_t shared_bytes = 0;
+};
+
+template <typename T, typename In>
+inline SmallBlockLayout small_block_layout(int64_t vocab, const RowResidency& device) {
+  constexpr int64_t width = Vector<In>::kWidth, element = sizeof(In), reserved = 1024;
+  if (vocab <= 0 || device.max_small_cluster_blocks == 0) return {};
+  for (unsigned per_sm = kSmallBlocksPerSm; per_sm >= 2; --per_sm) {
+    int64_t share = int64_t(device.shared_per_sm / per_sm) - reserved;
+    if (share > int64_t(device.shared_per_block)) share = int64_t(device.shared_per_block);
+    const int64_t free_bytes = share - int64_t(sizeof(PassShared<T>));
+    // Elements a block can stage, a multiple of the vector width, leaving room for the alignment pad (one vector).
+    const int64_t per_block = (free_bytes / element - width) / width * width;
+    if (per_block < width) continue;
+    const int64_t blocks = (vocab + per_block - 1) / per_block;
+    if (blocks > int64_t(device.max_small_cluster_blocks)) continue;
+    // At most per_block (a multiple of width at least vocab / blocks), so every block's part starts inside the row.
+    const int64_t slice = ((vocab + blocks - 1) / blocks + width - 1) / width * width;
+    const int threads = row_threads(slice, int(element));
+    return {static_cast<unsigned>(blocks), threads < kSmallBlockThreads ? threads : kSmallBlockThreads, per_sm, slice,
+            size_t((slice + width) * element)};
+  }
+  return {};
+}
+
 // x *= factor[0] over the rows of a [R, V] (row-strided) gradient, unless the factor is exactly 1: every block
 // reads the factor and returns at once, so a backward with grad_output == 1 costs a launch and no pass over memory.
 // One block per row, 16-byte accesses (rows are contiguous).
@@ -390,15 +468,49 @@ inline int pass_threads(int64_t vocab, int element_bytes, const RowResidency& de
   return threads < cap ? threads : cap;
 }
 
-// The pass over every row: the single-read kernel where a row fits `device` (one block or a cluster), else (or if
-// the device refuses that launch) the two-read kernel.
+// The small-block kernel over every row where its layout fits the row and the device runs at least one such cluster
+// at a time (cudaOccupancyMaxActiveClusters: a cluster of 16 needs its blocks' shared memory free on one GPC);
+// false (any error left pending for the caller to clear) where it did not launch.
+template <typename T, typename In>
+bool launch_small_blocks(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight, In* grad, T* logps,
+                         T* entropy, const RowResidency& device, cudaStream_t stream) {
+  const SmallBlockLayout layout = small_block_layout<T, In>(a.logits.vocab, device);
+  if (layout.cluster_blocks == 0) return false;
+  const int64_t max_rows = int64_t(0x7fffffff) / layout.cluster_blocks;  // grid.x < 2^31; grid-stride beyond
+  const unsigned grid = unsigned((a.logits.rows < max_rows ? a.logits.rows : max_rows) * layout.cluster_blocks);
+  constexpr size_t kDefaultShared = 48 * 1024;
+  cudaError_t status = cudaSuccess;
+  if (layout.shared_bytes + sizeof(PassShared<T>) > kDefaultShared) {
+    status = GRPO_ALLOW_DYNAMIC_SHARED(layout.shared_bytes, grpo_loss_from_logits_small_block_kernel<T, In>);
+  }
+  if (status == cudaSuccess && layout.cluster_blocks > 8) {  // over the portable size
+    status = GRPO_ALLOW_NONPORTABLE_CLUSTER(grpo_loss_from_logits_small_block_kernel<T, In>);
+  }
+  int active = 0;
+  if (status == cudaSuccess) {
+    status = GRPO_MAX_ACTIVE_CLUSTERS(&active, grid, layout.threads, layout.cluster_blocks, layout.shared_bytes, stream,
+                                      grpo_loss_from_logits_small_block_kernel<T, In>);
+  }
+  if (status != cudaSuccess || active < 1) return false;
+  status = GRPO_LAUNCH_CLUSTER(grid, layout.threads, layout.cluster_blocks, layout.shared_bytes, stream,
+                               grpo_loss_from_logits_small_block_kernel<T, In>)(a, f, row_weight, grad, logps, entropy,
+                                                                                layout.slice);
+  return status == cudaSuccess;
+}
+
+// The pass over every row: the single-read kernel where a row fits `device` (one block or a cluster; the small-block
+// kernel where device.small_blocks), else (or if the device refuses that launch) the two-read kernel.
 template <typename T, typename In>
 void launch_grpo_loss_from_logits(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight, In* grad,
                                   T* logps, T* entropy, const RowResidency& device, cudaStream_t stream) {
   if (a.logits.rows == 0) return;
   const int64_t max_rows = int64_t(1) << 27;  // grid-stride beyond that: any number of rows
   const int64_t rows = a.logits.rows < max_rows ? a.logits.rows : max_rows;
-  const ResidentSplit split = resident_split<T, In>(a.logits.vocab, device);
+  if (device.small_blocks) {
+    if (launch_small_blocks<T, In>(a, f, row_weight, grad, logps, entropy, device, stream)) return;
+    (void)cudaGetLastError();  // too long a row, or refused: clear any error and take the two-read pass
+  }
+  const ResidentSplit split = device.small_blocks ? ResidentSplit{} : resident_split<T, In>(a.logits.vocab, device);
   if (split.cluster_blocks > 0) {
     constexpr size_t kDefaultShared = 48 * 1024;
     cudaError_t status = cudaSuccess;

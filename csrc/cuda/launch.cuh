@@ -60,6 +60,44 @@ ClusterLaunch(void (*)(P...), dim3, dim3, unsigned, size_t, cudaStream_t) -> Clu
   cudaFuncSetAttribute(&__VA_ARGS__, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes))
 #endif
 
+// GRPO_ALLOW_NONPORTABLE_CLUSTER(kernel) lets kernel launch with clusters over the portable 8 blocks (up to 16 on
+// sm_90: cudaFuncAttributeNonPortableClusterSizeAllowed); returns the cudaError_t.
+#ifndef GRPO_ALLOW_NONPORTABLE_CLUSTER
+#define GRPO_ALLOW_NONPORTABLE_CLUSTER(...) \
+  cudaFuncSetAttribute(&__VA_ARGS__, cudaFuncAttributeNonPortableClusterSizeAllowed, 1)
+#endif
+
+// GRPO_MAX_ACTIVE_CLUSTERS(active, grid, block, cluster_blocks, shared_bytes, stream, kernel) sets *active to how
+// many clusters of that launch the device can run at once (cudaOccupancyMaxActiveClusters; 0: none fits a GPC, the
+// launch would fail) and returns the cudaError_t.
+#ifndef GRPO_MAX_ACTIVE_CLUSTERS
+#include <cuda_runtime.h>
+
+namespace grpo_ext::launch_detail {
+template <typename... P>
+cudaError_t max_active_clusters(int* active, void (*kernel)(P...), dim3 grid, dim3 block, unsigned cluster_blocks,
+                                size_t shared_bytes, cudaStream_t stream) {
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = cluster_blocks;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return cudaOccupancyMaxActiveClusters(active, reinterpret_cast<const void*>(kernel), &config);
+}
+}  // namespace grpo_ext::launch_detail
+
+#define GRPO_MAX_ACTIVE_CLUSTERS(active, grid, block, cluster_blocks, shared_bytes, stream, ...) \
+  ::grpo_ext::launch_detail::max_active_clusters(active, &__VA_ARGS__, dim3(grid), dim3(block),  \
+                                                 static_cast<unsigned>(cluster_blocks), size_t(shared_bytes), stream)
+#endif
+
 // ATen's device-side assert (torch/headeronly/macros/Macros.h, which the bindings include first); assert() where
 // the headers are compiled without torch.
 #ifndef CUDA_KERNEL_ASSERT

@@ -53,7 +53,8 @@ CXXFLAGS = ["-std=c++20", "-O1", "-g", "-fno-omit-frame-pointer", "-ffp-contract
 
 _SHARED = re.compile(r"__shared__\s+([^;{}]*);")
 _DECLARATOR = re.compile(r"(\w+)\s*((?:\[[^\[\]]+\]\s*)*)")
-_LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*(\d+)\s*\)\s*(\w+)")
+# The first argument (max threads per block); a second one (min blocks per SM) is for the compiler's registers only.
+_LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*(\d+)\s*(?:,\s*\d+\s*)?\)\s*(?://[^\n]*\n\s*)?(\w+)")
 
 
 class BuildError(RuntimeError):

@@ -92,9 +92,11 @@ def _encode(value) -> bytes:
 class _Driver:
     """One driver process (one schedule), started on first use and again after it died."""
 
-    def __init__(self, exe: Path, name: str, order: str, grid_cap: int, device_flags: Sequence[str] = ()):
+    def __init__(self, exe: Path, name: str, order: str, grid_cap: int, device_flags: Sequence[str] = (),
+                 env: dict[str, str] | None = None):  # fmt: skip
         self.exe, self.name, self.order, self.grid_cap = exe, name, order, grid_cap
         self.device_flags = list(device_flags)  # the emulated device's limits (driver.cpp)
+        self.env = dict(env or {})  # over the test process's environment (the layout variables)
         self.process: subprocess.Popen | None = None
         self.stderr = None
         self.problems: list[str] = []  # reports at exit (leaks) and bad exits, for the session's end
@@ -105,7 +107,7 @@ class _Driver:
         self.stderr = tempfile.TemporaryFile()
         cmd = [str(self.exe), "--order", self.order, "--grid-cap", str(self.grid_cap), *self.device_flags]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                        env={**_ENV_DEFAULTS, **os.environ, **_ENV})  # fmt: skip
+                                        env={**_ENV_DEFAULTS, **os.environ, **self.env, **_ENV})  # fmt: skip
 
     def send(self, request: bytes) -> None:
         self.start()
@@ -221,18 +223,26 @@ class EmuDevice:
         shared_per_block: the emulated device's max shared memory per block in bytes, static plus dynamic (None: an
             H100's, 232448); the ops' code reads it (runtime.h: device_limits) to pick a path.
         max_cluster: the emulated device's largest thread-block cluster in blocks (None: an H100's, 8).
+        max_nonportable_cluster: the largest with GRPO_ALLOW_NONPORTABLE_CLUSTER (None: 16, or max_cluster below 8).
+        shared_per_sm: shared memory per SM in bytes (None: an H100's, 233472), for the small-block layout and
+            GRPO_MAX_ACTIVE_CLUSTERS.
+        gpc_sms: the SMs one cluster may span (None: 16), for GRPO_MAX_ACTIVE_CLUSTERS.
+        env: environment variables of the drivers over the test process's (e.g. the layout, GRPO_EXT_LOGITS_*).
     """
 
     def __init__(self, csrc: Path | None = None, schedules: Sequence[tuple[str, str, int]] = SCHEDULES,
                  variant: str = "sanitize", shared_per_block: int | None = None,
-                 max_cluster: int | None = None):  # fmt: skip
+                 max_cluster: int | None = None, max_nonportable_cluster: int | None = None,
+                 shared_per_sm: int | None = None, gpc_sms: int | None = None,
+                 env: dict[str, str] | None = None):  # fmt: skip
         self.exe = build(csrc, variant=variant)
         flags = []
-        if shared_per_block is not None:
-            flags += ["--shared-per-block", str(int(shared_per_block))]
-        if max_cluster is not None:
-            flags += ["--max-cluster", str(int(max_cluster))]
-        self.drivers = [_Driver(self.exe, *s, device_flags=flags) for s in schedules]
+        for flag, value in (("--shared-per-block", shared_per_block), ("--max-cluster", max_cluster),
+                            ("--max-nonportable-cluster", max_nonportable_cluster),
+                            ("--shared-per-sm", shared_per_sm), ("--gpc-sms", gpc_sms)):  # fmt: skip
+            if value is not None:
+                flags += [flag, str(int(value))]
+        self.drivers = [_Driver(self.exe, *s, device_flags=flags, env=env) for s in schedules]
         self.calls = collections.Counter()  # op -> calls
         self.launches = collections.Counter()  # "kernel(parameter types)" -> launches (first schedule's)
         self.last_traffic: list[Launch] = []

@@ -1,10 +1,12 @@
 """The emulated devices for the tests of tests/cuda_emu: one set of driver processes for all of them per device.
 
 ``emu`` is an H100's limits; ``emu_small_shared`` has 2 KiB of shared memory per block (and clusters of up to 8
-blocks), so that an op's cluster path runs at small V. ``GRPO_EMU_CSRC=<dir>`` runs the tests on another copy of
-``csrc/`` (the mutation check, mutate.py, uses it). At the end of the session: the sanitizer reports of the drivers
-(leaks are reported when they exit) fail the session, and, when every test here ran, so does a kernel of
-csrc/cuda/*.cuh that no test launched on either device (checked when the last device closes). The summary line counts
+blocks), so that an op's cluster path runs at small V; ``emu_small_blocks`` takes the logits pass's small-block
+layout with little shared memory per SM (clusters of up to 16 blocks at small V). ``GRPO_EMU_CSRC=<dir>`` runs
+the tests on another copy of ``csrc/`` (the mutation check, mutate.py, uses it). At the end of the session: the
+sanitizer reports of the drivers (leaks are reported when they exit) fail the session, and, when every test here ran,
+so does a kernel of csrc/cuda/*.cuh that no test launched on any of these devices (checked when the last device
+closes). The summary line counts
 the kernels, their instantiations and the cases run on both.
 """
 
@@ -22,6 +24,10 @@ CSRC = Path(os.environ.get("GRPO_EMU_CSRC") or Path(__file__).resolve().parents[
 HERE = Path(__file__).resolve().parent
 SMALL_SHARED_PER_BLOCK = 2048  # bytes: emu_small_shared's device
 SMALL_MAX_CLUSTER = 8
+# emu_small_blocks' shared memory per SM: 4 blocks, each with 1 KiB reserved, PassShared<float> (448: 8 bytes of slack
+# over its 440), the alignment pad and 256 bytes of row part, so that parts are 64 float32 or 128 bf16 entries
+# whether PassShared<float> takes 440 or 448 bytes (test_logits_small_blocks.py counts the clusters again).
+SMALL_BLOCK_SHARED_PER_SM = 4 * (1024 + 448 + 16 + 256)
 # Every device the session opened (launch counts outlive close), and those still open.
 _state: dict = {"devices": [], "open": 0, "deselected": False, "complete": False}
 
@@ -30,7 +36,8 @@ def header_kernels(csrc: Path = CSRC) -> set[str]:
     """The name of every ``__global__`` function in ``csrc/cuda/*.cuh``."""
     names = set()
     for path in (csrc / "cuda").glob("*.cuh"):
-        names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\(\s*\d+\s*\)\s*)?(\w+)", path.read_text()))
+        kernels = r"__global__\s+void\s+(?:__launch_bounds__\([\d\s,]+\)\s*(?://[^\n]*\n\s*)?)?(\w+)"
+        names |= set(re.findall(kernels, path.read_text()))
     return names
 
 
@@ -75,6 +82,14 @@ def emu_small_shared():
     """The emulated device with 2 KiB of shared memory per block and clusters of up to 8 blocks, under every
     schedule: an op's cluster (or fallback) path at small shapes."""
     yield from _device(shared_per_block=SMALL_SHARED_PER_BLOCK, max_cluster=SMALL_MAX_CLUSTER)
+
+
+@pytest.fixture(scope="package")
+def emu_small_blocks():
+    """The emulated device with SMALL_BLOCK_SHARED_PER_SM bytes of shared memory per SM and the small-block layout
+    of the logits pass chosen (GRPO_EXT_LOGITS_SINGLE_READ=small-blocks), under every schedule: rows of a few
+    hundred entries over clusters of up to 16 blocks."""
+    yield from _device(shared_per_sm=SMALL_BLOCK_SHARED_PER_SM, env={"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks"})
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

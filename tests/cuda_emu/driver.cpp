@@ -1,7 +1,8 @@
 // cuda_emu's driver process: reads op calls on stdin, runs them on the emulated device, writes the outputs on stdout.
 //
 //   cuda_emu_driver --order forward|reverse|greedy-high|greedy-low --grid-cap N [--shared-per-block BYTES]
-//                   [--max-cluster BLOCKS]
+//                   [--max-cluster BLOCKS] [--max-nonportable-cluster BLOCKS] [--shared-per-sm BYTES]
+//                   [--gpc-sms SMS]
 //
 // (--shared-per-block and --max-cluster set the emulated device's limits, runtime.h's DeviceLimits.)
 // Request: a line "<op> <number of arguments>", then one line per argument (and, for a tensor, its bytes):
@@ -260,6 +261,14 @@ int main(int argc, char** argv) {
       limits.max_shared_per_block = std::stoul(argv[i + 1]);
     } else if (flag == "--max-cluster") {
       limits.max_cluster_blocks = static_cast<unsigned>(std::stoul(argv[i + 1]));
+      // a device with fewer than 8 takes no more with the non-portable attribute
+      if (limits.max_cluster_blocks < 8) limits.max_nonportable_cluster_blocks = limits.max_cluster_blocks;
+    } else if (flag == "--max-nonportable-cluster") {
+      limits.max_nonportable_cluster_blocks = static_cast<unsigned>(std::stoul(argv[i + 1]));
+    } else if (flag == "--shared-per-sm") {
+      limits.shared_per_sm = std::stoul(argv[i + 1]);
+    } else if (flag == "--gpc-sms") {
+      limits.gpc_sms = static_cast<unsigned>(std::stoul(argv[i + 1]));
     } else {
       std::cerr << "unknown flag " << flag << "\n";
       return 2;

@@ -143,6 +143,24 @@ MUTATIONS = [
              "plan/logits_loss.h",
              "plan.params.sequence_level = parse_sequence_level(options.importance_sampling_level);",
              "plan.params.sequence_level = false;"),
+    # The single-read pass's cluster merge and handshake (the resident and small-block kernels share them: clusters
+    # of up to 16 blocks, test_logits_small_blocks.py), and its part bounds.
+    Mutation("skipped rank", "single-read merge: the cluster's last block's state left out of the row's",
+             "cuda/grpo_loss_from_logits.cuh", "if (lane < blocks) part = *cluster_map_shared",
+             "if (lane + 1 < blocks) part = *cluster_map_shared"),
+    Mutation("order differing per block", "single-read merge: each block merges the states in an order rotated by "
+             "its rank (the blocks' row statistics differ in their last bits)", "cuda/grpo_loss_from_logits.cuh",
+             "part = *cluster_map_shared(&sh.block_state[parity], lane);",
+             "part = *cluster_map_shared(&sh.block_state[parity], (lane + rank) % blocks);"),
+    Mutation("wrong parity", "single-read merge: the peers' states read from the other row's slot",
+             "cuda/grpo_loss_from_logits.cuh", "part = *cluster_map_shared(&sh.block_state[parity], lane);",
+             "part = *cluster_map_shared(&sh.block_state[parity ^ 1], lane);"),
+    Mutation("missing cluster wait", "single-read pass: a block barrier where the cluster's arrive/wait belongs (the "
+             "peers' states read before they are written)", "cuda/grpo_loss_from_logits.cuh",
+             "    cluster_sync();  // every block's state", "    __syncthreads();  // every block's state"),
+    Mutation("off-by-one", "single-read pass: each block's part one element longer than its slice (parts overlap)",
+             "cuda/grpo_loss_from_logits.cuh", "(vocab - lo < slice ? vocab - lo : slice) : 0;",
+             "(vocab - lo < slice ? vocab - lo : slice + 1) : 0;"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

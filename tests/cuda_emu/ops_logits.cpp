@@ -90,9 +90,15 @@ std::vector<Tensor> selective_log_softmax_backward(Args& a) {
 // CUDA_EMU_CLAIM_MAX_CLUSTER=n tells the launcher that clusters of n blocks fit where the device takes fewer: a GPU
 // that reports sm_90 and then refuses the cluster (no GPC free for it), to test the launcher's fallback. The layout
 // variables (GRPO_EXT_LOGITS_THREADS, ..._RESIDENT_BLOCKS_PER_SM) are read as the CUDA binding reads them.
+// As the binding, the small-block layout is offered clusters of 16 on any device that launches clusters (of more than
+// one block); whether one fits is asked at launch (GRPO_MAX_ACTIVE_CLUSTERS).
 grpo_ext::RowResidency row_residency() {
   const DeviceLimits& d = device_limits();
-  grpo_ext::RowResidency residency{d.max_shared_per_block, d.max_cluster_blocks};
+  grpo_ext::RowResidency residency;
+  residency.shared_per_block = d.max_shared_per_block;
+  residency.max_cluster_blocks = d.max_cluster_blocks;
+  residency.shared_per_sm = d.shared_per_sm;
+  residency.max_small_cluster_blocks = d.max_cluster_blocks == 0 ? 0u : d.max_cluster_blocks > 1 ? 16u : 1u;
   if (const char* claim = std::getenv("CUDA_EMU_CLAIM_MAX_CLUSTER")) {
     residency.max_cluster_blocks = static_cast<unsigned>(std::strtoul(claim, nullptr, 10));
   }

@@ -108,9 +108,16 @@ std::vector<Tensor> selftest_cluster_bug(Args& a) {
   return {out};
 }
 
+// cluster_exchange_kernel as another kernel, whose GRPO_ALLOW_NONPORTABLE_CLUSTER (it lasts for the process) leaves
+// cluster_exchange_kernel's launch checks as they were.
+void cluster_exchange_nonportable_kernel(int* out, int* info, int* sums, unsigned words, unsigned clusters) {
+  selftest::cluster_exchange_kernel(out, info, sums, words, clusters);
+}
+
 // selftest_cluster(cluster_blocks, grid_blocks, threads, words, clusters, launch, allow_bytes): cluster_exchange_kernel
 // over `clusters` clusters of `cluster_blocks` blocks with `words` ints of dynamic shared memory, launched with
-// `grid_blocks` blocks by GRPO_LAUNCH_CLUSTER (launch "cluster") or GRPO_LAUNCH ("plain"), after
+// `grid_blocks` blocks by GRPO_LAUNCH_CLUSTER (launch "cluster"; "nonportable": cluster_exchange_nonportable_kernel
+// after GRPO_ALLOW_NONPORTABLE_CLUSTER) or GRPO_LAUNCH ("plain"), after
 // GRPO_ALLOW_DYNAMIC_SHARED(allow_bytes) when allow_bytes >= 0. Returns the error codes {allow, launch,
 // cudaGetLastError() after}, and the kernel's out, info and sums (runtime.h's kernel comment).
 std::vector<Tensor> selftest_cluster(Args& a) {
@@ -128,6 +135,13 @@ std::vector<Tensor> selftest_cluster(Args& a) {
   if (launch == "cluster") {
     code[1] =
         std::apply(GRPO_LAUNCH_CLUSTER(grid, threads, n, bytes, nullptr, selftest::cluster_exchange_kernel), args);
+  } else if (launch == "nonportable") {
+    if (allow_bytes >= 0) code[0] = GRPO_ALLOW_DYNAMIC_SHARED(allow_bytes, cluster_exchange_nonportable_kernel);
+    code[1] = GRPO_ALLOW_NONPORTABLE_CLUSTER(cluster_exchange_nonportable_kernel);
+    if (code[1] == cudaSuccess) {
+      code[1] =
+          std::apply(GRPO_LAUNCH_CLUSTER(grid, threads, n, bytes, nullptr, cluster_exchange_nonportable_kernel), args);
+    }
   } else if (launch == "plain") {
     code[1] = std::apply(GRPO_LAUNCH(grid, threads, bytes, nullptr, selftest::cluster_exchange_kernel), args);
   } else {
@@ -135,6 +149,26 @@ std::vector<Tensor> selftest_cluster(Args& a) {
   }
   code[2] = cudaGetLastError();
   return {codes, out, info, sums};
+}
+
+// selftest_active_clusters(cluster_blocks, threads, shared_bytes, nonportable): GRPO_MAX_ACTIVE_CLUSTERS of a launch
+// of cluster_exchange_kernel (nonportable: cluster_exchange_nonportable_kernel, allowed first); {error, clusters}.
+std::vector<Tensor> selftest_active_clusters(Args& a) {
+  const int64_t n = a.integer(), threads = a.integer(), bytes = a.integer();
+  const bool nonportable = a.boolean();
+  a.done();
+  Tensor result = empty({2}, DType::kInt32);
+  int* r = result.data_as<int>();
+  r[1] = -1;
+  if (nonportable) {
+    if (bytes > 48 * 1024) (void)GRPO_ALLOW_DYNAMIC_SHARED(bytes, cluster_exchange_nonportable_kernel);
+    (void)GRPO_ALLOW_NONPORTABLE_CLUSTER(cluster_exchange_nonportable_kernel);
+    r[0] = GRPO_MAX_ACTIVE_CLUSTERS(&r[1], n, threads, n, bytes, nullptr, cluster_exchange_nonportable_kernel);
+  } else {
+    if (bytes > 48 * 1024) (void)GRPO_ALLOW_DYNAMIC_SHARED(bytes, selftest::cluster_exchange_kernel);
+    r[0] = GRPO_MAX_ACTIVE_CLUSTERS(&r[1], n, threads, n, bytes, nullptr, selftest::cluster_exchange_kernel);
+  }
+  return {result};
 }
 
 std::vector<Tensor> selftest_device_limits(Args& a) {
@@ -149,6 +183,7 @@ const RegisterOp kBug("selftest_bug", selftest_bug);
 const RegisterOp kClusterBug("selftest_cluster_bug", selftest_cluster_bug);
 const RegisterOp kCluster("selftest_cluster", selftest_cluster);
 const RegisterOp kLimits("selftest_device_limits", selftest_device_limits);
+const RegisterOp kActiveClusters("selftest_active_clusters", selftest_active_clusters);
 const RegisterOp kWarp("selftest_warp_intrinsics", selftest_warp_intrinsics);
 const RegisterOp kConvert("selftest_convert", selftest_convert);
 

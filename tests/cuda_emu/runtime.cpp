@@ -697,4 +697,20 @@ cudaError_t run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* co
   return cudaSuccess;
 }
 
+cudaError_t max_active_clusters(const LaunchSpec& spec, int* active) {
+  bool refused = false;
+  check_launch(spec, &refused);  // throws for an invalid launch
+  *active = 0;
+  if (refused) return cudaSuccess;  // the device cannot run one such cluster
+  const DeviceLimits& d = device_limits();
+  constexpr size_t kReservedPerBlock = 1024, kThreadsPerSm = 2048;
+  const size_t threads = size_t(spec.block.x) * spec.block.y * spec.block.z;
+  const size_t by_shared = d.shared_per_sm / (spec.shared_bytes + kReservedPerBlock);
+  const size_t by_threads = kThreadsPerSm / threads;
+  const size_t per_sm = by_shared < by_threads ? by_shared : by_threads;
+  const size_t per_gpc = per_sm * d.gpc_sms / spec.cluster_blocks;  // clusters one GPC holds
+  *active = static_cast<int>(per_gpc * d.gpcs);
+  return cudaSuccess;
+}
+
 }  // namespace cuda_emu

@@ -40,15 +40,22 @@
 //   waits.
 // - Launch checks: block dimensions (x, y <= 1024, z <= 64, at most 1024 threads), grid dimensions (x < 2^31,
 //   y, z <= 65535), the kernel's __launch_bounds__ (build.py reads them from the headers), the dynamic shared memory
-//   against its allowance, cluster_blocks >= 1 and grid.x a multiple of it: a LaunchError. What a GPU refuses at
-//   launch time because of the device's limits (cluster_blocks over DeviceLimits::max_cluster_blocks, dynamic shared
+//   against its allowance, cluster_blocks >= 1 and grid.x a multiple of it, at most 16, and at most 8 unless
+//   GRPO_ALLOW_NONPORTABLE_CLUSTER allowed the kernel more (per kernel instantiation, for the process): a LaunchError.
+//   What a GPU refuses at launch time because of the device's limits (cluster_blocks over
+//   DeviceLimits::max_cluster_blocks, or max_nonportable_cluster_blocks for an allowed kernel, dynamic shared
 //   memory over max_shared_per_block) is a LaunchError for GRPO_LAUNCH, but GRPO_LAUNCH_CLUSTER returns
 //   cudaErrorInvalidValue (and so does GRPO_ALLOW_DYNAMIC_SHARED over the device's limit), so that the launcher can
 //   fall back. As in the CUDA runtime, the error also stays pending until cudaGetLastError() takes it: an op that
 //   leaves one pending fails (its binding's C10_CUDA_KERNEL_LAUNCH_CHECK would throw it).
-// - The emulated device (DeviceLimits, default an H100: 232448 bytes of shared memory per block, clusters of up to 8
-//   blocks) is set by the driver's --shared-per-block and --max-cluster (client.EmuDevice(shared_per_block=...,
-//   max_cluster=...)); the ops' code reads it with device_limits() to pick a path, as the bindings query the GPU.
+// - The emulated device (DeviceLimits, default an H100: 232448 bytes of shared memory per block, 233472 per SM,
+//   clusters of up to 8 blocks, 16 non-portable) is set by the driver's --shared-per-block, --max-cluster,
+//   --max-nonportable-cluster, --shared-per-sm and --gpc-sms (client.EmuDevice's arguments of those names); the ops'
+//   code reads it with device_limits() to pick a path, as the bindings query the GPU.
+// - GRPO_MAX_ACTIVE_CLUSTERS (cudaOccupancyMaxActiveClusters): the launch checked as above (a LaunchError for what
+//   is invalid, 0 clusters for what the device refuses), then the blocks per SM that its shared memory (dynamic plus
+//   1 KiB reserved; the kernel's static shared memory is not known before it runs) and 2048 threads allow; a cluster
+//   that needs more than gpc_sms such SMs gives 0 clusters, else gpcs x the clusters one GPC holds.
 // - CUDA_KERNEL_ASSERT fails the launch with the condition, the block and the thread.
 // - Schedules (Schedule below): the order in which ready threads run, the order of the blocks (clusters), and a cap
 //   on the grid size, so that every grid-stride loop wraps (grid.x is capped to a multiple of the cluster size, at
@@ -64,7 +71,7 @@
 // What it cannot show (only a GPU run can)
 // - nvcc's code generation: FMA contraction, fast-math intrinsics, the device math library's last-ulp results.
 // - Register pressure, spills, occupancy, and whether a launch fits the SM's registers (launch_bounds is checked
-//   only against the block size), or whether a cluster fits a GPC (cudaOccupancyMaxActiveClusters).
+//   only against the block size), or how a real GPC takes a cluster (GRPO_MAX_ACTIVE_CLUSTERS is a model of it).
 // - Memory ordering and real races: threads run one at a time, so a race shows only when some schedule makes it
 //   change a result; atomics are plain read-modify-writes.
 // - Timing, bandwidth, and anything about streams: launches run to completion, in order, when they are made.
@@ -161,8 +168,12 @@ void set_schedule(const Schedule& s);
 
 // The emulated device's limits (default an H100's), read by the launch checks and by the ops' code to pick a path.
 struct DeviceLimits {
-  size_t max_shared_per_block = 232448;  // static + dynamic, bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
-  unsigned max_cluster_blocks = 8;       // the portable cluster size limit
+  size_t max_shared_per_block = 232448;          // static + dynamic, bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+  unsigned max_cluster_blocks = 8;               // the portable cluster size limit
+  unsigned max_nonportable_cluster_blocks = 16;  // with GRPO_ALLOW_NONPORTABLE_CLUSTER (at most 16 on any GPU)
+  size_t shared_per_sm = 233472;  // bytes (cudaDevAttrMaxSharedMemoryPerMultiprocessor), 1 KiB reserved per block
+  unsigned gpc_sms = 16;          // the SMs one cluster may span (a GPC), for GRPO_MAX_ACTIVE_CLUSTERS
+  unsigned gpcs = 8;
 };
 const DeviceLimits& device_limits();
 void set_device_limits(const DeviceLimits& limits);
@@ -207,6 +218,8 @@ void* dynamic_shared_storage();
 void* map_shared(const void* p, unsigned rank);
 // GRPO_ALLOW_DYNAMIC_SHARED: `kernel` may launch with up to `bytes` of dynamic shared memory.
 cudaError_t allow_dynamic_shared(const void* kernel, long long bytes, const char* name, const char* file, int line);
+// GRPO_ALLOW_NONPORTABLE_CLUSTER: `kernel` may launch with clusters of up to 16 blocks.
+cudaError_t allow_nonportable_cluster(const void* kernel);
 
 void syncthreads(const std::source_location& site);
 void cluster_sync(const std::source_location& site);
@@ -248,6 +261,10 @@ struct LaunchSpec {
 };
 // Runs the grid; returns cudaSuccess, or the refusal of a launch with returns_refusal. Throws LaunchError.
 cudaError_t run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* context);
+// GRPO_MAX_ACTIVE_CLUSTERS: how many clusters of `spec` the device runs at once, into *active (0: a cluster's blocks
+// do not fit gpc_sms SMs' shared memory and threads, or the cluster is over the device's limit). Throws LaunchError
+// for what is invalid at launch (as run_grid).
+cudaError_t max_active_clusters(const LaunchSpec& spec, int* active);
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...): the arguments are converted to the kernel's parameter
 // types once, as a launch copies them, and every thread calls the kernel with its own copy.
@@ -293,6 +310,14 @@ class KernelLaunch {
       &__VA_ARGS__,                                                                                                 \
       ::cuda_emu::LaunchSpec{#__VA_ARGS__, nullptr, ::dim3(grid), ::dim3(block), static_cast<size_t>(shared_bytes), \
                              stream, __FILE__, __LINE__, static_cast<unsigned>(cluster_blocks), true, nullptr})
+#define GRPO_ALLOW_NONPORTABLE_CLUSTER(...) \
+  ::cuda_emu::allow_nonportable_cluster(reinterpret_cast<const void*>(&__VA_ARGS__))
+#define GRPO_MAX_ACTIVE_CLUSTERS(active, grid, block, cluster_blocks, shared_bytes, stream, ...)                    \
+  ::cuda_emu::max_active_clusters(                                                                                  \
+      ::cuda_emu::LaunchSpec{#__VA_ARGS__, nullptr, ::dim3(grid), ::dim3(block), static_cast<size_t>(shared_bytes), \
+                             stream, __FILE__, __LINE__, static_cast<unsigned>(cluster_blocks), true,               \
+                             reinterpret_cast<const void*>(&__VA_ARGS__)},                                          \
+      active)
 #define GRPO_ALLOW_DYNAMIC_SHARED(bytes, ...)                                                                  \
   ::cuda_emu::allow_dynamic_shared(reinterpret_cast<const void*>(&__VA_ARGS__), static_cast<long long>(bytes), \
                                    #__VA_ARGS__, __FILE__, __LINE__)

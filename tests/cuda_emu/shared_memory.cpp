@@ -23,6 +23,7 @@ namespace {
 
 // At most this much static shared memory, and static plus dynamic without a GRPO_ALLOW_DYNAMIC_SHARED allowance.
 constexpr size_t kDefaultSharedLimit = 48 * 1024;
+constexpr unsigned kPortableClusterBlocks = 8, kMaxClusterBlocks = 16;  // CUDA's, on any device
 constexpr size_t kStaticAlign = 64;  // the largest alignment a __shared__ variable may ask for
 constexpr size_t kDynamicAlign =
     16;  // what CUDA guarantees for extern __shared__ (no more, so that no kernel relies on it)
@@ -62,7 +63,8 @@ struct BlockShared {
 
 struct SharedState {
   DeviceLimits limits;
-  std::map<const void*, size_t> allowed;  // GRPO_ALLOW_DYNAMIC_SHARED, by kernel instantiation
+  std::map<const void*, size_t> allowed;    // GRPO_ALLOW_DYNAMIC_SHARED, by kernel instantiation
+  std::map<const void*, bool> nonportable;  // GRPO_ALLOW_NONPORTABLE_CLUSTER, by kernel instantiation
   cudaError_t pending = cudaSuccess;
   std::string pending_what;
   // The running cluster's.
@@ -171,19 +173,32 @@ cudaError_t allow_dynamic_shared(const void* kernel, long long bytes, const char
   return cudaSuccess;
 }
 
+cudaError_t allow_nonportable_cluster(const void* kernel) {
+  state.nonportable[kernel] = true;
+  return cudaSuccess;
+}
+
 std::string check_cluster_and_shared(const LaunchSpec& spec, bool* refused) {
   const unsigned n = spec.cluster_blocks;
   const auto allowed = state.allowed.find(spec.function);
   const size_t allowance = allowed == state.allowed.end() ? kDefaultSharedLimit : allowed->second;
+  const bool nonportable = state.nonportable.count(spec.function) > 0;
+  const unsigned device_max =
+      nonportable ? state.limits.max_nonportable_cluster_blocks : state.limits.max_cluster_blocks;
   std::ostringstream s;
   *refused = false;
   if (n == 0) {
     s << "a cluster of 0 blocks";
   } else if (spec.grid.x % n != 0) {
     s << "grid.x (" << spec.grid.x << ") is not a multiple of the cluster size (" << n << ")";
-  } else if (n > 1 && n > state.limits.max_cluster_blocks) {  // a single block is an ordinary launch anywhere
+  } else if (n > kMaxClusterBlocks) {
+    s << "a cluster of " << n << " blocks, over CUDA's maximum of " << kMaxClusterBlocks;
+  } else if (n > kPortableClusterBlocks && !nonportable) {
+    s << "a cluster of " << n << " blocks, over the portable " << kPortableClusterBlocks
+      << " without GRPO_ALLOW_NONPORTABLE_CLUSTER (cudaFuncAttributeNonPortableClusterSizeAllowed)";
+  } else if (n > 1 && n > device_max) {  // a single block is an ordinary launch anywhere
     *refused = true;
-    s << "a cluster of " << n << " blocks, over the device's maximum of " << state.limits.max_cluster_blocks;
+    s << "a cluster of " << n << " blocks, over the device's maximum of " << device_max;
   } else if (spec.shared_bytes > state.limits.max_shared_per_block) {
     *refused = true;
     s << spec.shared_bytes << " bytes of dynamic shared memory per block, over the device's "

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .client import EmuError
+from .client import SCHEDULES, EmuDevice, EmuError
+from .conftest import CSRC
 
 
 @pytest.mark.parametrize(
@@ -148,7 +149,6 @@ def test_an_ordinary_launch_takes_dynamic_shared_memory(emu):
 @pytest.mark.parametrize(
     ("n", "words", "allow", "codes"),
     [
-        (16, 8, -1, [0, INVALID_VALUE, INVALID_VALUE]),  # a cluster over the device's 8 blocks
         (2, H100_SHARED // 4 + 1, -1, [0, INVALID_VALUE, INVALID_VALUE]),  # dynamic shared over the device
         (2, 8, H100_SHARED + 1, [INVALID_VALUE, 0, INVALID_VALUE]),  # an allowance over the device: its error
         # stays pending through the (successful) launch
@@ -198,12 +198,60 @@ def test_each_cluster_bug_is_reported(emu, kernel, blocks, message):
         emu.selftest_cluster_bug(kernel, blocks, 32)
 
 
-def test_a_cluster_of_zero_blocks_is_a_bug_and_one_over_the_limit_a_refusal(emu):
+def test_a_cluster_of_zero_blocks_or_over_8_without_the_attribute_or_over_16_is_a_bug(emu):
     with pytest.raises(EmuError, match="a cluster of 0 blocks"):
         emu.selftest_cluster(0, 2, 32, 8, 1, "cluster", -1)
-    # 9 blocks: returned (the op makes a bad-argument error of it), the kernel not run
-    with pytest.raises(EmuError, match="the launch was refused: invalid argument"):
+    with pytest.raises(EmuError, match="cluster of 9 blocks, over the portable 8 without GRPO_ALLOW_NONPORTABLE"):
         emu.selftest_cluster_bug("divergent_cluster_sync", 9, 32)
+    with pytest.raises(EmuError, match="a cluster of 17 blocks, over CUDA's maximum of 16"):
+        run_cluster(emu, 17, 1, 32, 8, launch="nonportable")
+
+
+@pytest.mark.parametrize(("n", "clusters", "words"), [(16, 2, 65), (9, 1, 100), (13, 3, 40)])
+def test_nonportable_clusters_of_up_to_16_exchange_shared_memory(emu, n, clusters, words):
+    codes, out, info, sums = run_cluster(emu, n, clusters, 32, words, launch="nonportable")
+    assert codes.tolist() == [0, 0, 0]
+    for got, want in zip((out, info, sums), cluster_expected(n, clusters, 32, words), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_device_refuses_clusters_over_its_limit_and_its_occupancy_query_says_0():
+    """A device that takes clusters of 4 (portable and not): a cluster of 8 (valid anywhere) is refused, and the
+    occupancy query counts 0 such clusters."""
+    device = EmuDevice(CSRC, schedules=SCHEDULES[:1], max_cluster=4)
+    try:
+        codes, *_ = run_cluster(device, 8, 1, 32, 8)
+        assert codes.tolist() == [0, INVALID_VALUE, INVALID_VALUE]
+        assert device.selftest_active_clusters(8, 32, 64, False).tolist() == [0, 0]
+        assert device.selftest_active_clusters(16, 32, 64, True).tolist() == [0, 0]
+        assert device.selftest_active_clusters(4, 32, 64, False).tolist()[1] > 0
+    finally:
+        assert not device.close()
+
+
+@pytest.mark.parametrize(
+    ("n", "threads", "shared", "limits", "active"),
+    [
+        # an H100: 233472 bytes per SM, 1 KiB reserved per block, 2048 threads, 16 SMs a GPC, 8 GPCs
+        (16, 256, 50 * 1024, {}, 8 * (16 * 4 // 16)),  # 4 blocks an SM (shared memory)
+        (16, 1024, 10 * 1024, {}, 8 * (16 * 2 // 16)),  # 2 blocks an SM (threads)
+        (16, 256, 200 * 1024, {}, 8 * (16 * 1 // 16)),  # 1 block an SM
+        (16, 256, 200 * 1024, {"gpc_sms": 15}, 0),  # 16 blocks of one SM each: no GPC holds them
+        (5, 256, 60 * 1024, {"gpc_sms": 4}, 8 * (4 * 3 // 5)),
+        (16, 128, 5 * 1024, {"shared_per_sm": 64 * 1024}, 8 * (16 * 10 // 16)),
+    ],
+)
+def test_the_occupancy_query_counts_clusters_from_shared_memory_threads_and_gpcs(n, threads, shared, limits, active):
+    device = EmuDevice(CSRC, schedules=SCHEDULES[:1], **limits)
+    try:
+        assert device.selftest_active_clusters(n, threads, shared, n > 8).tolist() == [0, active]
+    finally:
+        assert not device.close()
+
+
+def test_the_occupancy_query_checks_the_launch(emu):
+    with pytest.raises(EmuError, match="over the portable 8 without GRPO_ALLOW_NONPORTABLE_CLUSTER"):
+        emu.selftest_active_clusters(12, 32, 64, False)
 
 
 def test_an_allowance_must_leave_room_for_static_shared_memory(emu):

@@ -20,6 +20,8 @@ from .client import SCHEDULES, Access, EmuDevice
 from .conftest import CSRC
 from .test_advantages import group_args
 from .test_logits import pass_args
+from .test_logits_small_blocks import SHARED_PER_SM as SMALL_BLOCK_SHARED_PER_SM
+from .test_logits_small_blocks import small_block_cluster
 from .test_loss import forward_args
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -35,12 +37,22 @@ def counted():
 
 # The logits pass on three emulated devices: an H100 (a row of V = 1003 fits one block's shared memory), 2 KiB of
 # shared memory per block (the row split over a cluster of `blocks[dtype]` blocks, test_logits.RESIDENT_CASES), and
-# no cluster launch (the two-read kernel).
+# no cluster launch (the two-read kernel); and the small-block layout with clusters of up to 16 blocks.
 PASS_DEVICES = {
     "one block": ({}, {torch.float32: 1, torch.bfloat16: 1, torch.float16: 1, torch.float64: 1}),
     "cluster": ({"shared_per_block": 2048}, {torch.float32: 3, torch.bfloat16: 2, torch.float16: 2, torch.float64: 7}),
     "two-read": ({"max_cluster": 0}, None),
+    # the small-block layout (test_logits_small_blocks.py's device): clusters of up to 16 small blocks
+    "small blocks": (
+        {"shared_per_sm": SMALL_BLOCK_SHARED_PER_SM, "env": {"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks"}},
+        {torch.float32: 16, torch.bfloat16: 8, torch.float16: 8, torch.float64: 6},
+    ),
 }
+
+
+def test_the_small_block_device_takes_the_clusters_named():
+    blocks = PASS_DEVICES["small blocks"][1]
+    assert {dtype: small_block_cluster(1003, dtype.itemsize) for dtype in blocks} == blocks
 
 
 @pytest.fixture(scope="module", params=list(PASS_DEVICES))
