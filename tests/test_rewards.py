@@ -63,6 +63,29 @@ def test_graded_answer_reward_partial_credit_and_stop_bonus():
     assert rewards == pytest.approx(expected)
 
 
+def test_demo_reversal_reward_scores_a_completion_cut_without_eos_as_too_long():
+    # Decoding drops special tokens: a completion "2 <bos> 5 8" cut at the demo's 4-token cap reads "258". The demo's
+    # reward scores it as 4 positions (3 right: 0.75), what "258x" gets, not as the right answer without EOS (1.0).
+    from grpo_ext.trainer.demo import build_tokenizer, reversal_reward
+
+    tokenizer = build_tokenizer()
+    hidden = tokenizer.decode(tokenizer.convert_tokens_to_ids(["2", "<bos>", "5", "8"]), skip_special_tokens=True)
+    assert hidden == "258"
+    completions = [hidden, "2580", "25", "258", "25", "852"]
+    truncated = [True, True, True, False, False, False]
+    rewards = reversal_reward(["852>"] * 6, completions, ["258"] * 6, completion_truncated=truncated)
+    expected = [
+        3 / 4,  # three right, cut at the cap: 4 positions
+        3 / 4,  # three right out of max(3, 4)
+        2 / 4,  # two right, cut at the cap after a hidden token (or two): still 4 positions
+        1.0 + 0.5,  # all right, stopped at the right length
+        2 / 3,  # two right, stopped early
+        1 / 3 + 0.5,  # the middle one right, right length
+    ]
+    assert rewards == pytest.approx(expected)
+    assert reversal_reward(["852>"], ["258"], ["258"]) == pytest.approx([1.5])  # no truncation flags: none cut
+
+
 def returning(values):
     """A reward function named ``fixed`` that returns ``values`` whatever it is given."""
 

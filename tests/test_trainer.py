@@ -465,7 +465,7 @@ def test_demo_learns(tmp_path):
     # changes the wall time and never the outcome (speed is not asserted in tests).
     result = run_demo(output_dir=str(tmp_path / "demo"), disable_tqdm=True, log_completions=False, max_time_s=None)
     assert result.accuracy_before <= 0.1
-    assert result.accuracy_after >= 0.5
+    assert result.accuracy_after >= 0.85  # issue 40: every seed x CPU float path measured reached 100%
     assert result.reward_last >= 2 * result.reward_first
     assert result.reward_last >= result.reward_first + 0.3
     assert result.learned

@@ -1,8 +1,9 @@
 """The embedded default: a tiny LLaMA learns to reverse 3 digits with GRPO, nothing downloaded.
 
 The model (about 133k parameters) and its 16-token tokenizer are built in code; prompts such as ``"472>"`` ask for
-``"274"`` followed by EOS. Reversing forces the model to read the prompt (an answer that ignores it scores about
-0.1), so a rising reward means the policy learned the task. Settings follow ``shared/notes/demo-findings.md``.
+``"274"`` followed by EOS. Reversing forces the model to read the prompt (digits that ignore it score about 0.1 of
+the 1.0 the digits are worth; stopping after three adds 0.5), so the held-out accuracy rises only when the policy
+learned the task. Settings: ``shared/notes/demo-findings.md``, then :func:`demo_config` says what changed and why.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from .config import GRPOConfig
-from .rewards import graded_answer_reward
+from .rewards import completion_text, graded_answer_reward
 
 DIGITS = "0123456789"
 SEPARATOR = ">"
@@ -71,18 +72,60 @@ def reversal_dataset(num_digits: int = 3, num_heldout: int = 100, seed: int = 0)
 
 
 def reversal_reward(prompts, completions, answer, completion_truncated=None, **columns) -> list[float]:
-    """Correct positions / max(target length, output length), plus 0.2 for stopping at the right length."""
-    return graded_answer_reward(prompts, completions, answer, completion_truncated, stop_bonus=0.2)
+    """Correct positions / max(target length, output length), plus 0.5 for stopping at the right length.
+
+    The bonus is large so that the few early completions that stop after three digits stand out while the digits are
+    still mostly wrong: at 0.2 the policy grew sure of a junk fourth token first in some runs and stopped trying EOS.
+    A completion cut at the length cap without EOS counts as one position longer than its answer at least, whatever
+    its text shows: decoding drops special tokens, so ``"2<bos>58"`` reads ``"258"``, which the graded reward alone
+    scores as the right answer without the bonus, a plateau that some runs never left (no EOS, 0% held-out
+    accuracy); scored as four positions it is worth what ``"258x"`` is (0.75).
+
+    Returns:
+        ``[N]`` floats in ``[0, 1.5]``.
+    """
+    rewards = graded_answer_reward(prompts, completions, answer, completion_truncated, stop_bonus=0.5)
+    if completion_truncated is None:
+        return rewards
+    scored = []
+    for reward, completion, target, cut in zip(rewards, completions, answer, completion_truncated, strict=True):
+        hidden_tokens = cut and len(completion_text(completion).strip()) <= len(target)
+        scored.append(reward * len(target) / (len(target) + 1) if hidden_tokens else reward)  # correct / (len + 1)
+    return scored
 
 
 def demo_config(**overrides: Any) -> GRPOConfig:
-    """The demo's settings (demo-findings.md): 8 prompts x G=16, 4 new tokens, lr 3e-4, beta 0, 'grpo' loss."""
+    """The demo's settings: 4 prompts x G=32, 4 new tokens, 2000 steps, lr 1e-3 (5% warm-up, cosine decay),
+    unscaled advantages (``scale_rewards="none"``), entropy bonus 0.03, sampling temperature 1.3, beta 0, the
+    'grpo' loss.
+
+    Three seeds under three CPU float paths (``examples/demo_spread.py``, 2026-11-27) all end at 100% held-out
+    accuracy and a reward of 1.50 (the most there is). The earlier settings (8 prompts x G=16, constant lr 3e-4,
+    group-std advantages, a stop bonus of 0.2, 1200 steps) ended at 0-98%: the float path and the seed only picked
+    which of a few outcomes a run fell into. Measured on the way, each over the 9 runs: the settings here at
+    temperature 1 and 1200 steps, 6 of 9 at 100% and seed 2 at 18-33%; with an entropy bonus of 0.06, 7 of 9 (40%
+    and 74% the others); at temperature 1.3 and 1200 steps, 8 of 9 (68% the other); 2000 steps then gave every run
+    100%. The failures, and what each change does against them:
+
+    - No EOS (a junk fourth token, or a hidden special one, see :func:`reversal_reward`): the stop bonus of 0.5 gets
+      EOS learned within the first 300 steps.
+    - The first digit in the middle (``"280>"`` -> ``"022"``) for a third of the prompts: dividing by the group's
+      std turned the last differences inside a nearly settled group (one odd sample) into full-size advantages that
+      sharpened whatever the group already said, until the right middle digit had a probability of 1e-4 and was
+      never sampled again. Unscaled advantages, the entropy bonus and twice the samples per prompt keep it sampled
+      (it stays at 0.1-0.3 on the prompts still wrong), so the higher learning rate can fix it before the cosine
+      decay settles the policy.
+    - A run still stuck on one digit late in the schedule (a training reward of 1.2-1.4): sampling at temperature
+      1.3 keeps the unlikely digit sampled, and 2000 steps (about 2 minutes of 2 cores) leave the learning rate
+      time to move it before the decay ends.
+    """
     options: dict[str, Any] = {
-        "output_dir": "grpo_demo_output", "seed": 0, "max_steps": 1200, "max_time_s": 170.0,
-        "num_generations": 16, "per_device_train_batch_size": 128, "max_completion_length": 4,
-        "max_prompt_length": None, "learning_rate": 3e-4, "adam_beta1": 0.9, "adam_beta2": 0.99,
-        "max_grad_norm": 1.0, "beta": 0.0, "loss_type": "grpo", "epsilon": 0.2, "lr_scheduler_type": "constant",
-        "logging_steps": 1, "log_completions_steps": 200,
+        "output_dir": "grpo_demo_output", "seed": 0, "max_steps": 2000, "max_time_s": 170.0,
+        "num_generations": 32, "per_device_train_batch_size": 128, "max_completion_length": 4,
+        "max_prompt_length": None, "learning_rate": 1e-3, "lr_scheduler_type": "cosine", "warmup_ratio": 0.05,
+        "adam_beta1": 0.9, "adam_beta2": 0.99, "max_grad_norm": 1.0, "beta": 0.0, "loss_type": "grpo",
+        "epsilon": 0.2, "scale_rewards": "none", "entropy_coef": 0.03, "temperature": 1.3, "logging_steps": 1,
+        "log_completions_steps": 200,
         # 133k parameters and 8-token sequences hold next to no activations: recomputing them would only cost time
         # (about 20% of each step's CPU time, GRPOConfig's docstring)
         "gradient_checkpointing": False,
