@@ -376,21 +376,28 @@ struct ResidentSplit {
   size_t shared_bytes = 0;
 };
 
+// A row of `vocab` elements in the fewest parts of at most `share` bytes of shared memory each (the kernel's static
+// PassShared included), at most max_blocks of them; cluster_blocks == 0 when it does not fit.
 template <typename T, typename In>
-inline ResidentSplit resident_split(int64_t vocab, const RowResidency& device) {
+inline ResidentSplit split_row(int64_t vocab, int64_t share, unsigned max_blocks) {
   constexpr int64_t width = Vector<In>::kWidth, element = sizeof(In);
-  // blocks_per_sm blocks, each with its 1 KiB the SM reserves, within what one block may have.
-  const int64_t share =
-      int64_t(device.shared_per_block / device.blocks_per_sm) - 1024 * int64_t(device.blocks_per_sm - 1);
   const int64_t free_bytes = share - int64_t(sizeof(PassShared<T>));
   // Elements a block can stage, a multiple of the vector width, leaving room for the alignment pad (one vector).
   const int64_t per_block = (free_bytes / element - width) / width * width;
-  if (vocab <= 0 || per_block < width || device.max_cluster_blocks == 0) return {};
+  if (vocab <= 0 || per_block < width || max_blocks == 0) return {};
   const int64_t blocks = (vocab + per_block - 1) / per_block;
-  if (blocks > int64_t(device.max_cluster_blocks)) return {};
+  if (blocks > int64_t(max_blocks)) return {};
   // At most per_block (a multiple of width at least vocab / blocks), so every block's part starts inside the row.
   const int64_t slice = ((vocab + blocks - 1) / blocks + width - 1) / width * width;
   return {static_cast<unsigned>(blocks), slice, size_t((slice + width) * element)};
+}
+
+template <typename T, typename In>
+inline ResidentSplit resident_split(int64_t vocab, const RowResidency& device) {
+  // blocks_per_sm blocks, each with its 1 KiB the SM reserves, within what one block may have.
+  const int64_t share =
+      int64_t(device.shared_per_block / device.blocks_per_sm) - 1024 * int64_t(device.blocks_per_sm - 1);
+  return split_row<T, In>(vocab, share, device.max_cluster_blocks);
 }
 
 // The small-block layout of a row: `cluster_blocks` blocks (1 to 16) of `threads` threads, `blocks_per_sm` of them
@@ -416,22 +423,16 @@ struct SmallBlockLayout {
 
 template <typename T, typename In>
 inline SmallBlockLayout small_block_layout(int64_t vocab, const RowResidency& device) {
-  constexpr int64_t width = Vector<In>::kWidth, element = sizeof(In), reserved = 1024;
+  constexpr int64_t reserved = 1024;
   if (vocab <= 0 || device.max_small_cluster_blocks == 0) return {};
   for (unsigned per_sm = kSmallBlocksPerSm; per_sm >= 2; --per_sm) {
     int64_t share = int64_t(device.shared_per_sm / per_sm) - reserved;
     if (share > int64_t(device.shared_per_block)) share = int64_t(device.shared_per_block);
-    const int64_t free_bytes = share - int64_t(sizeof(PassShared<T>));
-    // Elements a block can stage, a multiple of the vector width, leaving room for the alignment pad (one vector).
-    const int64_t per_block = (free_bytes / element - width) / width * width;
-    if (per_block < width) continue;
-    const int64_t blocks = (vocab + per_block - 1) / per_block;
-    if (blocks > int64_t(device.max_small_cluster_blocks)) continue;
-    // At most per_block (a multiple of width at least vocab / blocks), so every block's part starts inside the row.
-    const int64_t slice = ((vocab + blocks - 1) / blocks + width - 1) / width * width;
-    const int threads = row_threads(slice, int(element));
-    return {static_cast<unsigned>(blocks), threads < kSmallBlockThreads ? threads : kSmallBlockThreads, per_sm, slice,
-            size_t((slice + width) * element)};
+    const ResidentSplit split = split_row<T, In>(vocab, share, device.max_small_cluster_blocks);
+    if (split.cluster_blocks == 0) continue;
+    const int threads = row_threads(split.slice, int(sizeof(In)));
+    return {split.cluster_blocks, threads < kSmallBlockThreads ? threads : kSmallBlockThreads, per_sm, split.slice,
+            split.shared_bytes};
   }
   return {};
 }

@@ -8,13 +8,38 @@
 #define GRPO_LAUNCH(grid, block, shared_bytes, stream, ...) __VA_ARGS__<<<grid, block, shared_bytes, stream>>>
 #endif
 
+// The launch configuration of a cluster launch (cudaLaunchKernelEx, cudaOccupancyMaxActiveClusters): `cluster_blocks`
+// consecutive blocks along x, no cluster attribute for 1 (an ordinary launch). Used by the two macros below.
+#if !defined(GRPO_LAUNCH_CLUSTER) || !defined(GRPO_MAX_ACTIVE_CLUSTERS)
+#include <cuda_runtime.h>
+
+namespace grpo_ext::launch_detail {
+struct ClusterConfig {
+  cudaLaunchAttribute cluster[1];
+  cudaLaunchConfig_t config = {};
+
+  ClusterConfig(dim3 grid, dim3 block, unsigned cluster_blocks, size_t shared_bytes, cudaStream_t stream) {
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = cluster_blocks;
+    cluster[0].val.clusterDim.y = 1;
+    cluster[0].val.clusterDim.z = 1;
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = shared_bytes;
+    config.stream = stream;
+    config.attrs = cluster;
+    config.numAttrs = cluster_blocks > 1 ? 1 : 0;
+  }
+  ClusterConfig(const ClusterConfig&) = delete;  // config.attrs points into this object
+};
+}  // namespace grpo_ext::launch_detail
+#endif
+
 // GRPO_LAUNCH_CLUSTER(grid, block, cluster_blocks, shared_bytes, stream, kernel)(args...) launches kernel with
 // thread-block clusters of `cluster_blocks` consecutive blocks along x (sm_90; 1: an ordinary launch; grid.x must be
 // a multiple of it) and returns the launch's cudaError_t, so that the launcher can fall back to another kernel when
 // the device refuses the cluster (too little shared memory per GPC, or a GPU before sm_90).
 #ifndef GRPO_LAUNCH_CLUSTER
-#include <cuda_runtime.h>
-
 #include <utility>
 
 namespace grpo_ext::launch_detail {
@@ -28,19 +53,8 @@ struct ClusterLaunch {
 
   template <typename... A>
   cudaError_t operator()(A&&... args) const {
-    cudaLaunchAttribute cluster[1];
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = cluster_blocks;
-    cluster[0].val.clusterDim.y = 1;
-    cluster[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = block;
-    config.dynamicSmemBytes = shared_bytes;
-    config.stream = stream;
-    config.attrs = cluster;
-    config.numAttrs = cluster_blocks > 1 ? 1 : 0;
-    return cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...);
+    const ClusterConfig launch(grid, block, cluster_blocks, shared_bytes, stream);
+    return cudaLaunchKernelEx(&launch.config, kernel, std::forward<A>(args)...);
   }
 };
 template <typename... P>
@@ -71,25 +85,13 @@ ClusterLaunch(void (*)(P...), dim3, dim3, unsigned, size_t, cudaStream_t) -> Clu
 // many clusters of that launch the device can run at once (cudaOccupancyMaxActiveClusters; 0: none fits a GPC, the
 // launch would fail) and returns the cudaError_t.
 #ifndef GRPO_MAX_ACTIVE_CLUSTERS
-#include <cuda_runtime.h>
-
 namespace grpo_ext::launch_detail {
 template <typename... P>
 cudaError_t max_active_clusters(int* active, void (*kernel)(P...), dim3 grid, dim3 block, unsigned cluster_blocks,
                                 size_t shared_bytes, cudaStream_t stream) {
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = cluster_blocks;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  config.attrs = cluster;
-  config.numAttrs = 1;
-  return cudaOccupancyMaxActiveClusters(active, reinterpret_cast<const void*>(kernel), &config);
+  ClusterConfig launch(grid, block, cluster_blocks, shared_bytes, stream);
+  launch.config.numAttrs = 1;  // the query takes the cluster attribute even for one block
+  return cudaOccupancyMaxActiveClusters(active, reinterpret_cast<const void*>(kernel), &launch.config);
 }
 }  // namespace grpo_ext::launch_detail
 
