@@ -98,6 +98,7 @@ def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_trainer
+    import step_profile
 
     config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
@@ -107,7 +108,7 @@ def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):
     bench_trainer.enable_checkpointing(model)  # use_reentrant=False, as transformers' Trainer.train()
     optimizer = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, 64, (2, 12))
-    markers = bench_trainer.StepMarkers(model)
+    markers = step_profile.StepMarkers(model)
     steps = 2
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         for _ in range(steps):
@@ -121,8 +122,8 @@ def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):
     markers.remove()
     events = profiler.events()
     count = collections.Counter()
-    for _, event, part in bench_trainer.classify_events(events, markers):
-        count[part, event.name.removeprefix(bench_trainer.BACKWARD_EVENT + ": ")] += 1
+    for _, event, part in step_profile.classify_events(events, markers):
+        count[part, event.name.removeprefix(step_profile.BACKWARD_EVENT + ": ")] += 1
     def parts_of(name: str) -> set[str]:
         return {part for part, op in count if op == name}
 
@@ -138,9 +139,9 @@ def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):
     assert attention_backward and all(parts_of(op) == {"layers_bwd"} for op in attention_backward), count
     assert parts_of("Optimizer.step#AdamW.step") == {"optimizer"} and parts_of("aten::addcdiv_") == {"optimizer"}
     assert parts_of("aten::linalg_vector_norm") == {"rest"}  # gradient clipping
-    parts = bench_trainer.step_parts(events, markers, torch.device("cpu"))
+    parts = step_profile.step_parts(events, markers, torch.device("cpu"))
     assert parts["check"] == pytest.approx(1.0, abs=0.01)  # every microsecond of the steps in exactly one part
-    assert all(parts["cpu"][part] > 0 for part in bench_trainer.PARTS)
+    assert all(parts["cpu"][part] > 0 for part in step_profile.PARTS)
 
 
 def test_trainer_benchmark_with_trl_loss_options(tmp_path):
