@@ -22,6 +22,10 @@ Padding case (after the others, on the first size and dtype): ``grpo_ext`` on th
 kept and with the second half of each row masked, timed in the same run, alternating round by round; the ratio of
 the two times (best of the repetitions, and medians) shows that masked tokens cost no GEMM work (target: at most 0.6).
 
+Master-weight case (last, on the first size): a float32 weight and hidden states under bfloat16 GEMMs (TRL's bf16
+autocast), cast first against ``compute_dtype=torch.bfloat16``, alternating, each against the three bfloat16 GEMMs
+into preallocated outputs.
+
 Yardstick: the time of the three GEMMs the path cannot avoid (``hidden @ W.T``, ``g @ W``, ``g.T @ hidden``) is
 measured in the same run, and ``x gemm`` is that time over the row's. Peak memory (CUDA): the allocator's peak above
 what was allocated before the call.
@@ -146,5 +150,49 @@ def padding_case(args: argparse.Namespace, device: torch.device, flusher) -> lis
     return out
 
 
+def master_weight_case(args: argparse.Namespace, device: torch.device, flusher) -> list[dict[str, Any]]:
+    """A float32 weight and hidden states under bfloat16 GEMMs, as TRL's bf16 autocast runs the head, on the first
+    size with every token kept: ``cast first`` (``.to(torch.bfloat16)`` under autograd, which casts the gradients
+    back) against ``compute_dtype=torch.bfloat16`` (the op casts; one chunk: in the weight gradient's buffer),
+    alternating round by round, each also against the three bfloat16 GEMMs into preallocated outputs (the floor
+    no head can beat), timed in the same rounds."""
+    rows, vocab, size = cli.parse_sizes(args.sizes, 3)[0]
+    inputs = make_inputs(rows, vocab, size, torch.float32, device, args.seed)
+    inputs = {**inputs, "mask": torch.ones_like(inputs["mask"])}
+    leaves = (inputs["hidden"].detach().requires_grad_(True), inputs["weight"].detach().requires_grad_(True))
+    low = torch.bfloat16
+
+    def cast_first(hidden, weight, *rest, **kwargs):
+        return grpo_ext.grpo_loss_from_hidden(hidden.to(low), weight.to(low), *rest, **kwargs)
+
+    def compute_dtype(*args, **kwargs):
+        return grpo_ext.grpo_loss_from_hidden(*args, compute_dtype=low, **kwargs)
+
+    case = f"hidden N={rows} V={vocab} H={size} float32 weight, bfloat16 GEMMs"
+    steps = [fused_loss.loss_step(fn, leaves, inputs, args.beta) for fn in (cast_first, compute_dtype)]
+    steps.append(timing.lm_head_gemms(rows, size, vocab, low, device))
+    labels = ("cast first", "compute_dtype", "3 GEMMs")
+    rounds = [[timing.time_call(step, device, target_s=args.target_s / PADDING_ROUNDS, flusher=flusher)
+               for step in steps] for _ in range(PADDING_ROUNDS)]  # fmt: skip
+    out = []
+    for index, label in enumerate(labels):
+        out.append({"case": f"{case} {label}", "op": "grpo_loss_from_hidden fwd+bwd", "impl": "grpo_ext", "N": rows,
+                    "V": vocab, "H": size, "dtype": "float32/bfloat16", "bytes": 0,
+                    "min_ms": min(timed[index]["min_ms"] for timed in rounds),
+                    "median_ms": statistics.median(timed[index]["median_ms"] for timed in rounds),
+                    "reps": sum(timed[index]["reps"] for timed in rounds)})  # fmt: skip
+    floor = out[2]["median_ms"]
+    for row in out[:2]:
+        row["x_gemm"] = floor / row["median_ms"]
+    print(f"master weight {case}: cast first {out[0]['median_ms']:.4g} ms ({1 / out[0]['x_gemm']:.3f}x the GEMMs), "
+          f"compute_dtype {out[1]['median_ms']:.4g} ms ({1 / out[1]['x_gemm']:.3f}x), the 3 GEMMs {floor:.4g} ms "
+          f"(medians of {PADDING_ROUNDS} alternating rounds)")  # fmt: skip
+    return out
+
+
+def extra_cases(args: argparse.Namespace, device: torch.device, flusher) -> list[dict[str, Any]]:
+    return padding_case(args, device, flusher) + master_weight_case(args, device, flusher)
+
+
 if __name__ == "__main__":
-    fused_loss.main(__file__, __doc__, "hidden", make_steps, gemm_time, padding_case)
+    fused_loss.main(__file__, __doc__, "hidden", make_steps, gemm_time, extra_cases)

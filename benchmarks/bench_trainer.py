@@ -101,7 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `harness`, where
 
 import torch
 
-from harness import cli, environment, reporting
+from harness import cli, environment, reporting, timing
 from step_profile import StepMarkers, step_parts
 
 BACKENDS = ("plain", "fused")
@@ -329,25 +329,17 @@ def _sync(device: torch.device) -> None:
 def gemm_floor_ms(rows: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device, reps: int) -> float:
     """Median ms of the three products of an LM head over ``rows`` tokens: logits ``[N, H] x [H, V]``, the input's
     gradient ``[N, V] x [V, H]`` and the weight's ``[V, N] x [N, H]`` (one warm-up first; outputs preallocated)."""
-    torch.manual_seed(0)
-    hidden_states = torch.randn(rows, hidden, device=device, dtype=dtype)
-    weight = torch.randn(vocab, hidden, device=device, dtype=dtype)
-    grad_logits = torch.randn(rows, vocab, device=device, dtype=dtype)
-    logits = torch.empty(rows, vocab, device=device, dtype=dtype)
-    grad_hidden = torch.empty(rows, hidden, device=device, dtype=dtype)
-    grad_weight = torch.empty(vocab, hidden, device=device, dtype=dtype)
+    products = timing.lm_head_gemms(rows, hidden, vocab, dtype, device)
 
-    def products() -> float:
+    def timed() -> float:
         _sync(device)
         start = time.perf_counter()
-        torch.mm(hidden_states, weight.t(), out=logits)
-        torch.mm(grad_logits, weight, out=grad_hidden)
-        torch.mm(grad_logits.t(), hidden_states, out=grad_weight)
+        products()
         _sync(device)
         return 1e3 * (time.perf_counter() - start)
 
-    products()
-    return statistics.median(products() for _ in range(reps))
+    timed()
+    return statistics.median(timed() for _ in range(reps))
 
 
 class GenerateTimer:

@@ -4,7 +4,7 @@
 * :mod:`harness.environment`: the device to run on and the facts about machine and software; its ``start`` begins a
   run (device, facts, copy bandwidth, L2 flusher).
 * :mod:`harness.timing`: how a call is timed on CUDA and on CPU (the method is in that module's docstring), the
-  copy-bandwidth yardstick and the peak-memory probe.
+  copy-bandwidth yardstick, the LM head's GEMM floor and the peak-memory probe.
 * :mod:`harness.peers`: the optional peers (torch.compile, CUDA-graph replay), their warm-up, and the timing of every
   peer of a case.
 * :mod:`harness.checks`: the agreement check against a float64 reference and its tolerances; a peer that

@@ -177,3 +177,23 @@ def peak_memory_above(fn: Callable[[], Any], device: torch.device) -> int | None
     peak = torch.cuda.max_memory_allocated(device) - base
     del out
     return int(peak)
+
+
+def lm_head_gemms(rows: int, size: int, vocab: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """The three products of an LM head over ``rows`` tokens into preallocated outputs, the floor a head's forward +
+    backward cannot beat: logits ``[N, H] x [H, V]``, the input's gradient ``[N, V] x [V, H]`` and the weight's
+    ``[V, N] x [N, H]`` (random operands; a fresh output would add its page faults on the CPU)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(rows, size, device=device, dtype=dtype, generator=generator)
+    weight = torch.randn(vocab, size, device=device, dtype=dtype, generator=generator)
+    grad_logits = torch.randn(rows, vocab, device=device, dtype=dtype, generator=generator)
+    logits = torch.empty(rows, vocab, device=device, dtype=dtype)
+    grad_hidden = torch.empty(rows, size, device=device, dtype=dtype)
+    grad_weight = torch.empty(vocab, size, device=device, dtype=dtype)
+
+    def products() -> None:
+        torch.mm(hidden, weight.t(), out=logits)
+        torch.mm(grad_logits, weight, out=grad_hidden)
+        torch.mm(grad_logits.t(), hidden, out=grad_weight)
+
+    return products

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import _native
 from ..results import GRPOLossOutput, GRPOLossTokenOutput
-from ..validation import check_bool, check_finite, check_int, validate_logit_options
+from ..validation import check_bool, check_compute_dtype, check_finite, check_int, validate_logit_options
 from ..validation.options import LogitOptions, LossOptions, takes_loss_options
 from ._common import accumulate_dtype, refuse_double_backward
 from .grpo_loss_from_logits import (
@@ -28,7 +28,15 @@ from .grpo_loss_from_logits import (
     with_entropy_bonus,
 )
 from .kept_rows import Segment, chunk_segments, plan_rows, put_rows, take_rows, zero_outside
-from .lm_head import accumulate_product, chunk_rows, hidden_chunk_budget, product, project
+from .lm_head import (
+    accumulate_product,
+    chunk_rows,
+    hidden_chunk_budget,
+    product,
+    project,
+    shared_weight_gradient,
+    widen_in_place,
+)
 from .metrics import NUM_METRICS, metrics_dict
 from .selective_log_softmax import selective_log_softmax
 
@@ -97,9 +105,12 @@ def _hidden_loss_forward(
     chunk for the log-probs alone, then recompute each chunk's logits for the gradient (the entropy bonus' gradient
     is written with the policy term's, by the pass that writes the gradient). With ``ref_head``, each chunk first
     writes its reference log-probs into ``options.ref_logps`` (the rows the chunk's pass then reads), no_grad.
+    ``weight`` may have another dtype than ``hidden`` (a master weight: the GEMMs run in ``hidden``'s dtype, its
+    gradient comes back in its own).
     """
     batch, length = completion_mask.shape
     rows, vocab = hidden.shape[0], weight.shape[0]
+    master_weight = weight
     need_hidden, need_weight, need_bias = needs
     compute_grad = any(needs)
     acc = accumulate_dtype(hidden.dtype)
@@ -120,9 +131,16 @@ def _hidden_loss_forward(
         grad_hidden = torch.empty_like(hidden)
         zero_outside(grad_hidden, plan.segments)
     # d/d weight: written by the first chunk (no zero fill of [V, H]), accumulated in float32 by the others; when one
-    # chunk covers every scored row it is that chunk's product in the weight's dtype (no accumulator, no final cast).
+    # chunk covers every scored row it is that chunk's product in the compute dtype (no accumulator).
     grad_weight = None
-    weight_grad_dtype = weight.dtype if len(chunks) <= 1 else acc
+    weight_grad_dtype = hidden.dtype if len(chunks) <= 1 else acc
+    # A master weight (float32 under bf16 GEMMs): cast here, inside its gradient's buffer when one chunk and the
+    # widths allow (lm_head.SharedWeightGradient), so that no [V, H] temporary is allocated (and faulted in) for it.
+    shared = None
+    if weight.dtype != hidden.dtype:
+        if need_weight and len(chunks) == 1:
+            shared = shared_weight_gradient(weight, hidden.dtype)
+        weight = weight.to(hidden.dtype) if shared is None else shared.cast
     grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
     ops = torch.ops.grpo_ext
     option_args = options.op_args()
@@ -159,7 +177,9 @@ def _hidden_loss_forward(
                 put_rows(grad_hidden, pieces, part)
         if need_weight:
             read = chunk_hidden if chunk_kept is None else torch.where(chunk_kept, chunk_hidden, 0.0)
-            if grad_weight is None:
+            if shared is not None:  # the one chunk: its product in the buffer's second half, widened at the end
+                grad_weight = torch.mm(grad_logits.t(), read, out=shared.product)
+            elif grad_weight is None:
                 grad_weight = product(grad_logits.t(), read, weight_grad_dtype)
             else:
                 accumulate_product(grad_weight, grad_logits.t(), read)
@@ -188,10 +208,12 @@ def _hidden_loss_forward(
             logits = project(chunk_hidden, weight, bias)
             run_passes(logits, pieces, take_rows(ids, pieces), token_grad, True)
             backward_through_chunk(pieces, chunk_hidden, logits)
+    if shared is not None:
+        grad_weight = widen_in_place(shared)
     if need_weight and grad_weight is None:  # no row at all
-        grad_weight = torch.zeros_like(weight)
-    if grad_weight is not None and grad_weight.dtype != weight.dtype:
-        grad_weight = grad_weight.to(weight.dtype)
+        grad_weight = torch.zeros_like(master_weight)
+    if grad_weight is not None and grad_weight.dtype != master_weight.dtype:
+        grad_weight = grad_weight.to(master_weight.dtype)
     if grad_bias is not None and bias is not None and grad_bias.dtype != bias.dtype:
         grad_bias = grad_bias.to(bias.dtype)
     entropy_mean = masked_mean_entropy(entropy, completion_mask, options.sample_mask)
@@ -295,6 +317,7 @@ def grpo_loss_from_hidden(
     entropy_coef: float = 0.0,
     entropy_weights: Tensor | None = None,
     chunk_size: int | None = None,
+    compute_dtype: torch.dtype | None = None,
     return_token_logps: bool = False,
     **options,
 ) -> GRPOLossOutput | GRPOLossTokenOutput:
@@ -315,7 +338,7 @@ def grpo_loss_from_hidden(
     Args:
         hidden: ``[B, T, H]`` or ``[N, H]`` (``N = B * T``) float32/bfloat16/float16: the hidden states that score
             ``completion_ids`` (positions already aligned).
-        lm_head_weight: ``[V, H]``, same dtype as ``hidden``.
+        lm_head_weight: ``[V, H]``, same dtype as ``hidden`` unless ``compute_dtype`` is given.
         completion_ids: ``[B, T]`` (or ``[N]``) int64 ids in ``[0, V)``.
         advantages: ``[B]``, ``[B, 1]`` or ``[B, T]``.
         completion_mask: ``[B, T]`` bool/int/float.
@@ -332,6 +355,14 @@ def grpo_loss_from_hidden(
         chunk_size: kept token rows per chunk (default :func:`default_chunk_size`, the same rule on CPU and CUDA:
             the largest power of two whose logits fit in the float32 ``[V, H]`` weight gradient's size, which the op
             holds anyway, and at least in 256 MiB; e.g. 8192 rows at H=4096, V=151936 in bf16).
+        compute_dtype: the dtype of the GEMMs and the pass (bf16 autocast's ``torch.bfloat16``, say), or None:
+            ``hidden``'s, and the weight must have it. Given, ``hidden``, ``lm_head_weight`` and ``lm_head_bias`` may
+            each have any floating dtype (a float32 master weight, say): the op casts them, and each gradient comes
+            back in its tensor's own dtype. The numbers are those of casting first (as autocast does) and letting
+            autograd cast the gradients back; the memory is less: a float32 weight under bf16 GEMMs is cast into
+            its gradient's buffer, where the bf16 weight gradient is then formed and widened in place, when one
+            chunk covers the kept rows (no ``[V, H]`` temporary; on the CPU, whose fresh pages cost a fault each,
+            also the time of two ``[V, H]`` passes; benchmarks/NOTES.md, "A float32 master weight").
         return_token_logps: also return the ``[B, T]`` log-probs and entropies the chunks' pass computed (detached),
             as a :class:`~grpo_ext.GRPOLossTokenOutput`: per-token metrics (the clip ratio's extremes, say) need no
             second pass through the LM head.
@@ -345,7 +376,7 @@ def grpo_loss_from_hidden(
     return hidden_loss(hidden, lm_head_weight, completion_ids, advantages, completion_mask, lm_head_bias=lm_head_bias,
                        temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
                        entropy_coef=entropy_coef, entropy_weights=entropy_weights, chunk_size=chunk_size,
-                       return_token_logps=return_token_logps, **options)  # fmt: skip
+                       compute_dtype=compute_dtype, return_token_logps=return_token_logps, **options)  # fmt: skip
 
 
 def _check_ref_head(ref_head: RefHead, rows: int, vocab: int, like: Tensor) -> RefHead:
@@ -383,6 +414,7 @@ def hidden_loss(
     entropy_coef: float = 0.0,
     entropy_weights: Tensor | None = None,
     chunk_size: int | None = None,
+    compute_dtype: torch.dtype | None = None,
     ref_head: RefHead | None = None,
     return_token_logps: bool = False,
     **options,
@@ -402,17 +434,29 @@ def hidden_loss(
     if not isinstance(lm_head_weight, Tensor) or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != size:
         raise ValueError(f"lm_head_weight must have shape [V, H] with H={size} (hidden's), "
                          f"got {tuple(getattr(lm_head_weight, 'shape', ()))}")  # fmt: skip
-    if lm_head_weight.dtype != hidden.dtype or lm_head_weight.device != hidden.device:
-        raise ValueError(f"lm_head_weight must match hidden's dtype and device ({hidden.dtype}, {hidden.device}), "
-                         f"got {lm_head_weight.dtype}, {lm_head_weight.device}")  # fmt: skip
+    compute_dtype = check_compute_dtype(compute_dtype)
+    if lm_head_weight.device != hidden.device or (compute_dtype is None and lm_head_weight.dtype != hidden.dtype):
+        raise ValueError(f"lm_head_weight must match hidden's dtype and device ({hidden.dtype}, {hidden.device}; "
+                         f"another dtype only with compute_dtype), got {lm_head_weight.dtype}, "
+                         f"{lm_head_weight.device}")  # fmt: skip
+    if not lm_head_weight.is_floating_point():
+        raise ValueError(f"lm_head_weight must be floating, got {lm_head_weight.dtype}")
     vocab = lm_head_weight.shape[0]
     if vocab < 1:
         raise ValueError("lm_head_weight must have at least one row (V >= 1)")
     if lm_head_bias is not None and (
         not isinstance(lm_head_bias, Tensor) or tuple(lm_head_bias.shape) != (vocab,)
-        or lm_head_bias.dtype != hidden.dtype or lm_head_bias.device != hidden.device
+        or not lm_head_bias.is_floating_point() or lm_head_bias.device != hidden.device
+        or (compute_dtype is None and lm_head_bias.dtype != hidden.dtype)
     ):  # fmt: skip
-        raise ValueError(f"lm_head_bias must be a [V]=({vocab},) tensor of hidden's dtype and device")
+        raise ValueError(f"lm_head_bias must be a floating [V]=({vocab},) tensor on hidden's device, of hidden's "
+                         f"dtype unless compute_dtype is given")  # fmt: skip
+    if compute_dtype is not None:  # autograd casts the small gradients back; the weight is cast inside the op
+        hidden = hidden.to(compute_dtype)
+        lm_head_bias = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
+        if ref_head is not None:
+            ref_head = tuple(t.to(compute_dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+                             for t in ref_head)  # fmt: skip
     flat_hidden = hidden.reshape(-1, size)
     flat_ids = check_ids_and_mask(flat_hidden.shape[0], hidden.device, completion_ids, completion_mask)
     logit = validate_logit_options(temperature, logit_scale, logit_softcap)

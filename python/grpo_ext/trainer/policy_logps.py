@@ -244,20 +244,20 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 
 def _completion_head(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                     prompt_len: int) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """The completion positions' last hidden states ``[B, T, H]`` and the LM head's weight ``[V, H]`` and bias.
+                     prompt_len: int) -> tuple[Tensor, Tensor, Tensor | None, torch.dtype]:  # fmt: skip
+    """The completion positions' last hidden states ``[B, T, H]``, the LM head's weight ``[V, H]`` and bias as the
+    model holds them, and the dtype the head computes in.
 
     Hidden state ``t`` predicts token ``t + 1``: the completion's tokens are predicted from ``prompt_len - 1`` to
-    ``-2``. Weight and bias are cast to the hidden states' dtype (the autocast dtype when autocast is on, as the
-    model's own LM head would run), differentiably.
+    ``-2``. The compute dtype is the autocast dtype when autocast is on (as the model's own LM head would run), else
+    the hidden states'.
     """
     lm = causal_lm(model)
     out = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         use_cache=False)  # fmt: skip
     hidden = out.last_hidden_state[:, prompt_len - 1 : -1]
-    dtype = _autocast_dtype(hidden.device) or hidden.dtype
     weight, bias = lm_head_weights(lm.get_output_embeddings())
-    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return hidden, weight, bias, _autocast_dtype(hidden.device) or hidden.dtype
 
 
 def fused_token_logps(wrapper: torch.nn.Module, model: torch.nn.Module, batch: dict[str, Any], temperature: float,
@@ -270,8 +270,9 @@ def fused_token_logps(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
     completion_ids = batch["completion_ids"]
 
     def forward(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        hidden, weight, bias = _completion_head(model, input_ids, attention_mask, position_ids,
-                                                batch["prompt_ids"].shape[1])  # fmt: skip
+        hidden, weight, bias, dtype = _completion_head(model, input_ids, attention_mask, position_ids,
+                                                       batch["prompt_ids"].shape[1])  # fmt: skip
+        hidden, weight, bias = hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
         rows, vocab = completion_ids.numel(), weight.shape[0]
         scale, softcap = logits_transform(model)
         flat_hidden, flat_ids = hidden.reshape(rows, -1), completion_ids.reshape(rows)
@@ -309,13 +310,13 @@ def fused_policy_loss(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
     scale, softcap = logits_transform(model)
 
     def forward(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> GRPOLossOutput:
-        hidden, weight, bias = _completion_head(model, input_ids, attention_mask, position_ids,
-                                                batch["prompt_ids"].shape[1])  # fmt: skip
-        with torch.autocast(hidden.device.type, enabled=False):
+        hidden, weight, bias, dtype = _completion_head(model, input_ids, attention_mask, position_ids,
+                                                       batch["prompt_ids"].shape[1])  # fmt: skip
+        with torch.autocast(hidden.device.type, enabled=False):  # the master weight as it is: the op casts it
             return ops.grpo_loss_from_hidden(
                 hidden, weight, batch["completion_ids"], batch["advantages"], batch["completion_mask"],
                 lm_head_bias=bias, temperature=temperature, logit_scale=scale, logit_softcap=softcap,
-                **loss_options,
+                compute_dtype=dtype, **loss_options,
             )  # fmt: skip
 
     return call_through(*redirect_target(wrapper, model), forward, *model_inputs(batch))

@@ -39,6 +39,7 @@ from .tensors import (
 from .values import (
     check_bool,
     check_choice,
+    check_compute_dtype,
     check_finite,
     check_finite_positive,
     check_int,
@@ -51,6 +52,7 @@ from .values import (
 __all__ = [
     "check_bool",
     "check_choice",
+    "check_compute_dtype",
     "check_finite",
     "check_finite_positive",
     "check_floating",

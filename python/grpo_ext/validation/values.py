@@ -8,7 +8,12 @@ import numbers
 import operator
 from collections.abc import Sequence
 
+import torch
+
 from .options import LogitOptions
+
+#: The dtypes a fused op computes in (``compute_dtype``).
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
@@ -77,6 +82,14 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
     return value
+
+
+def check_compute_dtype(value: object) -> torch.dtype | None:
+    """Returns ``value`` (None or one of :data:`COMPUTE_DTYPES`), raising ValueError naming ``compute_dtype``."""
+    if value is None or value in COMPUTE_DTYPES:
+        return value
+    names = ", ".join(str(d) for d in COMPUTE_DTYPES)
+    raise ValueError(f"compute_dtype must be None or one of {names}; got {value!r}")
 
 
 _DEFAULT_LOGIT = LogitOptions()

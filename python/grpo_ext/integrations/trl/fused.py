@@ -124,17 +124,16 @@ class GrpoExtHead:
             return _GrpoExtLogProbs.apply(*args)
 
         dtype = _compute_dtype(hidden)  # the autocast dtype when autocast is on, as TRL's head computes
-        weight_c = weight.to(dtype)
-        bias_c = None if bias is None else bias.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            rows = rows.to(dtype)
             ids = request.completion_ids.to(hidden.device)
             if request.token_weights is not None:
-                request.loss_options.update(_token_weights(request, rows, weight_c, bias_c, ids, temperature,
+                request.loss_options.update(_token_weights(request, rows, weight, bias, dtype, ids, temperature,
                                                            chunk_size, final_logit_softcapping, logit_scale))
+            # the master weight as it is: the op casts it for its GEMMs (inside its gradient's buffer)
             out = ops.grpo_loss_from_hidden(
-                rows, weight_c, ids, lm_head_bias=bias_c, temperature=temperature, logit_scale=logit_scale,
-                logit_softcap=final_logit_softcapping, return_token_logps=True, **request.loss_options,
+                rows, weight, ids, lm_head_bias=bias, temperature=temperature, logit_scale=logit_scale,
+                logit_softcap=final_logit_softcapping, compute_dtype=dtype, return_token_logps=True,
+                **request.loss_options,
             )  # fmt: skip
             request.output = GRPOLossOutput(out.loss, out.metrics)
             request.token_entropy = out.token_entropy
@@ -144,14 +143,14 @@ class GrpoExtHead:
         return zeros, (zeros if "entropy" in outputs else None), None, None, None
 
 
-def _token_weights(request: FusedLossRequest, rows: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor,
-                   temperature: float, chunk_size: int, softcap: float | None,
+def _token_weights(request: FusedLossRequest, rows: Tensor, weight: Tensor, bias: Tensor | None,
+                   dtype: torch.dtype, ids: Tensor, temperature: float, chunk_size: int, softcap: float | None,
                    scale: float) -> dict[str, Tensor | None]:  # fmt: skip
     """``request.token_weights`` of the per-token log-probs and entropies of a no-grad pass over ``rows`` (chunked:
-    one chunk of logits at a time, as the fused loss), before the loss that they weigh."""
+    one chunk of logits at a time, as the fused loss; GEMMs in ``dtype``), before the loss that they weigh."""
     with torch.no_grad():
         logps, entropy, *_ = _GrpoExtLogProbs.apply(
-            rows.detach().reshape(-1, rows.shape[-1]), weight.detach(), None if bias is None else bias.detach(),
+            rows.reshape(-1, rows.shape[-1]).to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
             ids.reshape(-1), temperature, chunk_size, softcap, scale, ("log_probs", "entropy"),
         )  # fmt: skip
     return request.token_weights(logps.view(ids.shape), entropy.view(ids.shape))
