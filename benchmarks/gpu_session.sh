@@ -4,7 +4,8 @@
 # compute-sanitizer over a selection, then the benchmarks, each stage under its own time limit so that a slow one
 # cannot eat the next. Logs and JSON go to $OUT (./gpu-out); the short table (bench_floor.py) and the summary are
 # printed last.
-#   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] [WHEELS=.whl] bash benchmarks/gpu_session.sh [all|test|sanitize|bench]
+#   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] [WHEELS=.whl] bash benchmarks/gpu_session.sh
+#          [all|test|sanitize|bench|trainer]   (trainer: issue 39's other step rows, not part of all)
 # WHEELS: a folder of wheels the machine lacks (liger-kernel, trl and its few missing needs; bench_floor.py times
 # Liger's and TRL's kernels, bench_trainer.py TRL's trainer), installed into
 # /tmp/site with no network: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
@@ -88,14 +89,26 @@ if [[ "$what" == all || "$what" == bench ]]; then
   stage "bench_overhead"
   timeout 45 python3 benchmarks/bench_overhead.py --device cuda --sizes 64x1024x64 --out "$OUT/bench_overhead.json" \
     2>&1 | tee "$OUT/bench_overhead.txt"
-  stage "bench_trainer (Qwen2.5-0.5B's shape, random weights, its LM head untied)"
-  timeout 150 python3 benchmarks/bench_trainer.py --vocabs 151936 --hidden 896 --layers 24 --heads 14 --kv-heads 2 \
-    --intermediate 4864 --lengths 1024 --batch 8 --steps 3 --no-generation \
-    --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
+  stage "bench_trainer (Qwen2.5-0.5B's shape, random weights, as TRL ships the step: bf16, checkpointing)"
+  # issue 39's first H100 row, with where the time goes (--profile: the head + loss against its 3 GEMMs); the
+  # other rows (1.5B, T 4096, beta 0.04) are the `trainer` stage, a second call
+  timeout 150 python3 benchmarks/bench_trainer.py --shape qwen2.5-0.5b --lengths 1024 --batch 8 --steps 3 \
+    --precision bf16 --beta 0 --profile --no-generation --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
     --out "$OUT/bench_trainer.json" 2>&1 | tee "$OUT/bench_trainer.txt"
   stage "bench_floor with torch.compile of the reference (one shape: its compilation takes most of a minute)"
   timeout 120 python3 benchmarks/bench_floor.py --logits 8192x151936:bfloat16 --selective none --hidden none --compile \
     --out "$OUT/bench_floor_compile.json" 2>&1 | tee "$OUT/bench_floor_compile.txt"
+fi
+if [[ "$what" == trainer ]]; then
+  # issue 39's other H100 rows, not part of `all` (one call of its own, at most 8 minutes): Qwen2.5-0.5B at T 4096
+  # and Qwen2.5-1.5B at T 1024, beta 0 and 0.04, as TRL ships the step, with the parts of each step
+  for shape_length in qwen2.5-0.5b:4096 qwen2.5-1.5b:1024; do
+    stage "bench_trainer ${shape_length}"
+    timeout 240 python3 benchmarks/bench_trainer.py --shape "${shape_length%%:*}" --lengths "${shape_length##*:}" \
+      --batch 8 --steps 2 --precision bf16 --beta 0,0.04 --profile --no-generation \
+      --contenders grpo_ext/fused,trl,trl+grpo_ext/fused --out "$OUT/bench_trainer-${shape_length/:/-}.json" 2>&1 \
+      | tee "$OUT/bench_trainer-${shape_length/:/-}.txt"
+  done
 fi
 stage done
 echo
@@ -105,6 +118,6 @@ grep -h -E "passed|failed|error" "$OUT/pytest.txt" 2>/dev/null | tail -3
 grep -h "exit:" "$OUT"/sanitizer-*.txt 2>/dev/null
 grep -h -A14 "^case .* impl .* ms .* x eager" "$OUT/bench_group_advantages.txt" 2>/dev/null | head -40
 tail -12 "$OUT/bench_overhead.txt" 2>/dev/null
-tail -8 "$OUT/bench_trainer.txt" 2>/dev/null
+tail -8 "$OUT"/bench_trainer*.txt 2>/dev/null
 sed -n '/^median ms per call/,$p' "$OUT/bench_floor_compile.txt" 2>/dev/null | grep -E "compile|copy"
 sed -n '/^median ms per call/,$p' "$OUT/bench_floor.txt" 2>/dev/null
