@@ -113,8 +113,18 @@ def gemm_time(inputs: dict[str, Any], device: torch.device, target_s: float, flu
 
 #: The padding case's target: half the tokens masked take at most this share of the all-kept time.
 PADDING_TARGET = 0.6
-#: Rounds of the padding case: each times both calls, one after the other.
+#: Rounds of the padding and master-weight cases: each times every call of the case, one after the other.
 PADDING_ROUNDS = 5
+
+
+def alternating_times(steps: list, device: torch.device, target_s: float, flusher) -> list[dict[str, Any]]:
+    """``min_ms``, ``median_ms`` and ``reps`` of each step, timed in PADDING_ROUNDS rounds that run every step once
+    in turn, so that a change of load on the machine hits them all alike."""
+    rounds = [[timing.time_call(step, device, target_s=target_s / PADDING_ROUNDS, flusher=flusher)
+               for step in steps] for _ in range(PADDING_ROUNDS)]  # fmt: skip
+    return [{"min_ms": min(timed[index]["min_ms"] for timed in rounds),
+             "median_ms": statistics.median(timed[index]["median_ms"] for timed in rounds),
+             "reps": sum(timed[index]["reps"] for timed in rounds)} for index in range(len(steps))]  # fmt: skip
 
 
 def padding_case(args: argparse.Namespace, device: torch.device, flusher) -> list[dict[str, Any]]:
@@ -133,13 +143,8 @@ def padding_case(args: argparse.Namespace, device: torch.device, flusher) -> lis
         out.append({"case": f"{case} {label}", "op": "grpo_loss_from_hidden fwd+bwd", "impl": "grpo_ext", "N": rows,
                     "V": vocab, "H": size, "dtype": cli.dtype_name(dtype), "kept_tokens": int((mask != 0).sum()),
                     "bytes": 0})  # fmt: skip
-    # the two alternate, round by round, so that a change of load on the machine hits both alike
-    rounds = [[timing.time_call(step, device, target_s=args.target_s / PADDING_ROUNDS, flusher=flusher)
-               for step in steps] for _ in range(PADDING_ROUNDS)]  # fmt: skip
-    for index, row in enumerate(out):
-        row["min_ms"] = min(timed[index]["min_ms"] for timed in rounds)
-        row["median_ms"] = statistics.median(timed[index]["median_ms"] for timed in rounds)
-        row["reps"] = sum(timed[index]["reps"] for timed in rounds)
+    for row, times in zip(out, alternating_times(steps, device, args.target_s, flusher), strict=True):
+        row.update(times)
     full, masked = out
     best, median = masked["min_ms"] / full["min_ms"], masked["median_ms"] / full["median_ms"]
     masked["ratio_to_all_kept"] = best
@@ -172,15 +177,10 @@ def master_weight_case(args: argparse.Namespace, device: torch.device, flusher) 
     steps = [fused_loss.loss_step(fn, leaves, inputs, args.beta) for fn in (cast_first, compute_dtype)]
     steps.append(timing.lm_head_gemms(rows, size, vocab, low, device))
     labels = ("cast first", "compute_dtype", "3 GEMMs")
-    rounds = [[timing.time_call(step, device, target_s=args.target_s / PADDING_ROUNDS, flusher=flusher)
-               for step in steps] for _ in range(PADDING_ROUNDS)]  # fmt: skip
-    out = []
-    for index, label in enumerate(labels):
-        out.append({"case": f"{case} {label}", "op": "grpo_loss_from_hidden fwd+bwd", "impl": "grpo_ext", "N": rows,
-                    "V": vocab, "H": size, "dtype": "float32/bfloat16", "bytes": 0,
-                    "min_ms": min(timed[index]["min_ms"] for timed in rounds),
-                    "median_ms": statistics.median(timed[index]["median_ms"] for timed in rounds),
-                    "reps": sum(timed[index]["reps"] for timed in rounds)})  # fmt: skip
+    times = alternating_times(steps, device, args.target_s, flusher)
+    out = [{"case": f"{case} {label}", "op": "grpo_loss_from_hidden fwd+bwd", "impl": "grpo_ext", "N": rows,
+            "V": vocab, "H": size, "dtype": "float32/bfloat16", "bytes": 0, **timed}
+           for label, timed in zip(labels, times, strict=True)]  # fmt: skip
     floor = out[2]["median_ms"]
     for row in out[:2]:
         row["x_gemm"] = floor / row["median_ms"]
