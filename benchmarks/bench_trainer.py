@@ -659,7 +659,13 @@ def main() -> None:
                                          contender=contender, checkpointing=checkpointing)  # fmt: skip
                             row.update(run_case(child, args.timeout_s))
                             add_derived(row, device)
-                            print(f"{case_name} {label}: {time.perf_counter() - started:.0f} s", flush=True)
+                            # the figures as each contender ends, so that a run stopped at its time limit keeps them
+                            figures = ", ".join(f"{key} {row[key] / scale:.4g}" for key, scale in
+                                                (("step_ms", 1), ("peak_bytes", 2**20), ("head_ms", 1),
+                                                 ("gemm_floor_ms", 1), ("head_vs_floor", 1)) if key in row)
+                            note = f" | {row['note']}" if row.get("note") else ""
+                            print(f"{case_name} {label}: {time.perf_counter() - started:.0f} s"
+                                  f"{' | ' + figures if figures else ''}{note}", flush=True)  # fmt: skip
                         rows.append(row)
                     rows += [dict(case=case_name, impl=name, vocab=vocab, length=length, precision=precision,
                                   beta=beta, note=why) for name, why in missing.items()]  # fmt: skip

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# One GPU session in one call, under 8 minutes on an H100 (365 s on 2026-11-26, before the torch.compile stage;
-# device time is scarce): install the release wheel (or build against the machine's torch), run the CUDA tests,
+# One GPU session in one call, under 8 minutes on an H100 (365 s on 2026-11-26; 509 s on an H200 on 2026-11-27 with
+# the compile stage, since moved out, and a trainer stage cut at its limit; device time is scarce): install the release wheel (or build against the machine's torch), run the CUDA tests,
 # compute-sanitizer over a selection, then the benchmarks, each stage under its own time limit so that a slow one
 # cannot eat the next. Logs and JSON go to $OUT (./gpu-out); the short table (bench_floor.py) and the summary are
 # printed last.
 #   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] [WHEELS=.whl] bash benchmarks/gpu_session.sh
-#          [all|test|sanitize|bench|trainer]   (trainer: issue 39's other step rows, not part of all)
+#          [all|test|sanitize|bench|trainer|compile]   (trainer: issue 39's other step rows; compile: the
+#          torch.compile peer; neither is part of all)
 # WHEELS: a folder of wheels the machine lacks (liger-kernel, trl and its few missing needs; bench_floor.py times
 # Liger's and TRL's kernels, bench_trainer.py TRL's trainer), installed into
 # /tmp/site with no network: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux_2_28_x86_64 -d .whl liger-kernel trl==1.16.0 datasets==4.7.0 dill==0.4.1 multiprocess==0.70.19`
 # here (the H100 machine of 2026-11-26 had the rest), then carry .whl and dist.
+# The device tool returns at most 8 files from its $OUT, and this writes about 16: point OUT elsewhere and pack it,
+# under a limit that leaves time to pack (2026-11-27): D=$OUT; export OUT=/tmp/g; WHEELS=.whl GRPO_EXT_WHEEL=$(ls
+# dist/*.whl) timeout -k 5 540 bash benchmarks/gpu_session.sh all; tar czf $D/gpu.tgz -C /tmp/g .
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
@@ -69,7 +73,7 @@ if [[ "$what" == all || "$what" == test ]]; then
 fi
 if [[ "$what" == all || "$what" == sanitize ]]; then
   sel="cuda and (deterministic or large or group_ids_match or group_ids_of_different or masked_rows_never_read \
-or error_at_most_twice or every_dtype)"
+or error_at_most_twice or every_dtype or single_read_and_two_read)"
   for tool in memcheck racecheck; do
     stage "compute-sanitizer $tool"
     timeout 75 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
@@ -90,24 +94,29 @@ if [[ "$what" == all || "$what" == bench ]]; then
   timeout 45 python3 benchmarks/bench_overhead.py --device cuda --sizes 64x1024x64 --out "$OUT/bench_overhead.json" \
     2>&1 | tee "$OUT/bench_overhead.txt"
   stage "bench_trainer (Qwen2.5-0.5B's shape, random weights, as TRL ships the step: bf16, checkpointing)"
-  # issue 39's first H100 row, with where the time goes (--profile: the head + loss against its 3 GEMMs); the
-  # other rows (1.5B, T 4096, beta 0.04) are the `trainer` stage, a second call
-  timeout 150 python3 benchmarks/bench_trainer.py --shape qwen2.5-0.5b --lengths 1024 --batch 8 --steps 3 \
-    --precision bf16 --beta 0 --profile --no-generation --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
+  # issue 39's first row, with where the time goes (--profile: the head + loss against its 3 GEMMs): TRL and TRL +
+  # grpo_ext, ~45 s each on the H200 of 2026-11-27 (a third contender did not fit 150 s); grpo_ext's trainer and the
+  # other rows are the `trainer` stage, a second call
+  timeout 130 python3 benchmarks/bench_trainer.py --shape qwen2.5-0.5b --lengths 1024 --batch 8 --steps 3 \
+    --precision bf16 --beta 0 --profile --no-generation --contenders trl,trl+grpo_ext/fused \
     --out "$OUT/bench_trainer.json" 2>&1 | tee "$OUT/bench_trainer.txt"
+fi
+if [[ "$what" == compile ]]; then
+  # measured on the H200 of 2026-11-27 (15.2 ms, 12.9x the copy, at 8192 x 151936 bf16): no longer part of `all`
   stage "bench_floor with torch.compile of the reference (one shape: its compilation takes most of a minute)"
   timeout 120 python3 benchmarks/bench_floor.py --logits 8192x151936:bfloat16 --selective none --hidden none --compile \
     --out "$OUT/bench_floor_compile.json" 2>&1 | tee "$OUT/bench_floor_compile.txt"
 fi
 if [[ "$what" == trainer ]]; then
-  # issue 39's other H100 rows, not part of `all` (one call of its own, at most 8 minutes): Qwen2.5-0.5B at T 4096
-  # and Qwen2.5-1.5B at T 1024, beta 0 and 0.04, as TRL ships the step, with the parts of each step
-  for shape_length in qwen2.5-0.5b:4096 qwen2.5-1.5b:1024; do
-    stage "bench_trainer ${shape_length}"
-    timeout 240 python3 benchmarks/bench_trainer.py --shape "${shape_length%%:*}" --lengths "${shape_length##*:}" \
-      --batch 8 --steps 2 --precision bf16 --beta 0,0.04 --profile --no-generation \
-      --contenders grpo_ext/fused,trl,trl+grpo_ext/fused --out "$OUT/bench_trainer-${shape_length/:/-}.json" 2>&1 \
-      | tee "$OUT/bench_trainer-${shape_length/:/-}.txt"
+  # issue 39's other rows, not part of `all` (one call of its own, at most 8 minutes; ~40-50 s per contender and
+  # case): grpo_ext's trainer beside TRL + grpo_ext and TRL, Qwen2.5-0.5B at T 1024 and 4096 with beta 0.04 (a
+  # reference model), Qwen2.5-1.5B at T 1024 with beta 0, as TRL ships the step, with the parts of each step
+  for case in qwen2.5-0.5b:1024:0.04 qwen2.5-0.5b:4096:0.04 qwen2.5-1.5b:1024:0; do
+    IFS=: read -r shape length beta <<<"$case"
+    stage "bench_trainer $shape T $length beta $beta"
+    timeout 150 python3 benchmarks/bench_trainer.py --shape "$shape" --lengths "$length" --batch 8 --steps 2 \
+      --precision bf16 --beta "$beta" --profile --no-generation --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
+      --out "$OUT/bench_trainer-$shape-$length-$beta.json" 2>&1 | tee "$OUT/bench_trainer-$shape-$length-$beta.txt"
   done
 fi
 stage done

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 #: The parts of a profiled step (``--profile``), in table order.
 PARTS = ("layers_fwd", "layers_bwd", "head_fwd", "head_bwd", "optimizer", "rest")
@@ -96,12 +97,16 @@ class StepMarkers:
 def classify_events(events, markers: StepMarkers) -> Iterator[tuple[Any, Any, str]]:
     """``(step, event, part)`` for each profiler event of each profiled step (``bench::step`` range), any thread.
 
+    Device-side events (kernels, GPU-timeline annotations) are left out: a kernel's time is its launching op's.
     An event belongs to one of :data:`PARTS`: under a backward node (``evaluate_function``), the part of the forward op
     that made the node (:meth:`StepMarkers.backward_part`); else under torch.optim's step or zero_grad range,
     ``optimizer``; else in a decoder layer's range, ``layers_fwd``; else, when it starts between the backbone's end
     and the step's first backward node, ``head_fwd``; else ``rest``.
     """
-    events = sorted(events, key=lambda e: e.time_range.start)
+    # Host events only. With CUDA activity the profiler also lists each kernel, and each record_function range again
+    # as a GPU-timeline annotation (a second "bench::step" per step); their time is already on the CPU op that
+    # launched them (self_device_time_total), and their timestamps are the GPU's, which lags the host.
+    events = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.time_range.start)
     steps = [e for e in events if e.name == STEP_RANGE]
     if not steps:
         raise RuntimeError("no profiled step")

@@ -3,6 +3,7 @@ trainer benchmark's checks that every contender computed the same first step."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -142,6 +143,18 @@ def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):
     parts = step_profile.step_parts(events, markers, torch.device("cpu"))
     assert parts["check"] == pytest.approx(1.0, abs=0.01)  # every microsecond of the steps in exactly one part
     assert all(parts["cpu"][part] > 0 for part in step_profile.PARTS)
+    # With CUDA activity the profiler lists device events too: each kernel (its time already on the op that launched
+    # it) and each range again on the GPU timeline, a second "bench::step" among them (the H200 run of 2026-11-27
+    # counted them: four steps for two, kernels charged twice). They must not change a part.
+    device_copies = []
+    for event in events:
+        if event.name in (step_profile.STEP_RANGE, "aten::logsumexp", "aten::mm"):
+            clone = copy.copy(event)
+            clone.device_type, clone.cpu_parent = torch.autograd.DeviceType.CUDA, None
+            device_copies.append(clone)
+    assert any(clone.name == step_profile.STEP_RANGE for clone in device_copies)
+    with_device = step_profile.step_parts(list(events) + device_copies, markers, torch.device("cpu"))
+    assert with_device == parts
 
 
 def test_trainer_benchmark_with_trl_loss_options(tmp_path):

@@ -1,4 +1,5 @@
-// Thread-block clusters (sm_90) and dynamic shared memory, as the kernel headers use them. A cluster is
+// Thread-block clusters (sm_90), dynamic shared memory and asynchronous copies into it, as the kernel headers use
+// them. A cluster is
 // `cluster_num_blocks()` consecutive blocks along x that run at the same time on one GPC and can read and write each
 // other's shared memory (distributed shared memory). Below sm_90 a cluster is a single block.
 //
@@ -56,6 +57,26 @@ template <typename T>
 __device__ __forceinline__ T* dynamic_shared() {
   extern __shared__ uint4 grpo_dynamic_shared[];
   return reinterpret_cast<T*>(grpo_dynamic_shared);
+}
+
+// Starts a copy of 16 bytes from global to shared memory that holds no register (cp.async.cg, sm_80 and newer): a
+// thread can have all of its part of a row in flight at once, where loads through registers keep only kRowUnroll
+// vectors (vector_io.cuh). Both addresses 16-byte aligned. The bytes are there, for this thread, after
+// async_copy_wait_all(); for the block's other threads, after that and a barrier. Before sm_80: a plain copy.
+__device__ __forceinline__ void async_copy_16(void* shared, const void* global) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global) : "memory");
+#else
+  *static_cast<uint4*>(shared) = *static_cast<const uint4*>(global);
+#endif
+}
+
+// Waits for every async_copy_16 this thread started.
+__device__ __forceinline__ void async_copy_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
 }
 
 }  // namespace grpo_ext

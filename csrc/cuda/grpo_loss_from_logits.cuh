@@ -246,7 +246,8 @@ __global__ void __launch_bounds__(1024)
 // The single-read pass, for rows that fit on chip: a row is split into `slice`-element parts (a multiple of the
 // vector width, so that each part starts at the row's offset from a 16-byte boundary), one per block of a cluster
 // (cluster_num_blocks() blocks, one cluster per row; a single block where the row fits one block's shared memory).
-// Each block copies its part into dynamic shared memory while it accumulates the part's softmax state, the blocks
+// Each block copies its part into dynamic shared memory (cp.async: the whole part in flight at once) and accumulates
+// the part's softmax state from there, the blocks
 // exchange their states through distributed shared memory (every block merges them in the same fixed order: the same
 // bits everywhere), and each block writes its part's gradient from shared memory. HBM sees each row once. Two
 // kernels run this body: the resident one (blocks of up to 1024 threads, clusters of up to 8) and the small-block
@@ -341,6 +342,7 @@ struct RowResidency {
   bool small_blocks = false;
   size_t shared_per_sm = 0;
   unsigned max_small_cluster_blocks = 0;
+  bool persistent_clusters = false;  // small_blocks: as many clusters as run at once, each over several rows
 };
 
 // The layout candidates of issues 32 and 38, chosen at run time so that one GPU session compares them all (read at
@@ -348,23 +350,34 @@ struct RowResidency {
 // faster than the single-read one on every shape measured (2026-11-26, benchmarks/RESULTS.md), so that path waits
 // behind GRPO_EXT_LOGITS_SINGLE_READ=1 until a layout makes it win. GRPO_EXT_LOGITS_SINGLE_READ=small-blocks takes
 // the small-block layout (small_block_layout: clusters of up to 16 blocks of 256 threads, four blocks of four rows
-// per SM) where a row fits, else the two-read kernel. GRPO_EXT_LOGITS_THREADS=256|512 caps the threads per block
-// (two blocks of 512 per SM, where one of 1024 leaves the SM idle while its block merges and finishes a row);
+// per SM) where a row fits, else the two-read kernel. The two-read kernel takes blocks of at most 512 threads (two
+// per SM, its 64 registers a thread allowing no more): on an H200 they were 3.5-25% faster than one block of 1024 per
+// SM on four of bench_floor's five shapes and level on the fifth (2026-11-27, RESULTS.md), since one block of 1024
+// leaves the SM idle while it finishes a row. GRPO_EXT_LOGITS_THREADS=256|512|1024 caps the threads per block of
+// either kernel (the single-read one's default: 1024, one block holding its part of a row);
 // GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2 halves the single-read kernel's part of a row (more blocks per cluster), so
 // that two blocks, of at most 512 threads, share an SM and one's load overlaps the other's gradient.
+// GRPO_EXT_LOGITS_PERSISTENT=1 launches the small-block layout with no more clusters than the device runs at once
+// (cudaOccupancyMaxActiveClusters), each over several rows: one cluster placed per row was one candidate cause of that
+// layout's time on an H200 (benchmarks/NOTES.md, "The small-block layout on an H200").
+constexpr int kTwoReadThreads = 512;  // the two-read kernel's default block size (above)
+
 inline RowResidency with_layout_from_env(RowResidency device) {
   const char* single_read = std::getenv("GRPO_EXT_LOGITS_SINGLE_READ");
   device.small_blocks = single_read != nullptr && std::strcmp(single_read, "small-blocks") == 0;
   if (!device.small_blocks) device.max_small_cluster_blocks = 0;
   if (!device.small_blocks && (single_read == nullptr || std::strcmp(single_read, "1") != 0))
-    device.shared_per_block = 0, device.max_cluster_blocks = 0;
+    device.shared_per_block = 0, device.max_cluster_blocks = 0, device.max_threads = kTwoReadThreads;
   if (const char* threads = std::getenv("GRPO_EXT_LOGITS_THREADS")) {
     if (std::strcmp(threads, "256") == 0) device.max_threads = 256;
     if (std::strcmp(threads, "512") == 0) device.max_threads = 512;
+    if (std::strcmp(threads, "1024") == 0) device.max_threads = 1024;
   }
   if (const char* blocks = std::getenv("GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM")) {
     if (std::strcmp(blocks, "2") == 0) device.blocks_per_sm = 2;
   }
+  const char* persistent = std::getenv("GRPO_EXT_LOGITS_PERSISTENT");
+  device.persistent_clusters = persistent != nullptr && std::strcmp(persistent, "1") == 0;
   return device;
 }
 
@@ -408,9 +421,10 @@ inline ResidentSplit resident_split(int64_t vocab, const RowResidency& device) {
 //   256 threads;
 // - shared memory: an SM's (228 KiB on an H100) over blocks_per_sm blocks, 1 KiB of it reserved per block, less the
 //   kernel's static PassShared, and at most the per-block maximum;
-// - bytes in flight: a block keeps 256 threads x 2 vectors x 16 B = 8 KiB of loads outstanding while it stages, so
-//   four blocks (three loading while one merges or writes) keep 24-32 KiB per SM in flight, the ~25 KiB that Little's
-//   law asks of an H100 (3.35 TB/s x ~1 us / 132 SMs).
+// - bytes in flight: a block stages its whole part with cp.async (stage_row), up to ~56 KiB outstanding, so one block
+//   alone covers the ~25-50 KiB per SM that Little's law asks (3.0-4.3 TB/s x 1-1.5 us / 132 SMs). Loads through
+//   registers (2 vectors a thread: 8 KiB a block, 32 KiB an SM) left the layout latency-bound on an H200, 1.42-1.63x
+//   the copy (benchmarks/NOTES.md, "The small-block layout on an H200").
 // So the most blocks per SM that keep the cluster within 16 (4, else 3, else 2), and then the fewest blocks per row
 // (each merge and barrier is per row and block).
 struct SmallBlockLayout {
@@ -478,7 +492,7 @@ bool launch_small_blocks(const LogitsPassArgs& a, const LogitTransform<T>& f, co
   const SmallBlockLayout layout = small_block_layout<T, In>(a.logits.vocab, device);
   if (layout.cluster_blocks == 0) return false;
   const int64_t max_rows = int64_t(0x7fffffff) / layout.cluster_blocks;  // grid.x < 2^31; grid-stride beyond
-  const unsigned grid = unsigned((a.logits.rows < max_rows ? a.logits.rows : max_rows) * layout.cluster_blocks);
+  unsigned grid = unsigned((a.logits.rows < max_rows ? a.logits.rows : max_rows) * layout.cluster_blocks);
   constexpr size_t kDefaultShared = 48 * 1024;
   cudaError_t status = cudaSuccess;
   if (layout.shared_bytes + sizeof(PassShared<T>) > kDefaultShared) {
@@ -493,6 +507,10 @@ bool launch_small_blocks(const LogitsPassArgs& a, const LogitTransform<T>& f, co
                                       grpo_loss_from_logits_small_block_kernel<T, In>);
   }
   if (status != cudaSuccess || active < 1) return false;
+  // Persistent: no more clusters than run at once, each walking rows (the kernel's grid-stride loop), so that no
+  // cluster waits to be placed on a GPC after the first wave.
+  const unsigned clusters = grid / layout.cluster_blocks;
+  if (device.persistent_clusters && unsigned(active) < clusters) grid = unsigned(active) * layout.cluster_blocks;
   status = GRPO_LAUNCH_CLUSTER(grid, layout.threads, layout.cluster_blocks, layout.shared_bytes, stream,
                                grpo_loss_from_logits_small_block_kernel<T, In>)(a, f, row_weight, grad, logps, entropy,
                                                                                 layout.slice);

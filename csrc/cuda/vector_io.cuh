@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "cluster.cuh"  // async_copy_16
+
 namespace grpo_ext {
 
 template <typename T, typename In>
@@ -156,22 +158,25 @@ __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, 
 }
 
 // staged[0, n) = x[0, n) as stored (no conversion), and each element to one (head and tail, as T) or chunk (a
-// vector, as stored), as for_each_in_row: 16-byte loads and stores in the body. `staged` (shared memory) must
-// have x's offset from a 16-byte boundary.
+// vector, as stored), in for_each_in_row's order per thread. `staged` (shared memory) must have x's offset from a
+// 16-byte boundary. The body's vectors go global -> shared by async_copy_16 (cluster.cuh), every vector of the thread
+// in flight at once, and are read back from shared memory by the thread that copied them (so no barrier): loads
+// through registers kept 2 vectors a thread in flight, 32 KiB an SM, and left the single-read pass latency-bound on
+// an H200 (benchmarks/NOTES.md, "The small-block layout on an H200").
 template <typename T, typename In, typename One, typename Chunk>
 __device__ __forceinline__ void stage_row(const In* x, In* staged, int64_t n, One&& one, Chunk&& chunk) {
   constexpr int W = Vector<In>::kWidth;
   const int64_t head = vector_head(x, n), vectors = (n - head) / W;
-  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) {
+  const Vector<In>* source = reinterpret_cast<const Vector<In>*>(x + head);
+  Vector<In>* body = reinterpret_cast<Vector<In>*>(staged + head);
+  for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) async_copy_16(body + i, source + i);
+  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) {  // while the body's copies are in flight
     const In value = x[v];
     staged[v] = value;
     one(load_as<T>(&value));
   }
-  Vector<In>* body = reinterpret_cast<Vector<In>*>(staged + head);
-  for_each_vector(reinterpret_cast<const Vector<In>*>(x + head), vectors, [&](int64_t i, const Vector<In>& in) {
-    body[i] = in;
-    chunk(in);
-  });
+  async_copy_wait_all();
+  for_each_vector(static_cast<const Vector<In>*>(body), vectors, [&](int64_t, const Vector<In>& in) { chunk(in); });
   for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) {
     const In value = x[v];
     staged[v] = value;

@@ -210,6 +210,15 @@ def parse_traffic(text: str) -> list[Launch]:
     return launches
 
 
+def launch_dims(launches) -> dict[str, tuple[int, int]]:
+    """{kernel name: (blocks, threads per block)} of the launch log's entries (``name(types)<<<blocks,threads>>>``)."""
+    dims = {}
+    for signature in launches:
+        blocks, threads = signature.rsplit("<<<", 1)[1].rstrip(">").split(",")
+        dims[signature.split("(", 1)[0]] = (int(blocks), int(threads))
+    return dims
+
+
 class EmuDevice:
     """grpo_ext's raw ops on the emulated device, under every schedule of ``schedules``.
 
@@ -244,7 +253,8 @@ class EmuDevice:
                 flags += [flag, str(int(value))]
         self.drivers = [_Driver(self.exe, *s, device_flags=flags, env=env) for s in schedules]
         self.calls = collections.Counter()  # op -> calls
-        self.launches = collections.Counter()  # "kernel(parameter types)" -> launches (first schedule's)
+        # "kernel(parameter types)<<<blocks,threads per block>>>" (x) -> launches (the first schedule's)
+        self.launches = collections.Counter()
         self.last_traffic: list[Launch] = []
 
     def __getattr__(self, op: str):

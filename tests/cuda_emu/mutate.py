@@ -161,6 +161,15 @@ MUTATIONS = [
     Mutation("off-by-one", "single-read pass: each block's part one element longer than its slice (parts overlap)",
              "cuda/grpo_loss_from_logits.cuh", "(vocab - lo < slice ? vocab - lo : slice) : 0;",
              "(vocab - lo < slice ? vocab - lo : slice + 1) : 0;"),
+    Mutation("read before the copy lands", "single-read staging: the part's statistics read from shared memory "
+             "before async_copy_wait_all (a row's stale or unwritten bytes)", "cuda/vector_io.cuh",
+             "  async_copy_wait_all();\n  for_each_vector(static_cast<const Vector<In>*>(body), vectors, "
+             "[&](int64_t, const Vector<In>& in) { chunk(in); });",
+             "  for_each_vector(static_cast<const Vector<In>*>(body), vectors, "
+             "[&](int64_t, const Vector<In>& in) { chunk(in); });\n  async_copy_wait_all();"),
+    Mutation("off-by-one", "single-read staging: the asynchronous copies stop one vector short of the body",
+             "cuda/vector_io.cuh", "for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) async_copy_16",
+             "for (int64_t i = threadIdx.x; i + 1 < vectors; i += blockDim.x) async_copy_16"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

@@ -110,6 +110,7 @@ struct Fiber {
   Context context;
   char* stack = nullptr;  // kStackBytes above a guard page
   Coords coords;
+  std::vector<std::pair<void*, const void*>> async_copies;  // started, not yet waited for (async_copy_push)
   int id = 0;     // in the cluster: block rank * threads per block + linear thread index
   int block = 0;  // its block's rank in the cluster
   int warp = 0;   // in the cluster: block rank * warps per block + warp in the block
@@ -367,7 +368,12 @@ void fiber_entry() {
   __sanitizer_finish_switch_fiber(nullptr, &rt.scheduler_stack_bottom, &rt.scheduler_stack_size);
 #endif
   try {
+    f.async_copies.clear();
     if (!rt.aborting) rt.run_thread(rt.context);
+    if (!f.async_copies.empty()) {
+      fail_in_fiber(describe(f.coords) + ": ended with " + std::to_string(f.async_copies.size()) +
+                    " async_copy_16 not waited for (async_copy_wait_all)");
+    }
   } catch (const FiberAbort&) {
   }
   f.state = State::kDone;
@@ -583,6 +589,20 @@ std::string take_launch_log() {
   return out;
 }
 
+void async_copy_push(void* shared, const void* global) {
+  if (rt.current == nullptr) throw LaunchError("async_copy_16 outside a kernel");
+  if (reinterpret_cast<uintptr_t>(shared) % 16 != 0 || reinterpret_cast<uintptr_t>(global) % 16 != 0) {
+    fail_in_fiber(describe(rt.current->coords) + ": async_copy_16 between addresses not both 16-byte aligned");
+  }
+  map_shared(shared, cluster_block_rank());  // fails unless `shared` is in this block's shared memory
+  rt.current->async_copies.emplace_back(shared, global);
+}
+
+std::vector<std::pair<void*, const void*>> async_copy_take() {
+  if (rt.current == nullptr) throw LaunchError("async_copy_wait_all outside a kernel");
+  return std::exchange(rt.current->async_copies, {});
+}
+
 const Coords& coords() {
   if (rt.current == nullptr) throw LaunchError("threadIdx/blockIdx/blockDim/gridDim read outside a kernel");
   return rt.current->coords;
@@ -668,7 +688,9 @@ cudaError_t run_grid(const LaunchSpec& spec, void (*run_thread)(void*), void* co
     set_pending_error(cudaErrorInvalidValue, refusal);
     return cudaErrorInvalidValue;
   }
-  ++rt.launch_log[kernel_signature(spec)];
+  // <<<blocks, threads per block>>> (x)
+  ++rt.launch_log[kernel_signature(spec) + "<<<" + std::to_string(spec.grid.x) + "," + std::to_string(spec.block.x) +
+                  ">>>"];
   // The grid cap keeps grid.x a multiple of the cluster size (at least one cluster).
   const unsigned cap = rt.schedule.grid_cap, n = spec.cluster_blocks;
   const unsigned cap_x = cap / n * n > n ? cap / n * n : n;

@@ -92,6 +92,7 @@
 #include <type_traits>
 #include <typeinfo>
 #include <utility>
+#include <vector>
 
 // Device code takes its device paths (fast_math.h: the library exp/expm1, as on the GPU).
 #define __CUDA_ARCH__ 900
@@ -218,6 +219,12 @@ void* dynamic_shared_storage();
 void* map_shared(const void* p, unsigned rank);
 // GRPO_ALLOW_DYNAMIC_SHARED: `kernel` may launch with up to `bytes` of dynamic shared memory.
 cudaError_t allow_dynamic_shared(const void* kernel, long long bytes, const char* name, const char* file, int line);
+// cp.async (csrc/cuda/cluster.cuh's async_copy_16): each copy is queued on the calling thread (both addresses 16-byte
+// aligned, the destination in its block's shared memory) and made at that thread's async_copy_wait_all, so that a
+// read of the destination before the wait sees what was there before, as it may on a GPU; a thread that ends with
+// copies still queued fails the launch.
+void async_copy_push(void* shared, const void* global);
+std::vector<std::pair<void*, const void*>> async_copy_take();
 // GRPO_ALLOW_NONPORTABLE_CLUSTER: `kernel` may launch with clusters of up to 16 blocks.
 cudaError_t allow_nonportable_cluster(const void* kernel);
 
@@ -354,6 +361,19 @@ T* cluster_map_shared(T* p, unsigned rank) {
 template <typename T>
 T* dynamic_shared() {
   return static_cast<T*>(::cuda_emu::dynamic_shared_storage());
+}
+inline void async_copy_16(void* shared, const void* global) {
+  ::cuda_emu::async_copy_push(shared, global);
+}
+inline void async_copy_wait_all() {
+  for (const auto& [to, from] : ::cuda_emu::async_copy_take()) {
+    // Copied here, in the kernel's translation unit, so that the traffic build counts the 16 bytes read from global
+    // memory as the kernel's (and ASan checks them).
+    const uint64_t* source = static_cast<const uint64_t*>(from);
+    uint64_t* target = static_cast<uint64_t*>(to);
+    target[0] = source[0];
+    target[1] = source[1];
+  }
 }
 }  // namespace grpo_ext
 // Threads switch only at a synchronization point, so a plain read-modify-write is atomic here.

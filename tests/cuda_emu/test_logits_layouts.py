@@ -11,7 +11,7 @@ import torch
 from test_grpo_loss_from_logits import make_problem
 
 from .checks import check_op
-from .client import EmuDevice
+from .client import EmuDevice, launch_dims
 from .conftest import CSRC
 from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 
@@ -119,6 +119,27 @@ def test_logits_pass_layout_candidates(monkeypatch, layout, path):
         launched = kernels_launched(device, lambda: check_op(device, "grpo_loss_from_logits_pass", *args,
                                                              tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
         assert PASS_KERNELS[path] in launched
+    finally:
+        assert not device.close()
+
+
+@pytest.mark.parametrize(("layout", "threads"), [({}, 512), ({"GRPO_EXT_LOGITS_THREADS": "1024"}, 1024),
+                                                 ({"GRPO_EXT_LOGITS_THREADS": "256"}, 256)])  # fmt: skip
+def test_two_read_kernel_block_size(monkeypatch, layout, threads):
+    """The two-read kernel's blocks: 512 threads by default (faster than one block of 1024 per SM on an H200:
+    RESULTS.md, 2026-11-27), GRPO_EXT_LOGITS_THREADS=256|1024 to compare; the same outputs as the CPU kernel under
+    every schedule. V=9000 float32 asks for the most threads (row_threads: 1125 wanted, 1024 at most)."""
+    for name, value in {"GRPO_EXT_LOGITS_SINGLE_READ": "0", **layout}.items():
+        monkeypatch.setenv(name, value)  # the drivers start on the first call, with these set
+    device = EmuDevice(CSRC)
+    try:
+        logits, ids, adv, mask, old, _ = make_problem(2, 2, 9000, seed=41, per_token_adv=True)
+        args = pass_args(logits.float().reshape(4, 9000), ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
+                         loss_type="dapo")  # fmt: skip
+        before = device.launches.copy()
+        check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+        launched = {name: dims[1] for name, dims in launch_dims(device.launches - before).items()}
+        assert launched[PASS_KERNELS["two-read"]] == threads, launched
     finally:
         assert not device.close()
 

@@ -15,7 +15,7 @@ import torch
 from test_grpo_loss_from_logits import make_problem
 
 from .checks import check_op
-from .client import EmuDevice
+from .client import EmuDevice, launch_dims
 from .conftest import CSRC, SMALL_BLOCK_SHARED_PER_SM
 from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 
@@ -114,6 +114,25 @@ def test_small_block_pass_grid_stride_and_sequence_gradients(emu_small_blocks):
     launched = kernels_launched(device, lambda: check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL,
                                                          names=PASS_NAMES))  # fmt: skip
     assert PASS_KERNELS["small-blocks"] in launched
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_small_block_pass_persistent_clusters(persistent):
+    """GRPO_EXT_LOGITS_PERSISTENT=1: no more clusters than the occupancy query says run at once, each walking rows.
+    V=520 float32 takes clusters of 9; on a device whose GPCs hold 3 SMs, one cluster a GPC, 8 at once, so 24 rows
+    take 8 clusters (72 blocks) instead of 24 (216); the same outputs as the CPU kernel either way."""
+    env = dict(SMALL_BLOCKS, GRPO_EXT_LOGITS_PERSISTENT="1" if persistent else "0")
+    device = EmuDevice(CSRC, shared_per_sm=SHARED_PER_SM, env=env, gpc_sms=3)
+    try:
+        logits, ids, adv, mask, old, _ = make_problem(4, 6, 520, seed=44, per_token_adv=True)
+        args = pass_args(logits.float().reshape(24, 520), ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
+                         loss_type="dapo", entropy_coef=0.1)  # fmt: skip
+        before = device.launches.copy()
+        check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+        blocks, _ = launch_dims(device.launches - before)[PASS_KERNELS["small-blocks"]]
+        assert blocks == (72 if persistent else 24 * 9)
+    finally:
+        assert not device.close()
 
 
 @pytest.mark.parametrize(("dtype", "vocab"), [(torch.float32, 1000), (torch.bfloat16, 1300), (torch.float32, 520)])
