@@ -247,9 +247,9 @@ __global__ void __launch_bounds__(1024)
 // vector width, so that each part starts at the row's offset from a 16-byte boundary), one per block of a cluster
 // (cluster_num_blocks() blocks, one cluster per row; a single block where the row fits one block's shared memory).
 // Each block copies its part into dynamic shared memory (cp.async: the whole part in flight at once) and accumulates
-// the part's softmax state from there, the blocks
-// exchange their states through distributed shared memory (every block merges them in the same fixed order: the same
-// bits everywhere), and each block writes its part's gradient from shared memory. HBM sees each row once. Two
+// the part's softmax state from there, the blocks exchange their states through distributed shared memory (every
+// block merges them in the same fixed order: the same bits everywhere), and each block writes its part's gradient
+// from shared memory. HBM sees each row once. Two
 // kernels run this body: the resident one (blocks of up to 1024 threads, clusters of up to 8) and the small-block
 // one (256 threads, clusters of up to 16, several blocks per SM: small_block_layout).
 template <typename T, typename In>
@@ -423,8 +423,8 @@ inline ResidentSplit resident_split(int64_t vocab, const RowResidency& device) {
 //   kernel's static PassShared, and at most the per-block maximum;
 // - bytes in flight: a block stages its whole part with cp.async (stage_row), up to ~56 KiB outstanding, so one block
 //   alone covers the ~25-50 KiB per SM that Little's law asks (3.0-4.3 TB/s x 1-1.5 us / 132 SMs). Loads through
-//   registers (2 vectors a thread: 8 KiB a block, 32 KiB an SM) left the layout latency-bound on an H200, 1.42-1.63x
-//   the copy (benchmarks/NOTES.md, "The small-block layout on an H200").
+//   registers (2 vectors a thread: 8 KiB a block, 32 KiB an SM) ran at 1.42-1.63x the copy on an H200, most likely
+//   latency-bound (benchmarks/NOTES.md, "The small-block layout on an H200").
 // So the most blocks per SM that keep the cluster within 16 (4, else 3, else 2), and then the fewest blocks per row
 // (each merge and barrier is per row and block).
 struct SmallBlockLayout {

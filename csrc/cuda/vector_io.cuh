@@ -161,8 +161,8 @@ __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, 
 // vector, as stored), in for_each_in_row's order per thread. `staged` (shared memory) must have x's offset from a
 // 16-byte boundary. The body's vectors go global -> shared by async_copy_16 (cluster.cuh), every vector of the thread
 // in flight at once, and are read back from shared memory by the thread that copied them (so no barrier): loads
-// through registers kept 2 vectors a thread in flight, 32 KiB an SM, and left the single-read pass latency-bound on
-// an H200 (benchmarks/NOTES.md, "The small-block layout on an H200").
+// through registers kept 2 vectors a thread in flight, 32 KiB an SM, the likely reason the single-read pass ran at
+// 1.4-1.7x the copy on an H200 (benchmarks/NOTES.md, "The small-block layout on an H200").
 template <typename T, typename In, typename One, typename Chunk>
 __device__ __forceinline__ void stage_row(const In* x, In* staged, int64_t n, One&& one, Chunk&& chunk) {
   constexpr int W = Vector<In>::kWidth;
