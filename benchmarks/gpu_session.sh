@@ -5,8 +5,8 @@
 # cannot eat the next. Logs and JSON go to $OUT (./gpu-out); the short table (bench_floor.py) and the summary are
 # printed last.
 #   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] [WHEELS=.whl] bash benchmarks/gpu_session.sh
-#          [all|test|sanitize|bench|trainer|compile]   (trainer: issue 39's other step rows; compile: the
-#          torch.compile peer; neither is part of all)
+#          [all|test|sanitize|bench|trainer|compile|profile]   (trainer: issue 39's other step rows; compile:
+#          the torch.compile peer; profile: Nsight Compute over the logits layouts; none is part of all)
 # WHEELS: a folder of wheels the machine lacks (liger-kernel, trl and its few missing needs; bench_floor.py times
 # Liger's and TRL's kernels, bench_trainer.py TRL's trainer), installed into
 # /tmp/site with no network: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
@@ -108,6 +108,19 @@ if [[ "$what" == compile ]]; then
   stage "bench_floor with torch.compile of the reference (one shape: its compilation takes most of a minute)"
   timeout 120 python3 benchmarks/bench_floor.py --logits 8192x151936:bfloat16 --selective none --hidden none --compile \
     --out "$OUT/bench_floor_compile.json" 2>&1 | tee "$OUT/bench_floor_compile.txt"
+fi
+if [[ "$what" == profile ]]; then
+  # Nsight Compute over one pass of each logits layout at 8192 x 151936 bf16 (benchmarks/ncu_logits_layouts.py):
+  # achieved occupancy, DRAM throughput and warp stalls, to tell why the single-read layouts take their time
+  # (NOTES.md, "The small-block layout on an H200"); works on the Firecracker machines (KINDS.md), not on gVisor
+  stage "ncu over the logits layouts"
+  (cd benchmarks && timeout 240 ncu --clock-control none --profile-from-start off \
+    --kernel-name 'regex:^grpo_loss_from_logits_(small_block_|resident_)?kernel$' \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    python3 ncu_logits_layouts.py) > "$OUT/ncu_logits_layouts.txt" 2>&1
+  echo "ncu exit: $?" | tee -a "$OUT/ncu_logits_layouts.txt"
+  grep -E "profiled launch|grpo_loss_from_logits|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Cluster|Registers|Waves" \
+    "$OUT/ncu_logits_layouts.txt" | head -150
 fi
 if [[ "$what" == trainer ]]; then
   # issue 39's other rows, not part of `all` (one call of its own, at most 8 minutes; ~40-50 s per contender and

@@ -204,3 +204,13 @@ def test_every_script_is_listed():
     """One script per op, ``bench_<op>.py``, plus bench_trainer.py: a new one must be listed above to be smoke-run."""
     expected = [*SCRIPTS, "bench_trainer.py", *REAL_MODEL_SCRIPTS]
     assert sorted(path.name for path in BENCHMARKS.glob("bench_*.py")) == sorted(expected)
+
+
+def test_ncu_layout_script_runs_each_layout_once_in_the_capture_range():
+    """benchmarks/ncu_logits_layouts.py (gpu_session.sh profile): on the CPU, the default path's one profiled call;
+    it prints the order of the profiled launches, which is how ncu's kernels are matched to layouts."""
+    cmd = [sys.executable, str(BENCHMARKS / "ncu_logits_layouts.py"), "--device", "cpu", "--rows", "64",
+           "--vocab", "512"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["profiled launch 0: default (two-read, 512 threads)"]

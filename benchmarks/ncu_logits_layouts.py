@@ -1,0 +1,63 @@
+"""One call of each logits-pass layout on ``bench_floor.py``'s inputs, inside the CUDA profiler's capture range, for
+Nsight Compute: why a layout takes the time it does (achieved occupancy, DRAM throughput, where warps stall), which
+``bench_floor.py``'s timings cannot say (benchmarks/NOTES.md, "The small-block layout on an H200").
+
+Each layout (``bench_floor.LAYOUTS`` and the default) is run twice first, outside the capture range, then once inside
+it, in the order printed, so that ``ncu --profile-from-start off`` profiles one pass kernel per layout::
+
+    ncu --clock-control none --profile-from-start off \\
+        --kernel-name 'regex:^grpo_loss_from_logits_(small_block_|resident_)?kernel$' \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        python3 benchmarks/ncu_logits_layouts.py            # gpu_session.sh profile
+
+On the CPU (``--device cpu``) it runs the default path only: a smoke run of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import bench_floor
+import fused_loss
+import grpo_ext
+from harness import peers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=8192, help="N, token rows (default 8192)")
+    parser.add_argument("--vocab", type=int, default=151936, help="V (default 151936)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    inputs = bench_floor.draw_inputs(args.rows, args.vocab, None, getattr(torch, args.dtype), device, seed=0)
+    leaf = inputs["logits"].detach().requires_grad_(True)
+    kwargs = fused_loss.loss_kwargs(inputs, bench_floor.BETA)
+
+    def step() -> None:
+        loss = grpo_ext.grpo_loss_from_logits(leaf, inputs["ids"], inputs["advantages"], inputs["mask"], **kwargs).loss
+        torch.autograd.grad(loss, leaf)
+
+    layouts = {"default (two-read, 512 threads)": {}}
+    if device.type == "cuda":
+        layouts.update(bench_floor.LAYOUTS)
+    steps = {name: peers.with_env(variables, step) for name, variables in layouts.items()}
+    for run in steps.values():  # warm-up: allocations, the launcher's attribute settings
+        run()
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.profiler.start()
+    for order, (name, run) in enumerate(steps.items()):
+        print(f"profiled launch {order}: {name}", flush=True)
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
