@@ -20,9 +20,6 @@ import argparse
 import torch
 
 import bench_floor
-import fused_loss
-import grpo_ext
-from harness import peers
 
 
 def main() -> None:
@@ -34,17 +31,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     inputs = bench_floor.draw_inputs(args.rows, args.vocab, None, getattr(torch, args.dtype), device, seed=0)
-    leaf = inputs["logits"].detach().requires_grad_(True)
-    kwargs = fused_loss.loss_kwargs(inputs, bench_floor.BETA)
-
-    def step() -> None:
-        loss = grpo_ext.grpo_loss_from_logits(leaf, inputs["ids"], inputs["advantages"], inputs["mask"], **kwargs).loss
-        torch.autograd.grad(loss, leaf)
-
-    layouts = {"default (two-read, 512 threads)": {}}
-    if device.type == "cuda":
-        layouts.update(bench_floor.LAYOUTS)
-    steps = {name: peers.with_env(variables, step) for name, variables in layouts.items()}
+    peers, _ = bench_floor.logits_steps(inputs, device, compile_=False)  # the layouts' steps as bench_floor times them
+    steps = {"default (two-read, 512 threads)": peers["grpo_ext"]}
+    steps.update({name: peers[name] for name in bench_floor.LAYOUTS if name in peers})  # CUDA only
     for run in steps.values():  # warm-up: allocations, the launcher's attribute settings
         run()
         run()

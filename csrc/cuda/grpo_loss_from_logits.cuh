@@ -491,8 +491,9 @@ bool launch_small_blocks(const LogitsPassArgs& a, const LogitTransform<T>& f, co
                          T* entropy, const RowResidency& device, cudaStream_t stream) {
   const SmallBlockLayout layout = small_block_layout<T, In>(a.logits.vocab, device);
   if (layout.cluster_blocks == 0) return false;
-  const int64_t max_rows = int64_t(0x7fffffff) / layout.cluster_blocks;  // grid.x < 2^31; grid-stride beyond
-  unsigned grid = unsigned((a.logits.rows < max_rows ? a.logits.rows : max_rows) * layout.cluster_blocks);
+  const int64_t max_rows = int64_t(0x7fffffff) / layout.cluster_blocks;    // grid.x < 2^31; grid-stride beyond
+  int64_t clusters = a.logits.rows < max_rows ? a.logits.rows : max_rows;  // one per row
+  const unsigned grid = unsigned(clusters * layout.cluster_blocks);
   constexpr size_t kDefaultShared = 48 * 1024;
   cudaError_t status = cudaSuccess;
   if (layout.shared_bytes + sizeof(PassShared<T>) > kDefaultShared) {
@@ -509,11 +510,10 @@ bool launch_small_blocks(const LogitsPassArgs& a, const LogitTransform<T>& f, co
   if (status != cudaSuccess || active < 1) return false;
   // Persistent: no more clusters than run at once, each walking rows (the kernel's grid-stride loop), so that no
   // cluster waits to be placed on a GPC after the first wave.
-  const unsigned clusters = grid / layout.cluster_blocks;
-  if (device.persistent_clusters && unsigned(active) < clusters) grid = unsigned(active) * layout.cluster_blocks;
-  status = GRPO_LAUNCH_CLUSTER(grid, layout.threads, layout.cluster_blocks, layout.shared_bytes, stream,
-                               grpo_loss_from_logits_small_block_kernel<T, In>)(a, f, row_weight, grad, logps, entropy,
-                                                                                layout.slice);
+  if (device.persistent_clusters && active < clusters) clusters = active;
+  status = GRPO_LAUNCH_CLUSTER(unsigned(clusters * layout.cluster_blocks), layout.threads, layout.cluster_blocks,
+                               layout.shared_bytes, stream, grpo_loss_from_logits_small_block_kernel<T, In>)(
+      a, f, row_weight, grad, logps, entropy, layout.slice);
   return status == cudaSuccess;
 }
 

@@ -210,6 +210,13 @@ def parse_traffic(text: str) -> list[Launch]:
     return launches
 
 
+def kernels_launched(device, run) -> set[str]:
+    """The kernel names ``run()`` launched on ``device``."""
+    before = device.launches.copy()
+    run()
+    return {signature.split("(", 1)[0] for signature in device.launches - before}
+
+
 def launch_dims(launches) -> dict[str, tuple[int, int]]:
     """{kernel name: (blocks, threads per block)} of the launch log's entries (``name(types)<<<blocks,threads>>>``)."""
     dims = {}

@@ -11,7 +11,7 @@ import torch
 from test_grpo_loss_from_logits import make_problem
 
 from .checks import check_op
-from .client import EmuDevice, launch_dims
+from .client import EmuDevice, kernels_launched, launch_dims
 from .conftest import CSRC
 from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 
@@ -31,13 +31,6 @@ RESIDENT_CASES = [
     (torch.float64, 1201, "two-read"),  # 9
 ]
 PASS_KERNELS = {"resident": "grpo_loss_from_logits_resident_kernel", "two-read": "grpo_loss_from_logits_kernel"}
-
-
-def kernels_launched(device, run) -> set[str]:
-    """The kernel names ``run()`` launched on ``device``."""
-    before = device.launches.copy()
-    run()
-    return {signature.split("(", 1)[0] for signature in device.launches - before}
 
 
 @pytest.mark.parametrize(("dtype", "vocab", "path"), RESIDENT_CASES)

@@ -15,7 +15,7 @@ import torch
 from test_grpo_loss_from_logits import make_problem
 
 from .checks import check_op
-from .client import EmuDevice, launch_dims
+from .client import EmuDevice, kernels_launched, launch_dims
 from .conftest import CSRC, SMALL_BLOCK_SHARED_PER_SM
 from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 
@@ -40,12 +40,6 @@ def small_block_cluster(vocab: int, itemsize: int, shared_per_sm: int = SHARED_P
         if per_block >= width and math.ceil(vocab / per_block) <= max_cluster:
             return math.ceil(vocab / per_block)
     return None
-
-
-def kernels_launched(device, run) -> set[str]:
-    before = device.launches.copy()
-    run()
-    return {signature.split("(", 1)[0] for signature in device.launches - before}
 
 
 # (dtype, V, cluster size): 16 blocks, every odd size between, one block, and a cluster taken at 3 blocks per SM.
