@@ -6,9 +6,10 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
 * ``logits N=.. V=.. dtype`` (``grpo_loss_from_logits``; ``[B, T, V]`` with ``T = min(N, 1024)``, prefix masks of
   random length (about half of the tokens kept), ``dapo``, beta 0.04, temperature 0.9, old and ref log-probs):
   ``copy`` (a device-to-device copy of the logits: the yardstick, one read and one write), ``grpo_ext`` (the
-  default path: on CUDA the two-read pass, blocks of 512 threads), the other layouts of the pass on CUDA
-  (``LAYOUTS``: the single-read pass, ``GRPO_EXT_LOGITS_SINGLE_READ=1``; the two-read pass with blocks of 1024 (the
-  default before 2026-11-27) and of 256 threads; the single-read pass with
+  default path: on CUDA the two-read pass, blocks of 256 threads for bf16 and 512 for float32), the other layouts of
+  the pass on CUDA (``LAYOUTS``: the single-read pass, ``GRPO_EXT_LOGITS_SINGLE_READ=1``; the two-read pass with
+  blocks of 1024 (the default before 2026-11-27) and of 512 threads (GRPO_EXT_LOGITS_THREADS caps either dtype);
+  the single-read pass with
   two blocks per SM; the small-block layout, ``GRPO_EXT_LOGITS_SINGLE_READ=small-blocks``: clusters of up to 16
   blocks of 256 threads staging their parts with cp.async, with and without the entropy bonus, and with persistent
   clusters, ``GRPO_EXT_LOGITS_PERSISTENT=1``), ``grpo_ext+entropy`` (``entropy_coef=0.01``), ``liger``
@@ -122,7 +123,7 @@ def draw_inputs(rows: int, vocab: int, size: int | None, dtype: torch.dtype, dev
 LAYOUTS = {
     "grpo_ext/single-read": {"GRPO_EXT_LOGITS_SINGLE_READ": "1"},
     "grpo_ext/two-read 1024": {"GRPO_EXT_LOGITS_THREADS": "1024"},
-    "grpo_ext/two-read 256": {"GRPO_EXT_LOGITS_THREADS": "256"},
+    "grpo_ext/two-read 512": {"GRPO_EXT_LOGITS_THREADS": "512"},
     "grpo_ext/single-read 2 per SM": {
         "GRPO_EXT_LOGITS_SINGLE_READ": "1",
         "GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM": "2",

@@ -5,8 +5,9 @@
 # cannot eat the next. Logs and JSON go to $OUT (./gpu-out); the short table (bench_floor.py) and the summary are
 # printed last.
 #   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] [WHEELS=.whl] bash benchmarks/gpu_session.sh
-#          [all|test|sanitize|bench|trainer|compile|profile]   (trainer: issue 39's other step rows; compile:
-#          the torch.compile peer; profile: Nsight Compute over the logits layouts; none is part of all)
+#          [all|test|sanitize|bench|floor|trainer|compile|profile][,...]   (floor: bench_floor.py alone; trainer:
+#          issue 39's other step rows; compile: the torch.compile peer; profile: Nsight Compute over the logits layouts;
+#          the last three are not part of all)
 # WHEELS: a folder of wheels the machine lacks (liger-kernel, trl and its few missing needs; bench_floor.py times
 # Liger's and TRL's kernels, bench_trainer.py TRL's trainer), installed into
 # /tmp/site with no network: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
@@ -19,6 +20,8 @@ set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 what="${1:-all}"
+# one mode or several joined by commas (test,sanitize,floor,profile): one setup for all of them
+has() { [[ ",$what," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0+PTX}" GRPO_EXT_CUDA=ON
 start=$SECONDS
 stage() { echo "=== $1 ($((SECONDS - start)) s)" | tee -a "$OUT/stages.txt"; }
@@ -49,7 +52,7 @@ for name in ('liger_kernel', 'trl', 'triton'):
         print(name, 'unavailable:', repr(exc)[:200])") 2>&1 | tee -a "$OUT/build.txt"
 [[ "${PIPESTATUS[0]}" == 0 ]] || exit 1
 
-if [[ "$what" == all || "$what" == test ]]; then
+if has all || has test; then
   stage "CUDA tests of mul_rounded (FMA contraction), first and by name"
   # The cases that failed on the H100 when nvcc contracted z - max (z = x * scale) into one FMA (RESULTS.md, "H100,
   # second call"), which mul_rounded (csrc/logit_transform.h) prevents: logits scaled by a temperature or
@@ -71,7 +74,7 @@ if [[ "$what" == all || "$what" == test ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -k cuda -rfs --ignore=tests/cuda_emu \
     --ignore=tests/test_verl_integration.py --ignore=tests/wheel tests 2>&1 | tail -30 | tee "$OUT/pytest.txt"
 fi
-if [[ "$what" == all || "$what" == sanitize ]]; then
+if has all || has sanitize; then
   sel="cuda and (deterministic or large or group_ids_match or group_ids_of_different or masked_rows_never_read \
 or error_at_most_twice or every_dtype or single_read_and_two_read)"
   # racecheck took over 75 s on an H200 (2026-11-27) once the single-read clusters joined the selection
@@ -84,11 +87,13 @@ or error_at_most_twice or every_dtype or single_read_and_two_read)"
     echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]} (124: its time limit)" | tee -a "$OUT/sanitizer-$tool.txt"
   done
 fi
-if [[ "$what" == all || "$what" == bench ]]; then
+if has all || has bench || has floor; then
   stage "bench_floor"
   # every layout candidate of the logits pass (bench_floor.LAYOUTS, small-blocks included: issue 38) at five shapes;
   # ~4 s per added candidate (benchmarks/NOTES.md, "The single-read pass in clusters of up to 16 small blocks")
   timeout 200 python3 benchmarks/bench_floor.py --out "$OUT/bench_floor.json" 2>&1 | tee "$OUT/bench_floor.txt"
+fi
+if has all || has bench; then
   stage "bench_group_advantages"
   timeout 60 python3 benchmarks/bench_group_advantages.py --no-compile --out "$OUT/bench_group_advantages.json" \
     2>&1 | tee "$OUT/bench_group_advantages.txt"
@@ -103,13 +108,13 @@ if [[ "$what" == all || "$what" == bench ]]; then
     --precision bf16 --beta 0 --profile --no-generation --contenders trl,trl+grpo_ext/fused \
     --out "$OUT/bench_trainer.json" 2>&1 | tee "$OUT/bench_trainer.txt"
 fi
-if [[ "$what" == compile ]]; then
+if has compile; then
   # measured on the H200 of 2026-11-27 (15.2 ms, 12.9x the copy, at 8192 x 151936 bf16): no longer part of `all`
   stage "bench_floor with torch.compile of the reference (one shape: its compilation takes most of a minute)"
   timeout 120 python3 benchmarks/bench_floor.py --logits 8192x151936:bfloat16 --selective none --hidden none --compile \
     --out "$OUT/bench_floor_compile.json" 2>&1 | tee "$OUT/bench_floor_compile.txt"
 fi
-if [[ "$what" == profile ]]; then
+if has profile; then
   # Nsight Compute over one pass of each logits layout at 8192 x 151936 bf16 (benchmarks/ncu_logits_layouts.py):
   # achieved occupancy, DRAM throughput and warp stalls, to tell why the single-read layouts take their time
   # (NOTES.md, "The small-block layout on an H200"); works on the Firecracker machines (KINDS.md), not on gVisor
@@ -119,14 +124,24 @@ if [[ "$what" == profile ]]; then
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     python3 ncu_logits_layouts.py) > "$OUT/ncu_logits_layouts.txt" 2>&1
   echo "ncu exit: $?" | tee -a "$OUT/ncu_logits_layouts.txt"
+  # Each SASS instruction's executions and stall samples for the default and the small-block layout: where the
+  # small-block kernel's ~27% more instructions than the two-read kernel's go (NOTES.md, "The logits loops on the
+  # ncu counters"); read it with benchmarks/sass_loops.py's loop addresses
+  stage "ncu source counters (default, small-blocks)"
+  (cd benchmarks && timeout 150 ncu --clock-control none --profile-from-start off \
+    --kernel-name 'regex:^grpo_loss_from_logits_(small_block_)?kernel$' --section SourceCounters \
+    --page source --print-source sass --csv python3 ncu_logits_layouts.py --only default,grpo_ext/small-blocks) \
+    > "$OUT/ncu_sass.csv" 2>&1
+  echo "ncu source exit: $?" | tee -a "$OUT/ncu_logits_layouts.txt"
   grep -E "profiled launch|grpo_loss_from_logits|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Cluster|Registers|Waves" \
     "$OUT/ncu_logits_layouts.txt" | head -150
 fi
-if [[ "$what" == trainer ]]; then
+if has trainer; then
   # issue 39's other rows, not part of `all` (one call of its own, at most 8 minutes; ~40-50 s per contender and
   # case): grpo_ext's trainer beside TRL + grpo_ext and TRL, Qwen2.5-0.5B at T 1024 and 4096 with beta 0.04 (a
   # reference model), Qwen2.5-1.5B at T 1024 with beta 0, as TRL ships the step, with the parts of each step
-  for case in qwen2.5-0.5b:1024:0.04 qwen2.5-0.5b:4096:0.04 qwen2.5-1.5b:1024:0; do
+  # TRAINER_CASES (shape:length:beta ...) picks some of them
+  for case in ${TRAINER_CASES:-qwen2.5-0.5b:1024:0.04 qwen2.5-0.5b:4096:0.04 qwen2.5-1.5b:1024:0}; do
     IFS=: read -r shape length beta <<<"$case"
     stage "bench_trainer $shape T $length beta $beta"
     timeout 150 python3 benchmarks/bench_trainer.py --shape "$shape" --lengths "$length" --batch 8 --steps 2 \

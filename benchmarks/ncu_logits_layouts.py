@@ -10,7 +10,9 @@ it, in the order printed, so that ``ncu --profile-from-start off`` profiles one 
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         python3 benchmarks/ncu_logits_layouts.py            # gpu_session.sh profile
 
-On the CPU (``--device cpu``) it runs the default path only: a smoke run of the script.
+On the CPU (``--device cpu``) it runs the default path only: a smoke run of the script. ``--only default,NAME``
+keeps some layouts (``default`` and ``bench_floor.LAYOUTS``' names): gpu_session.sh's source-level pass, which
+counts each SASS instruction's executions for two layouts (``--page source --print-source sass``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 
 import bench_floor
 
+DEFAULT = "default (two-read, 256 threads bf16, 512 float32)"
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -28,12 +32,21 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936, help="V (default 151936)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated layouts to run (default: all): 'default' and bench_floor.LAYOUTS' names")
     args = parser.parse_args()
     device = torch.device(args.device)
     inputs = bench_floor.draw_inputs(args.rows, args.vocab, None, getattr(torch, args.dtype), device, seed=0)
     peers, _ = bench_floor.logits_steps(inputs, device, compile_=False)  # the layouts' steps as bench_floor times them
-    steps = {"default (two-read, 512 threads)": peers["grpo_ext"]}
+    steps = {DEFAULT: peers["grpo_ext"]}
     steps.update({name: peers[name] for name in bench_floor.LAYOUTS if name in peers})  # CUDA only
+    if args.only is not None:
+        wanted = {DEFAULT if name == "default" else name for name in args.only.split(",")}
+        unknown = wanted - {DEFAULT, *bench_floor.LAYOUTS}
+        if unknown:
+            known = ["default", *bench_floor.LAYOUTS]
+            parser.error(f"--only: unknown layouts {sorted(unknown)}; expected some of {known}")
+        steps = {name: run for name, run in steps.items() if name in wanted}
     for run in steps.values():  # warm-up: allocations, the launcher's attribute settings
         run()
         run()

@@ -213,4 +213,11 @@ def test_ncu_layout_script_runs_each_layout_once_in_the_capture_range():
            "--vocab", "512"]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines() == ["profiled launch 0: default (two-read, 512 threads)"]
+    assert result.stdout.splitlines() == ["profiled launch 0: default (two-read, 256 threads bf16, 512 float32)"]
+    only = subprocess.run([*cmd, "--only", "default,grpo_ext/small-blocks"], capture_output=True, text=True,
+                          timeout=300, cwd=BENCHMARKS)  # fmt: skip
+    assert only.returncode == 0, only.stderr[-2000:]
+    assert only.stdout.splitlines() == ["profiled launch 0: default (two-read, 256 threads bf16, 512 float32)"]
+    wrong = subprocess.run([*cmd, "--only", "default,small-block"], capture_output=True, text=True, timeout=300,
+                           cwd=BENCHMARKS)  # fmt: skip
+    assert wrong.returncode != 0 and "unknown layouts ['small-block']" in wrong.stderr

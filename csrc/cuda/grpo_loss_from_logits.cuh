@@ -174,10 +174,10 @@ __device__ __forceinline__ void write_row_grad_with(const LogitTransform<T>& f, 
   const T e = sh.row_entropy_weight, mean_shift = sh.row_mean_shift;
   const int64_t id = sh.row_id - lo;
   const T chosen = -g * expm1(sh.row_logp);
-  transform_row<T>(x, out, n, [&](int64_t v, T logit) {
+  transform_row<T>(x, out, n, [&](RowIndex v, T logit) {
     const T z = f.template z_with<kCap>(logit), d = z - z_max;
     const T p = softmax_exp(d - log_sum);
-    T value = v == id ? chosen : -g * p;
+    T value = select_computed(v.is(id), chosen, -g * p);
     // p * (d - E_p[z] + max) with no branch: where p = 0 (a -inf logit, d = -inf) d is taken as the lowest float,
     // so the term is 0 * finite = 0, never 0 * -inf; a NaN p stays NaN.
     if constexpr (kEntropy) value += e * p * (fmax(d, std::numeric_limits<T>::lowest()) - mean_shift);
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(256, 4)  // kSmallBlockThreads, kSmallBlocksPe
 struct RowResidency {
   size_t shared_per_block = 0;
   unsigned max_cluster_blocks = 0;
-  int max_threads = 1024;
+  int max_threads = 1024;  // 0: two_read_threads of the logits' element size
   unsigned blocks_per_sm = 1;
   bool small_blocks = false;
   size_t shared_per_sm = 0;
@@ -350,24 +350,30 @@ struct RowResidency {
 // faster than the single-read one on every shape measured (2026-11-26, benchmarks/RESULTS.md), so that path waits
 // behind GRPO_EXT_LOGITS_SINGLE_READ=1 until a layout makes it win. GRPO_EXT_LOGITS_SINGLE_READ=small-blocks takes
 // the small-block layout (small_block_layout: clusters of up to 16 blocks of 256 threads, four blocks of four rows
-// per SM) where a row fits, else the two-read kernel. The two-read kernel takes blocks of at most 512 threads (two
-// per SM, its 64 registers a thread allowing no more): on an H200 they were 3.5-25% faster than one block of 1024 per
-// SM on four of bench_floor's five shapes and level on the fifth (2026-11-27, RESULTS.md), since one block of 1024
-// leaves the SM idle while it finishes a row. GRPO_EXT_LOGITS_THREADS=256|512|1024 caps the threads per block of
+// per SM) where a row fits, else the two-read kernel. The two-read kernel takes blocks of at most 256 threads for
+// bf16/fp16 logits and 512 for float32 (two_read_threads; its 55-64 registers a thread allow 1024 threads an SM): on
+// an H200, 512 was 3.5-25% faster than one block of 1024 per SM on four of bench_floor's five shapes and level on the
+// fifth, since one block of 1024 leaves the SM idle while it finishes a row; 256 was 2-5% faster than 512 on three
+// bf16 shapes, level on the fourth, 2.5% slower on float32 (2026-11-27, RESULTS.md, both H200 sections).
+// GRPO_EXT_LOGITS_THREADS=256|512|1024 caps the threads per block of
 // either kernel (the single-read one's default: 1024, one block holding its part of a row);
 // GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2 halves the single-read kernel's part of a row (more blocks per cluster), so
 // that two blocks, of at most 512 threads, share an SM and one's load overlaps the other's gradient.
 // GRPO_EXT_LOGITS_PERSISTENT=1 launches the small-block layout with no more clusters than the device runs at once
 // (cudaOccupancyMaxActiveClusters), each over several rows: one cluster placed per row was one candidate cause of that
 // layout's time on an H200 (benchmarks/NOTES.md, "The small-block layout on an H200").
-constexpr int kTwoReadThreads = 512;  // the two-read kernel's default block size (above)
+// The two-read kernel's default block size (above) for logits of `element_bytes`: 256 threads for bf16/fp16, 512 for
+// float32 and wider. max_threads == 0 (RowResidency) asks for it.
+constexpr int two_read_threads(int element_bytes) {
+  return element_bytes <= 2 ? 256 : 512;
+}
 
 inline RowResidency with_layout_from_env(RowResidency device) {
   const char* single_read = std::getenv("GRPO_EXT_LOGITS_SINGLE_READ");
   device.small_blocks = single_read != nullptr && std::strcmp(single_read, "small-blocks") == 0;
   if (!device.small_blocks) device.max_small_cluster_blocks = 0;
   if (!device.small_blocks && (single_read == nullptr || std::strcmp(single_read, "1") != 0))
-    device.shared_per_block = 0, device.max_cluster_blocks = 0, device.max_threads = kTwoReadThreads;
+    device.shared_per_block = 0, device.max_cluster_blocks = 0, device.max_threads = 0;
   if (const char* threads = std::getenv("GRPO_EXT_LOGITS_THREADS")) {
     if (std::strcmp(threads, "256") == 0) device.max_threads = 256;
     if (std::strcmp(threads, "512") == 0) device.max_threads = 512;
@@ -479,7 +485,8 @@ void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInp
 // of the single-read kernel sharing an SM, at most 1024 / blocks_per_sm (their registers: about 60 a thread).
 inline int pass_threads(int64_t vocab, int element_bytes, const RowResidency& device) {
   const int threads = row_threads(vocab, element_bytes), per_sm = 1024 / int(device.blocks_per_sm);
-  const int cap = device.max_threads < per_sm ? device.max_threads : per_sm;
+  const int max_threads = device.max_threads > 0 ? device.max_threads : two_read_threads(element_bytes);
+  const int cap = max_threads < per_sm ? max_threads : per_sm;
   return threads < cap ? threads : cap;
 }
 

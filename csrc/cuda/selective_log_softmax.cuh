@@ -38,16 +38,26 @@ __device__ __forceinline__ SoftmaxState<T> merge_states(SoftmaxState<T> a, Softm
           (a.weighted + a.sum * (a.max - m)) * ea + (b.weighted + b.sum * (b.max - m)) * eb};
 }
 
-// exp(d) for d <= 0 (or NaN) in the softmax passes. float: __expf, one multiply and the SFU's exp2 (MUFU.EX2),
-// within 2 + 1.2|d| ulp and 0 below about -87 (no subnormal results); the library's expf is about 8 instructions.
-// The terms it is off on are those far below the max, whose share of a row's sums is as small as that error.
+// exp(d) for d <= 0 (or NaN) in the softmax passes. float: one multiply and the SFU's exp2 (MUFU.EX2) with
+// subnormal results flushed to 0 (ex2.approx.ftz), within 2 + 1.2|d| ulp and 0 below about -87.3; the library's expf
+// is about 8 instructions. The terms it is off on are those far below the max, whose share of a row's sums is as small
+// as that error. __expf is the same multiply and exp2, but without -ftz nvcc wraps each exp2 in a range test and two
+// multiplies to make the subnormal results of d in [-103, -87.3] (5 instructions an element, not 2; benchmarks/
+// NOTES.md, "The logits loops on the ncu counters"): values below 1.2e-38 that no row sum or gradient can tell.
+// In the CPU emulation (tests/cuda_emu), __expf.
 template <typename T>
 __device__ __forceinline__ T softmax_exp(T d) {
   return exp(d);
 }
 template <>
 __device__ __forceinline__ float softmax_exp<float>(float d) {
+#if defined(__CUDA_ARCH__) && defined(__CUDACC__)  // nvcc's device pass (the emulator defines __CUDA_ARCH__ only)
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(d * 1.44269504088896341f));
+  return e;
+#else
   return __expf(d);
+#endif
 }
 
 template <typename T>

@@ -118,6 +118,48 @@ __device__ __forceinline__ void for_each_in_row(const In* x, int64_t n, One&& on
   for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) one(load_as<T>(x + v));
 }
 
+// An element's place in its row as transform_row passes it: the first index of its 16-byte vector and its place in
+// the vector (0 for the scalar head and tail). It converts to the index; a caller that compares every element with
+// one index (the chosen token) takes `index - base` once per vector (the unrolled elements share it) and compares
+// it with the constant k, where `v == id` cost a 64-bit add and compare an element, and nvcc branched around the
+// rest of the element's work on it (benchmarks/NOTES.md, "The logits loops on the ncu counters").
+struct RowIndex {
+  int64_t base;
+  int k;
+  __device__ __forceinline__ operator int64_t() const { return base + k; }
+  // `index - base` is the same for a vector's elements: one 64-bit test a vector, a 32-bit compare an element.
+  __device__ __forceinline__ bool is(int64_t index) const {
+    const int64_t offset = index - base;
+    return static_cast<uint64_t>(offset) < 16 && static_cast<int>(offset) == k;
+  }
+};
+
+// c ? a : b with both a and b computed: a select instruction, never a branch around the work of the arm not taken
+// (nvcc had put each element's softmax term behind a branch taken for one element a row: 3 branch instructions an
+// element in the gradient loop). In the CPU emulation, a plain conditional.
+template <typename T>
+__device__ __forceinline__ T select_computed(bool c, T a, T b) {
+#if defined(__CUDA_ARCH__) && defined(__CUDACC__)  // nvcc's device pass (the emulator defines __CUDA_ARCH__ only)
+  if constexpr (std::is_same_v<T, float>) {
+    float r;
+    asm("{\n .reg .pred p;\n setp.ne.u32 p, %3, 0;\n selp.f32 %0, %1, %2, p;\n}"
+        : "=f"(r)
+        : "f"(a), "f"(b), "r"(static_cast<unsigned>(c)));
+    return r;
+  } else if constexpr (std::is_same_v<T, double>) {
+    double r;
+    asm("{\n .reg .pred p;\n setp.ne.u32 p, %3, 0;\n selp.f64 %0, %1, %2, p;\n}"
+        : "=d"(r)
+        : "d"(a), "d"(b), "r"(static_cast<unsigned>(c)));
+    return r;
+  } else {
+    return c ? a : b;
+  }
+#else
+  return c ? a : b;
+#endif
+}
+
 // out[v] = f(v, x[v] as T) for every element of [0, n): vector loads as for_each_in_row, and vector stores where
 // `out` has the same offset from a 16-byte boundary as `x` (the in-place gradient, and any row of a contiguous
 // tensor that starts aligned); scalar stores otherwise. `out` may be `x` (each element is read before it is
@@ -129,13 +171,15 @@ __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, 
   const int64_t head = vector_head(x, n), vectors = (n - head) / W;
   const bool vector_stores =
       reinterpret_cast<uintptr_t>(x) % kVectorBytes == reinterpret_cast<uintptr_t>(out) % kVectorBytes;
-  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) out[v] = to_out<Out, T>(f(v, load_as<T>(x + v)));
+  for (int64_t v = threadIdx.x; v < head; v += blockDim.x) {
+    out[v] = to_out<Out, T>(f(RowIndex{v, 0}, load_as<T>(x + v)));
+  }
   constexpr int kUnroll = U > 0 ? U : kRowUnroll<In>;
   const Vector<In>* body = reinterpret_cast<const Vector<In>*>(x + head);
   const auto result_of = [&](int64_t i, const Vector<In>& in) {
     Vector<Out> result;
 #pragma unroll
-    for (int k = 0; k < W; ++k) result.v[k] = to_out<Out, T>(f(head + i * W + k, load_as<T>(&in.v[k])));
+    for (int k = 0; k < W; ++k) result.v[k] = to_out<Out, T>(f(RowIndex{head + i * W, k}, load_as<T>(&in.v[k])));
     return result;
   };
   // Two loops, not one with the store's kind chosen per vector: the choice inside the loop kept the scalar stores'
@@ -153,7 +197,7 @@ __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, 
     });
   }
   for (int64_t v = head + vectors * W + threadIdx.x; v < n; v += blockDim.x) {
-    out[v] = to_out<Out, T>(f(v, load_as<T>(x + v)));
+    out[v] = to_out<Out, T>(f(RowIndex{v, 0}, load_as<T>(x + v)));
   }
 }
 

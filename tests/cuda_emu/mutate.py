@@ -170,6 +170,9 @@ MUTATIONS = [
     Mutation("off-by-one", "single-read staging: the asynchronous copies stop one vector short of the body",
              "cuda/vector_io.cuh", "for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) async_copy_16",
              "for (int64_t i = threadIdx.x; i + 1 < vectors; i += blockDim.x) async_copy_16"),
+    Mutation("wrong index", "logits gradient: the chosen-token test ignores the element's place in its vector",
+             "cuda/vector_io.cuh",
+             "return static_cast<uint64_t>(offset) < 16 && static_cast<int>(offset) == k;", "return offset == 0;"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

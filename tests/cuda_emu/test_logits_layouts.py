@@ -116,18 +116,24 @@ def test_logits_pass_layout_candidates(monkeypatch, layout, path):
         assert not device.close()
 
 
-@pytest.mark.parametrize(("layout", "threads"), [({}, 512), ({"GRPO_EXT_LOGITS_THREADS": "1024"}, 1024),
-                                                 ({"GRPO_EXT_LOGITS_THREADS": "256"}, 256)])  # fmt: skip
-def test_two_read_kernel_block_size(monkeypatch, layout, threads):
-    """The two-read kernel's blocks: 512 threads by default (faster than one block of 1024 per SM on an H200:
-    RESULTS.md, 2026-11-27), GRPO_EXT_LOGITS_THREADS=256|1024 to compare; the same outputs as the CPU kernel under
-    every schedule. V=9000 float32 asks for the most threads (row_threads: 1125 wanted, 1024 at most)."""
+BLOCK_SIZE_CASES = [({}, torch.float32, 512), ({}, torch.bfloat16, 256),
+                    ({"GRPO_EXT_LOGITS_THREADS": "1024"}, torch.float32, 1024),
+                    ({"GRPO_EXT_LOGITS_THREADS": "512"}, torch.bfloat16, 512),
+                    ({"GRPO_EXT_LOGITS_THREADS": "256"}, torch.float32, 256)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("layout", "dtype", "threads"), BLOCK_SIZE_CASES)
+def test_two_read_kernel_block_size(monkeypatch, layout, dtype, threads):
+    """The two-read kernel's blocks by default: 256 threads for bf16 logits, 512 for float32 (two_read_threads: the
+    faster of each on an H200, RESULTS.md, 2026-11-27); GRPO_EXT_LOGITS_THREADS=256|512|1024 to compare; the same
+    outputs as the CPU kernel under every schedule. V=9000 asks for the most threads (row_threads: 1125 wanted for
+    float32, 563 for bf16)."""
     for name, value in {"GRPO_EXT_LOGITS_SINGLE_READ": "0", **layout}.items():
         monkeypatch.setenv(name, value)  # the drivers start on the first call, with these set
     device = EmuDevice(CSRC)
     try:
         logits, ids, adv, mask, old, _ = make_problem(2, 2, 9000, seed=41, per_token_adv=True)
-        args = pass_args(logits.float().reshape(4, 9000), ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
+        args = pass_args(logits.to(dtype).reshape(4, 9000), ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
                          loss_type="dapo")  # fmt: skip
         before = device.launches.copy()
         check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
