@@ -11,9 +11,10 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
   blocks of 1024 (the default before 2026-11-27) and of 512 threads (GRPO_EXT_LOGITS_THREADS caps either dtype);
   the single-read pass with
   two blocks per SM; the small-block layout, ``GRPO_EXT_LOGITS_SINGLE_READ=small-blocks``: clusters of up to 16
-  blocks of 256 threads staging their parts with cp.async, with and without the entropy bonus, and with persistent
-  clusters, ``GRPO_EXT_LOGITS_PERSISTENT=1``), ``grpo_ext+entropy`` (``entropy_coef=0.01``), ``liger``
-  (``triton_grpo_loss``, CUDA only), ``compile`` (``torch.compile`` of the float reference, with ``--compile``).
+  blocks of 256 threads staging their parts with cp.async, with and without the entropy bonus, with blocks of 128
+  threads, and with persistent clusters, ``GRPO_EXT_LOGITS_PERSISTENT=1``), ``grpo_ext+entropy``
+  (``entropy_coef=0.01``), ``liger`` (``triton_grpo_loss``, CUDA only), ``compile`` (``torch.compile`` of the float
+  reference, with ``--compile``).
 * ``selective N=.. V=.. dtype`` (the logits case's inputs): the ``fwd`` rows (no autograd) against ``read`` (half a
   copy: one read of the logits), the ``bwd`` rows (the log-probs' gradient for a random upstream one) against
   ``copy``. ``grpo_ext fwd`` (``selective_log_softmax``: log-probs and entropy) beside ``trl-triton fwd`` (TRL
@@ -130,6 +131,9 @@ LAYOUTS = {
     },
     # issue 38: clusters of up to 16 blocks of 256 threads, four blocks (of four rows) per SM
     "grpo_ext/small-blocks": {"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks"},
+    # blocks of 128 threads: twice the elements a thread, so half the per-row work per element (NOTES.md, "The logits
+    # loops on the ncu counters")
+    "grpo_ext/small-blocks 128": {"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks", "GRPO_EXT_LOGITS_THREADS": "128"},
     # the same with no more clusters than run at once, each over several rows (GRPO_EXT_LOGITS_PERSISTENT)
     "grpo_ext/small-blocks persistent": {
         "GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks",

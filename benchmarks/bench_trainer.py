@@ -65,6 +65,9 @@ Figures per contender, case by case:
   tokens, H, V and compute dtype (bfloat16 under ``bf16``), timed in the same process after the steps; ``head / GEMMs``
   is the LM head + loss part (forward + backward) over it. (TRL's chunked head scores only the completion tokens on
   Triton devices; elsewhere, the CPU included, every position of every row: B x (P + T - 1).)
+* ``--memory-sites`` (CUDA): one more step with the allocator's history recorded; what is alive at its peak, summed
+  by the innermost Python frame outside torch that allocated it (``memory_sites.py``): where a contender's peak above
+  another's comes from (n/a on the CPU).
 
 ``--max-logits-gib`` skips a contender (n/a) whose step would hold the ``[B, P + T, V]`` float32 logits above that
 size (the plain path on a small machine).
@@ -101,6 +104,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `harness`, where
 
 import torch
 
+import memory_sites
 from harness import cli, environment, reporting, timing
 from step_profile import StepMarkers, step_parts
 
@@ -414,6 +418,15 @@ def run_child(case: dict[str, Any]) -> dict[str, Any]:
         if markers:
             markers.remove()
             result["profile"] = step_parts(profiler.events(), markers, device)
+        if case.get("memory_sites") and device.type == "cuda":  # one more step, its allocations recorded with stacks
+            torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+            try:
+                step()
+                _sync(device)
+                snapshot = torch.cuda.memory._snapshot()
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            result["memory_sites"] = memory_sites.peak_sites(snapshot, device.index or 0)
         if case["generation"]:
             timer = GenerateTimer(trained, device)
             start = time.perf_counter()
@@ -589,6 +602,9 @@ def main() -> None:
     parser.add_argument("--no-generation", action="store_true", help="skip the gen+step figure (reported n/a)")
     parser.add_argument("--profile", action="store_true",
                         help="where the timed steps' time goes (torch.profiler), and the LM head's GEMM floor")
+    parser.add_argument("--memory-sites", action="store_true",
+                        help="CUDA: one more step with the allocator's history recorded; what is alive at its peak, "
+                             "by the code that allocated it (memory_sites.py)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per contender and case")
     parser.add_argument("--options", default=None,
                         help="KEY=VALUE,... loss options of every contender's config (e.g. entropy_coef=0.01)")
@@ -622,7 +638,7 @@ def main() -> None:
     shape = dict(
         dims, batch=args.batch or (4 if quick else 8), prompt_length=args.prompt_length or (4 if quick else 32),
         steps=args.steps or (1 if quick else 3), seed=args.seed, device=str(device), generation=not args.no_generation,
-        options=parse_options(args.options), profile=args.profile,
+        options=parse_options(args.options), profile=args.profile, memory_sites=args.memory_sites,
     )  # fmt: skip
     if shape["batch"] % NUM_GENERATIONS:
         raise SystemExit(f"--batch must be a multiple of num_generations={NUM_GENERATIONS}")
@@ -695,6 +711,13 @@ def main() -> None:
             profile = row["profile"]
             print(f"profile check {row['case']} {row['impl']}: CPU parts sum to {100 * profile['check']:.1f}% of the "
                   f"profiled step ({profile['wall_ms']:.0f} ms profiled, {row['step_ms']:.0f} ms timed)")  # fmt: skip
+    if args.memory_sites:
+        print("\nwhat is alive at each contender's step peak (allocated during the step; weights, optimizer state "
+              "and earlier steps' buffers excluded), by the code that allocated it" if device.type == "cuda" else
+              "\n--memory-sites: n/a on the CPU (the CUDA allocator's history)")  # fmt: skip
+        for row in rows:
+            if row.get("memory_sites"):
+                print(f"{row['case']} {row['impl']}:\n{memory_sites.format_sites(row['memory_sites'])}")
     for row in rows:
         if row.get("note"):
             print(f"n/a  {row['case']} {row['impl']}: {row['note']}")

@@ -105,7 +105,7 @@ if has all || has bench; then
   # grpo_ext, ~45 s each on the H200 of 2026-11-27 (a third contender did not fit 150 s); grpo_ext's trainer and the
   # other rows are the `trainer` stage, a second call
   timeout 130 python3 benchmarks/bench_trainer.py --shape qwen2.5-0.5b --lengths 1024 --batch 8 --steps 3 \
-    --precision bf16 --beta 0 --profile --no-generation --contenders trl,trl+grpo_ext/fused \
+    --precision bf16 --beta 0 --profile --memory-sites --no-generation --contenders trl,trl+grpo_ext/fused \
     --out "$OUT/bench_trainer.json" 2>&1 | tee "$OUT/bench_trainer.txt"
 fi
 if has compile; then
@@ -144,8 +144,10 @@ if has trainer; then
   for case in ${TRAINER_CASES:-qwen2.5-0.5b:1024:0.04 qwen2.5-0.5b:4096:0.04 qwen2.5-1.5b:1024:0}; do
     IFS=: read -r shape length beta <<<"$case"
     stage "bench_trainer $shape T $length beta $beta"
-    timeout 150 python3 benchmarks/bench_trainer.py --shape "$shape" --lengths "$length" --batch 8 --steps 2 \
-      --precision bf16 --beta "$beta" --profile --no-generation --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
+    # 200 s: the three contenders took 47 + 63 s and more at 1.5B (2026-11-27: 150 s stopped the third)
+    timeout 200 python3 benchmarks/bench_trainer.py --shape "$shape" --lengths "$length" --batch 8 --steps 2 \
+      --precision bf16 --beta "$beta" --profile --memory-sites --no-generation \
+      --contenders grpo_ext/fused,trl,trl+grpo_ext/fused \
       --out "$OUT/bench_trainer-$shape-$length-$beta.json" 2>&1 | tee "$OUT/bench_trainer-$shape-$length-$beta.txt"
   done
 fi

@@ -74,11 +74,12 @@ def test_trainer_benchmark_profile_with_a_reference_model(tmp_path):
     (the KL term included), and its profiled parts sum to the step; the LM head's GEMM floor is timed."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(BENCHMARKS / "bench_trainer.py"), "--quick", "--device", "cpu", "--out", str(out),
-           "--no-generation", "--profile", "--beta", "0.04", "--precision", "fp32",
+           "--no-generation", "--profile", "--beta", "0.04", "--precision", "fp32", "--memory-sites",
            "--contenders", "grpo_ext/fused,trl,trl+grpo_ext/fused"]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "(ok, " in result.stdout and "MISMATCH" not in result.stdout
+    assert "--memory-sites: n/a on the CPU" in result.stdout  # the allocator history is CUDA's
     rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"grpo_ext/fused", "trl", "trl+grpo_ext/fused"}
     for impl, row in rows.items():
@@ -87,6 +88,38 @@ def test_trainer_benchmark_profile_with_a_reference_model(tmp_path):
         assert 0.95 <= profile["check"] <= 1.05, (impl, profile)
         assert all(profile["cpu"][part] > 0 for part in ("layers_fwd", "layers_bwd", "head_fwd", "optimizer")), row
         assert row["gemm_floor_ms"] > 0 and row["head_vs_floor"] == pytest.approx(row["head_ms"] / row["gemm_floor_ms"])
+
+
+def test_memory_sites_finds_the_blocks_alive_at_the_peak(monkeypatch):
+    """memory_sites.peak_sites on an allocator trace: the peak is the most bytes allocated since recording began
+    (a block from before it freed changes nothing), the blocks alive then are summed by the innermost frame outside
+    torch, and a block freed before the peak is not among them."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import memory_sites
+
+    def frames(*files):
+        return [{"filename": f, "line": 10 + i, "name": f"f{i}"} for i, f in enumerate(files)]
+
+    torch_frame, head, layer = "/x/site-packages/torch/nn/functional.py", "/x/trl/kernels/chunked.py", "/x/m/q.py"
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames(torch_frame, layer)},
+        {"action": "free_completed", "addr": 99, "size": 5000, "frames": []},  # allocated before recording
+        {"action": "alloc", "addr": 2, "size": 300, "frames": frames(head)},
+        {"action": "free_completed", "addr": 2, "size": 300, "frames": []},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frames(head)},  # the address reused
+        {"action": "alloc", "addr": 3, "size": 320, "frames": frames(torch_frame)},
+        {"action": "alloc", "addr": 4, "size": 40, "frames": frames(layer)},
+        {"action": "free_completed", "addr": 3, "size": 320, "frames": []},
+        {"action": "free_completed", "addr": 4, "size": 40, "frames": []},
+    ]
+    result = memory_sites.peak_sites({"device_traces": [[], trace]}, device=1)
+    assert result["peak_bytes"] == 100 + 50 + 320 + 40 and result["events"] == len(trace)
+    assert result["sites"] == [("torch", 320), ("x/m/q.py:11 f1", 100), ("trl/kernels/chunked.py:10 f0", 50),
+                               ("x/m/q.py:10 f0", 40)]  # fmt: skip
+    capped = memory_sites.peak_sites({"device_traces": [[], trace]}, device=1, top=2)
+    assert capped["sites"] == [("torch", 320), ("x/m/q.py:11 f1", 100), ("other", 90)]
+    assert memory_sites.format_sites(capped).splitlines()[-1].split() == ["0.0", "MiB", "other"]
+    assert memory_sites.peak_sites({"device_traces": []})["peak_bytes"] == 0
 
 
 def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):

@@ -355,7 +355,7 @@ struct RowResidency {
 // an H200, 512 was 3.5-25% faster than one block of 1024 per SM on four of bench_floor's five shapes and level on the
 // fifth, since one block of 1024 leaves the SM idle while it finishes a row; 256 was 2-5% faster than 512 on three
 // bf16 shapes, level on the fourth, 2.5% slower on float32 (2026-11-27, RESULTS.md, both H200 sections).
-// GRPO_EXT_LOGITS_THREADS=256|512|1024 caps the threads per block of
+// GRPO_EXT_LOGITS_THREADS=128|256|512|1024 caps the threads per block of
 // either kernel (the single-read one's default: 1024, one block holding its part of a row);
 // GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2 halves the single-read kernel's part of a row (more blocks per cluster), so
 // that two blocks, of at most 512 threads, share an SM and one's load overlaps the other's gradient.
@@ -375,6 +375,7 @@ inline RowResidency with_layout_from_env(RowResidency device) {
   if (!device.small_blocks && (single_read == nullptr || std::strcmp(single_read, "1") != 0))
     device.shared_per_block = 0, device.max_cluster_blocks = 0, device.max_threads = 0;
   if (const char* threads = std::getenv("GRPO_EXT_LOGITS_THREADS")) {
+    if (std::strcmp(threads, "128") == 0) device.max_threads = 128;
     if (std::strcmp(threads, "256") == 0) device.max_threads = 256;
     if (std::strcmp(threads, "512") == 0) device.max_threads = 512;
     if (std::strcmp(threads, "1024") == 0) device.max_threads = 1024;
@@ -450,9 +451,12 @@ inline SmallBlockLayout small_block_layout(int64_t vocab, const RowResidency& de
     if (share > int64_t(device.shared_per_block)) share = int64_t(device.shared_per_block);
     const ResidentSplit split = split_row<T, In>(vocab, share, device.max_small_cluster_blocks);
     if (split.cluster_blocks == 0) continue;
+    // kSmallBlockThreads at most, or GRPO_EXT_LOGITS_THREADS=128 (max_threads): twice the elements a thread, half
+    // the per-row work a thread repeats (merges, barriers, setup) per element, and half the warps.
+    const int cap =
+        device.max_threads > 0 && device.max_threads < kSmallBlockThreads ? device.max_threads : kSmallBlockThreads;
     const int threads = row_threads(split.slice, int(sizeof(In)));
-    return {split.cluster_blocks, threads < kSmallBlockThreads ? threads : kSmallBlockThreads, per_sm, split.slice,
-            split.shared_bytes};
+    return {split.cluster_blocks, threads < cap ? threads : cap, per_sm, split.slice, split.shared_bytes};
   }
   return {};
 }

@@ -27,17 +27,6 @@ struct SoftmaxState {
   T max, sum, weighted;
 };
 
-template <typename T>
-__device__ __forceinline__ SoftmaxState<T> merge_states(SoftmaxState<T> a, SoftmaxState<T> b) {
-  if (b.sum == T(0)) return a;  // an empty state (no finite logit yet)
-  if (a.sum == T(0)) return b;
-  const T m = a.max > b.max ? a.max : b.max;
-  const T ea = exp(a.max - m), eb = exp(b.max - m);
-  // Re-base each side's weighted sum on the new max: sum e * (z - m) = weighted + sum * (old_max - m).
-  return {m, a.sum * ea + b.sum * eb,
-          (a.weighted + a.sum * (a.max - m)) * ea + (b.weighted + b.sum * (b.max - m)) * eb};
-}
-
 // exp(d) for d <= 0 (or NaN) in the softmax passes. float: one multiply and the SFU's exp2 (MUFU.EX2) with
 // subnormal results flushed to 0 (ex2.approx.ftz), within 2 + 1.2|d| ulp and 0 below about -87.3; the library's expf
 // is about 8 instructions. The terms it is off on are those far below the max, whose share of a row's sums is as small
@@ -58,6 +47,17 @@ __device__ __forceinline__ float softmax_exp<float>(float d) {
 #else
   return __expf(d);
 #endif
+}
+
+template <typename T>
+__device__ __forceinline__ SoftmaxState<T> merge_states(SoftmaxState<T> a, SoftmaxState<T> b) {
+  if (b.sum == T(0)) return a;  // an empty state (no finite logit yet)
+  if (a.sum == T(0)) return b;
+  const T m = a.max > b.max ? a.max : b.max;
+  const T ea = softmax_exp(a.max - m), eb = softmax_exp(b.max - m);  // both <= 0; one is exp(0) = 1 exactly
+  // Re-base each side's weighted sum on the new max: sum e * (z - m) = weighted + sum * (old_max - m).
+  return {m, a.sum * ea + b.sum * eb,
+          (a.weighted + a.sum * (a.max - m)) * ea + (b.weighted + b.sum * (b.max - m)) * eb};
 }
 
 template <typename T>

@@ -110,23 +110,39 @@ def test_small_block_pass_grid_stride_and_sequence_gradients(emu_small_blocks):
     assert PASS_KERNELS["small-blocks"] in launched
 
 
+def small_block_launch(env: dict[str, str], batch: int, group: int, vocab: int, seed: int,
+                       **device_options) -> tuple[int, int]:  # fmt: skip
+    """Runs the float32 pass (dapo, old log-probs, the entropy bonus) on a fresh device with ``env`` set, checks its
+    outputs against the CPU kernel, and returns the small-block kernel's (blocks, threads per block)."""
+    device = EmuDevice(CSRC, env=env, **device_options)
+    try:
+        logits, ids, adv, mask, old, _ = make_problem(batch, group, vocab, seed=seed, per_token_adv=True)
+        args = pass_args(logits.float().reshape(batch * group, vocab), ids.reshape(-1), adv.float(), mask,
+                         old_logps=old.float(), loss_type="dapo", entropy_coef=0.1)  # fmt: skip
+        before = device.launches.copy()
+        check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+        return launch_dims(device.launches - before)[PASS_KERNELS["small-blocks"]]
+    finally:
+        assert not device.close()
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_small_block_pass_persistent_clusters(persistent):
     """GRPO_EXT_LOGITS_PERSISTENT=1: no more clusters than the occupancy query says run at once, each walking rows.
     V=520 float32 takes clusters of 9; on a device whose GPCs hold 3 SMs, one cluster a GPC, 8 at once, so 24 rows
     take 8 clusters (72 blocks) instead of 24 (216); the same outputs as the CPU kernel either way."""
     env = dict(SMALL_BLOCKS, GRPO_EXT_LOGITS_PERSISTENT="1" if persistent else "0")
-    device = EmuDevice(CSRC, shared_per_sm=SHARED_PER_SM, env=env, gpc_sms=3)
-    try:
-        logits, ids, adv, mask, old, _ = make_problem(4, 6, 520, seed=44, per_token_adv=True)
-        args = pass_args(logits.float().reshape(24, 520), ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
-                         loss_type="dapo", entropy_coef=0.1)  # fmt: skip
-        before = device.launches.copy()
-        check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
-        blocks, _ = launch_dims(device.launches - before)[PASS_KERNELS["small-blocks"]]
-        assert blocks == (72 if persistent else 24 * 9)
-    finally:
-        assert not device.close()
+    blocks, _ = small_block_launch(env, 4, 6, 520, seed=44, shared_per_sm=SHARED_PER_SM, gpc_sms=3)
+    assert blocks == (72 if persistent else 24 * 9)
+
+
+@pytest.mark.parametrize(("threads_env", "threads"), [(None, 256), ("128", 128)])
+def test_small_block_threads(threads_env, threads):
+    """Blocks of kSmallBlockThreads (256) threads, or 128 with GRPO_EXT_LOGITS_THREADS=128 (a layout candidate:
+    twice the elements a thread); the same outputs as the CPU kernel. V=20000 float32 on a device with 64 KiB of
+    shared memory an SM: clusters of 6 blocks of about 3.4K elements, which ask for 425 threads (row_threads)."""
+    env = dict(SMALL_BLOCKS, **({"GRPO_EXT_LOGITS_THREADS": threads_env} if threads_env else {}))
+    assert small_block_launch(env, 2, 2, 20000, seed=45, shared_per_sm=64 * 1024) == (4 * 6, threads)
 
 
 @pytest.mark.parametrize(("dtype", "vocab"), [(torch.float32, 1000), (torch.bfloat16, 1300), (torch.float32, 520)])
