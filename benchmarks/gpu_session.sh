@@ -13,6 +13,8 @@
 # /tmp/site with no network: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux_2_28_x86_64 -d .whl liger-kernel trl==1.16.0 datasets==4.7.0 dill==0.4.1 multiprocess==0.70.19`
 # here (the H100 machine of 2026-11-26 had the rest), then carry .whl and dist.
+# Two calls fit the 15 minutes of a lease (2026-11-27, fifth session, an H200): `test,floor,profile` then `sanitize`
+# in one (347 s), then `trainer` with TRAINER_CASES="qwen2.5-0.5b:1024:0 qwen2.5-1.5b:1024:0" (274 s); give it back.
 # The device tool returns at most 8 files from its $OUT, and this writes about 16: point OUT elsewhere and pack it,
 # under a limit that leaves time to pack (2026-11-27): D=$OUT; export OUT=/tmp/g; WHEELS=.whl GRPO_EXT_WHEEL=$(ls
 # dist/*.whl) timeout -k 5 540 bash benchmarks/gpu_session.sh all; tar czf $D/gpu.tgz -C /tmp/g .

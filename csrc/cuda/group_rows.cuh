@@ -37,11 +37,13 @@ struct TeamLayout {
 
 // The count pass of group_ids: rows per group by integer atomics into offsets[1 ..] (zeroed before), then the
 // last block to finish turns the counts into offsets (an inclusive scan of offsets[1 .. num_groups]) and cursor
-// (where each group's rows start). The scan runs over tiles of blockDim.x consecutive groups, kScanBatch tiles'
-// counts loaded (coalesced, from L2 where the atomics left them) before the first is scanned: a few L2 round trips
-// for 65536 groups, where a thread walking its own chunk of counts took 64 dependent ones and a serial scan of the
-// chunks' totals (250 us on an H100).
-constexpr int kScanBatch = 8;
+// (where each group's rows start). The scan runs over batches of kScanBatch x blockDim.x consecutive groups: each
+// thread loads its run of kScanBatch groups' counts (all in flight at once, from L2 where the atomics left them) and
+// adds them up, one block scan of the runs' totals places each run, and the thread writes its run's offsets. One
+// block scan a batch, 4 for 65536 groups: one a tile of blockDim.x groups (64 there) took most of the 122 us of a
+// 65536 x 8 call on an H200 (benchmarks/NOTES.md, "group_ids: one block scan a batch"), and a thread walking its own
+// chunk with dependent loads and a serial scan of the chunks' totals took 250 us on an H100.
+constexpr int kScanBatch = 16;
 __global__ void __launch_bounds__(1024)
     group_rows_count_kernel(const int64_t* __restrict__ group_ids, int64_t id_stride, int64_t batch, int64_t num_groups,
                             int* __restrict__ offsets, int* __restrict__ cursor, int* __restrict__ blocks_done) {
@@ -62,23 +64,28 @@ __global__ void __launch_bounds__(1024)
   __threadfence();
   int carry = 0;  // the counts of the tiles before
   for (int64_t base = 0; base < num_groups; base += int64_t(kScanBatch) * blockDim.x) {
+    const int64_t first = base + int64_t(threadIdx.x) * kScanBatch;  // this thread's run of groups
     int count[kScanBatch];
 #pragma unroll
     for (int k = 0; k < kScanBatch; ++k) {
-      const int64_t g = base + int64_t(k) * blockDim.x + threadIdx.x;
+      const int64_t g = first + k;
       count[k] = g < num_groups ? __ldcg(offsets + 1 + g) : 0;  // past L1: other blocks' atomics wrote them
     }
+    int run = 0;
+#pragma unroll
+    for (int k = 0; k < kScanBatch; ++k) run += count[k];
+    int batch_total;
+    int start = carry + block_inclusive_scan(run, scratch, batch_total) - run;  // the rows before this run
 #pragma unroll
     for (int k = 0; k < kScanBatch; ++k) {
-      const int64_t g = base + int64_t(k) * blockDim.x + threadIdx.x;
-      int tile_total;
-      const int inclusive = carry + block_inclusive_scan(count[k], scratch, tile_total);
+      const int64_t g = first + k;
       if (g < num_groups) {
-        offsets[1 + g] = inclusive;
-        cursor[g] = inclusive - count[k];
+        cursor[g] = start;
+        start += count[k];
+        offsets[1 + g] = start;
       }
-      carry += tile_total;
     }
+    carry += batch_total;
   }
 }
 

@@ -173,6 +173,10 @@ MUTATIONS = [
     Mutation("wrong index", "logits gradient: the chosen-token test ignores the element's place in its vector",
              "cuda/vector_io.cuh",
              "return static_cast<uint64_t>(offset) < 16 && static_cast<int>(offset) == k;", "return offset == 0;"),
+    Mutation("lost prefix", "group_ids offsets: each thread's run placed after the batches before, not after the "
+             "runs before it in its batch", "cuda/group_rows.cuh",
+             "int start = carry + block_inclusive_scan(run, scratch, batch_total) - run;",
+             "int start = carry + 0 * block_inclusive_scan(run, scratch, batch_total);"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

@@ -176,10 +176,11 @@ def test_group_advantages_shuffled_group_ids_across_tiles(emu, mode):
 
 
 def test_group_ids_offsets_scanned_over_several_batches(emu):
-    """More groups than the count kernel's last block scans in one batch of tiles (kScanBatch x 1024 = 8192), empty
-    groups among them: each batch starts from the rows of the batches before it (the carry)."""
+    """More groups than the count kernel's last block scans in one batch (kScanBatch x 1024 = 16384), empty groups
+    among them: each batch starts from the rows of the batches before it (the carry), and each thread's run from the
+    runs before it in its batch."""
     g = torch.Generator().manual_seed(9)
-    num_groups = 8 * 1024 + 900
+    num_groups = 16 * 1024 + 900
     sizes = torch.randint(0, 3, (num_groups,), generator=g)
     ids = torch.repeat_interleave(torch.arange(num_groups), sizes)
     ids = ids[torch.randperm(len(ids), generator=g)]
