@@ -130,11 +130,14 @@ if has profile; then
   # small-block kernel's ~27% more instructions than the two-read kernel's go (NOTES.md, "The logits loops on the
   # ncu counters"); read it with benchmarks/sass_loops.py's loop addresses
   stage "ncu source counters (default, small-blocks)"
-  (cd benchmarks && timeout 150 ncu --clock-control none --profile-from-start off \
+  # into a report first, then its source page printed from it (--page source reads a report: one ncu version may
+  # not print it while profiling), and the SourceCounters section's summary (branches, top stall sites)
+  (cd benchmarks && timeout 150 ncu --clock-control none --profile-from-start off -f -o /tmp/ncu_source \
     --kernel-name 'regex:^grpo_loss_from_logits_(small_block_)?kernel$' --section SourceCounters \
-    --page source --print-source sass --csv python3 ncu_logits_layouts.py --only default,grpo_ext/small-blocks) \
-    > "$OUT/ncu_sass.csv" 2>&1
+    python3 ncu_logits_layouts.py --only default,grpo_ext/small-blocks) > "$OUT/ncu_source_run.txt" 2>&1
   echo "ncu source exit: $?" | tee -a "$OUT/ncu_logits_layouts.txt"
+  timeout 60 ncu -i /tmp/ncu_source.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
+  timeout 60 ncu -i /tmp/ncu_source.ncu-rep --page details >> "$OUT/ncu_source_run.txt" 2>&1
   grep -E "profiled launch|grpo_loss_from_logits|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Cluster|Registers|Waves" \
     "$OUT/ncu_logits_layouts.txt" | head -150
 fi
