@@ -136,11 +136,14 @@ __device__ __forceinline__ SoftmaxState<T> block_merge(SoftmaxState<T> s, Softma
   return s;
 }
 
-// Up to 1024 threads per block (row_threads); the bound keeps every instantiation launchable at that size. `In` is
-// the logits' element type: a row with unit stride is read with 16-byte loads (vector_io.cuh). kCap: the soft-cap
-// code compiled in (with_soft_cap).
+// Up to 1024 threads per block (row_threads); the bound keeps every instantiation launchable at that size, and its 2
+// blocks an SM hold each at 32 registers: 100% occupancy at 1024 threads. Without it nvcc gave the soft-capped
+// bf16/fp16 forward 41-43 registers on sm_90 once softmax_exp lost its fix-up code (50% occupancy), while the float32
+// soft-capped one spilled at 32; with it neither spills, and only float64 (never timed) does, 288 B on sm_90
+// (benchmarks/KERNELS.md). `In` is the logits' element type: a row with unit stride is read with 16-byte loads
+// (vector_io.cuh). kCap: the soft-cap code compiled in (with_soft_cap).
 template <typename T, typename In, SoftCap kCap>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(1024, 2)
     selective_log_softmax_forward_kernel(StridedMatrix logits, StridedMatrix ids, int64_t rows, int64_t vocab,
                                          LogitTransform<T> f, T* __restrict__ logps, T* __restrict__ entropy,
                                          T* __restrict__ row_stats) {
