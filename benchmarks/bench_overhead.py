@@ -25,6 +25,10 @@ peers are timed in ``--rounds`` interleaved rounds (so that a busy machine slows
 median of its rounds' medians and its best round (``min_ms``). The summary prints the ratios the overhead targets
 are stated in (issue 31), from the best rounds. No timing here is an assertion.
 
+``--host-profile``: after the timing, ``torch.profiler`` over 50 calls of each native forward, its table of host ops
+and CUDA runtime calls by self CPU time: where a native call's host time goes (issue 31 item 3: the logits op's
+native forward took 121 us on an H200 against 37 for ``grpo_loss``'s, RESULTS.md).
+
 Usage::
 
     python benchmarks/bench_overhead.py                # B=8, T=16, V=64 on the default device
@@ -208,12 +212,33 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
         print(f"  {label:48s} {ratio:6.3f}")
 
 
+def host_profile(inputs: dict[str, Tensor], device: torch.device, calls: int = 50) -> None:
+    """Prints, for each native forward, torch.profiler's table of its host ops and CUDA runtime calls over ``calls``
+    calls, by self CPU time (after one unprofiled call)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for op, from_logits in (("grpo_loss", False), ("grpo_loss_from_logits", True)):
+        step = native_forward(inputs, from_logits)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        step()
+        sync()
+        with torch.profiler.profile(activities=activities) as profiler:
+            for _ in range(calls):
+                step()
+            sync()
+        print(f"\nhost profile: {op} native forward, {calls} calls (self CPU time; per call: divide by {calls})")
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
 def main() -> None:
     """Checks and times every case, prints the table and the target ratios, writes the JSON record."""
     parser = cli.make_parser(__doc__)
     parser.add_argument("--sizes", default="8x16x64", help="BxTxV, e.g. 8x16x64 (one size)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of torch (default 1)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 7, quick 2)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="then torch.profiler's table of each native forward's host ops and CUDA runtime calls")
     args = parser.parse_args()
     args.no_compile = True  # no torch.compile peer: host overhead is what is measured
     device, env, copy, _ = environment.start(args)
@@ -238,6 +263,8 @@ def main() -> None:
                              "dtype": "float32", "impl": name, "bytes": 0, **times[name]})  # fmt: skip
     reporting.report(__file__, "per-call overhead", rows, env, copy, args, device, None)
     print_summary(rows)
+    if args.host_profile:
+        host_profile(inputs, device)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,8 @@ if has all || has bench; then
   timeout 60 python3 benchmarks/bench_group_advantages.py --no-compile --out "$OUT/bench_group_advantages.json" \
     2>&1 | tee "$OUT/bench_group_advantages.txt"
   stage "bench_overhead"
-  timeout 45 python3 benchmarks/bench_overhead.py --device cuda --sizes 64x1024x64 --out "$OUT/bench_overhead.json" \
+  timeout 60 python3 benchmarks/bench_overhead.py --device cuda --sizes 64x1024x64 --host-profile \
+    --out "$OUT/bench_overhead.json" \
     2>&1 | tee "$OUT/bench_overhead.txt"
   stage "bench_trainer (Qwen2.5-0.5B's shape, random weights, as TRL ships the step: bf16, checkpointing)"
   # issue 39's first row, with where the time goes (--profile: the head + loss against its 3 GEMMs): TRL and TRL +

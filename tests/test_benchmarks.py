@@ -90,6 +90,18 @@ def test_trainer_benchmark_profile_with_a_reference_model(tmp_path):
         assert row["gemm_floor_ms"] > 0 and row["head_vs_floor"] == pytest.approx(row["head_ms"] / row["gemm_floor_ms"])
 
 
+def test_overhead_host_profile(tmp_path):
+    """bench_overhead.py --host-profile: after the timing, a profiler table of each native forward's host ops, which
+    names the op the native call dispatches to."""
+    cmd = [sys.executable, str(BENCHMARKS / "bench_overhead.py"), "--quick", "--device", "cpu", "--host-profile",
+           "--out", str(tmp_path / "rows.json")]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for op in ("grpo_loss", "grpo_loss_from_logits"):
+        assert f"host profile: {op} native forward, 50 calls" in result.stdout
+    assert "grpo_ext::grpo_loss_from_logits" in result.stdout and "Self CPU" in result.stdout
+
+
 def test_memory_sites_finds_the_blocks_alive_at_the_peak(monkeypatch):
     """memory_sites.peak_sites on an allocator trace: the peak is the most bytes allocated since recording began
     (a block from before it freed changes nothing), the blocks alive then are summed by the innermost frame outside
