@@ -40,7 +40,7 @@ __device__ __forceinline__ T softmax_exp(T d) {
 }
 template <>
 __device__ __forceinline__ float softmax_exp<float>(float d) {
-#if defined(__CUDA_ARCH__) && defined(__CUDACC__)  // nvcc's device pass (the emulator defines __CUDA_ARCH__ only)
+#if GRPO_NVCC_DEVICE_PASS
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(d * 1.44269504088896341f));
   return e;

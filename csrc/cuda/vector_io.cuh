@@ -15,6 +15,13 @@
 
 #include "cluster.cuh"  // async_copy_16
 
+// nvcc's device pass, where inline PTX may be used: tests/cuda_emu defines __CUDA_ARCH__ for its CPU build too.
+#if defined(__CUDA_ARCH__) && defined(__CUDACC__)
+#define GRPO_NVCC_DEVICE_PASS 1
+#else
+#define GRPO_NVCC_DEVICE_PASS 0
+#endif
+
 namespace grpo_ext {
 
 template <typename T, typename In>
@@ -139,7 +146,7 @@ struct RowIndex {
 // element in the gradient loop). In the CPU emulation, a plain conditional.
 template <typename T>
 __device__ __forceinline__ T select_computed(bool c, T a, T b) {
-#if defined(__CUDA_ARCH__) && defined(__CUDACC__)  // nvcc's device pass (the emulator defines __CUDA_ARCH__ only)
+#if GRPO_NVCC_DEVICE_PASS
   if constexpr (std::is_same_v<T, float>) {
     float r;
     asm("{\n .reg .pred p;\n setp.ne.u32 p, %3, 0;\n selp.f32 %0, %1, %2, p;\n}"
@@ -152,12 +159,9 @@ __device__ __forceinline__ T select_computed(bool c, T a, T b) {
         : "=d"(r)
         : "d"(a), "d"(b), "r"(static_cast<unsigned>(c)));
     return r;
-  } else {
-    return c ? a : b;
   }
-#else
-  return c ? a : b;
 #endif
+  return c ? a : b;
 }
 
 // out[v] = f(v, x[v] as T) for every element of [0, n): vector loads as for_each_in_row, and vector stores where
