@@ -7,12 +7,11 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
   random length (about half of the tokens kept), ``dapo``, beta 0.04, temperature 0.9, old and ref log-probs):
   ``copy`` (a device-to-device copy of the logits: the yardstick, one read and one write), ``grpo_ext`` (the
   default path: on CUDA the two-read pass, blocks of 256 threads for bf16 and 512 for float32), the other layouts of
-  the pass on CUDA (``LAYOUTS``: the single-read pass, ``GRPO_EXT_LOGITS_SINGLE_READ=1``; the two-read pass with
-  blocks of 1024 (the default before 2026-11-27) and of 512 threads (GRPO_EXT_LOGITS_THREADS caps either dtype);
-  the single-read pass with
-  two blocks per SM; the small-block layout, ``GRPO_EXT_LOGITS_SINGLE_READ=small-blocks``: clusters of up to 16
-  blocks of 256 threads staging their parts with cp.async, with and without the entropy bonus, with blocks of 128
-  threads, and with persistent clusters, ``GRPO_EXT_LOGITS_PERSISTENT=1``), ``grpo_ext+entropy``
+  the pass on CUDA (``LAYOUTS``: the two-read pass with blocks of 1024 (the default before 2026-11-27) and of 512
+  threads (GRPO_EXT_LOGITS_THREADS caps either dtype); the single-read pass in its small-block layout,
+  ``GRPO_EXT_LOGITS_SINGLE_READ=1``: clusters of up to 16 blocks of 256 threads staging their parts with cp.async,
+  with and without the entropy bonus, with blocks of 128 threads, and with persistent clusters,
+  ``GRPO_EXT_LOGITS_PERSISTENT=1``), ``grpo_ext+entropy``
   (``entropy_coef=0.01``), ``liger`` (``triton_grpo_loss``, CUDA only), ``compile`` (``torch.compile`` of the float
   reference, with ``--compile``).
 * ``selective N=.. V=.. dtype`` (the logits case's inputs): the ``fwd`` rows (no autograd) against ``read`` (half a
@@ -122,23 +121,15 @@ def draw_inputs(rows: int, vocab: int, size: int | None, dtype: torch.dtype, dev
 
 # The fused pass's layout candidates (csrc/cuda/grpo_loss_from_logits.cuh, with_layout_from_env), timed side by side.
 LAYOUTS = {
-    "grpo_ext/single-read": {"GRPO_EXT_LOGITS_SINGLE_READ": "1"},
     "grpo_ext/two-read 1024": {"GRPO_EXT_LOGITS_THREADS": "1024"},
     "grpo_ext/two-read 512": {"GRPO_EXT_LOGITS_THREADS": "512"},
-    "grpo_ext/single-read 2 per SM": {
-        "GRPO_EXT_LOGITS_SINGLE_READ": "1",
-        "GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM": "2",
-    },
-    # issue 38: clusters of up to 16 blocks of 256 threads, four blocks (of four rows) per SM
-    "grpo_ext/small-blocks": {"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks"},
+    # issue 38: the single-read pass, clusters of up to 16 blocks of 256 threads, four blocks (of four rows) per SM
+    "grpo_ext/small-blocks": {"GRPO_EXT_LOGITS_SINGLE_READ": "1"},
     # blocks of 128 threads: twice the elements a thread, so half the per-row work per element (NOTES.md, "The logits
     # loops on the ncu counters")
-    "grpo_ext/small-blocks 128": {"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks", "GRPO_EXT_LOGITS_THREADS": "128"},
+    "grpo_ext/small-blocks 128": {"GRPO_EXT_LOGITS_SINGLE_READ": "1", "GRPO_EXT_LOGITS_THREADS": "128"},
     # the same with no more clusters than run at once, each over several rows (GRPO_EXT_LOGITS_PERSISTENT)
-    "grpo_ext/small-blocks persistent": {
-        "GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks",
-        "GRPO_EXT_LOGITS_PERSISTENT": "1",
-    },
+    "grpo_ext/small-blocks persistent": {"GRPO_EXT_LOGITS_SINGLE_READ": "1", "GRPO_EXT_LOGITS_PERSISTENT": "1"},
 }
 
 

@@ -13,8 +13,8 @@ Peers, side by side on the same inputs:
 * ``grpo_ext+inplace``: ``inplace_grad=True``; each call first clones the logits (the in-place call consumes them),
   and that clone is part of the time: the row is about memory.
 * ``grpo_ext/single-read`` (CUDA): ``grpo_ext`` with ``GRPO_EXT_LOGITS_SINGLE_READ=1``: rows that fit on chip staged
-  there and read once, where the default (the two-read pass, faster on an H100) reads each row a second time to
-  write its gradient (benchmarks/NOTES.md: the single-read pass).
+  there (over a cluster of up to 16 blocks of 256 threads) and read once, where the default (the two-read pass,
+  faster on an H100 and an H200) reads each row a second time to write its gradient (benchmarks/NOTES.md).
 
 Each call computes the loss and its gradient w.r.t. the logits. Before timing, every peer but compile is checked
 against ``grpo_ext.reference.grpo_loss_from_logits`` in float64 on the first rows of the same inputs

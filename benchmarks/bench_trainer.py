@@ -65,9 +65,9 @@ Figures per contender, case by case:
   tokens, H, V and compute dtype (bfloat16 under ``bf16``), timed in the same process after the steps; ``head / GEMMs``
   is the LM head + loss part (forward + backward) over it. (TRL's chunked head scores only the completion tokens on
   Triton devices; elsewhere, the CPU included, every position of every row: B x (P + T - 1).)
-* ``--memory-sites`` (CUDA): one more step with the allocator's history recorded; what is alive at its peak, summed
-  by the innermost Python frame outside torch that allocated it (``memory_sites.py``): where a contender's peak above
-  another's comes from (n/a on the CPU).
+* ``--memory-sites``: one more step with its allocations recorded (CUDA: the allocator's history; the CPU:
+  ``torch.profiler``'s memory events); what is alive at its peak, summed by the innermost Python frame outside torch
+  that allocated it (``memory_sites.py``): where a contender's peak above another's comes from.
 
 ``--max-logits-gib`` skips a contender (n/a) whose step would hold the ``[B, P + T, V]`` float32 logits above that
 size (the plain path on a small machine).
@@ -427,6 +427,12 @@ def run_child(case: dict[str, Any]) -> dict[str, Any]:
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
             result["memory_sites"] = memory_sites.peak_sites(snapshot, device.index or 0)
+        elif case.get("memory_sites"):  # the CPU: the profiler's allocation events, under the calls that made them
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                        with_stack=True) as memory_profile:  # fmt: skip
+                step()
+            trace = memory_sites.profiler_trace(memory_profile, device.type)
+            result["memory_sites"] = memory_sites.peak_sites({"device_traces": [trace]})
         if case["generation"]:
             timer = GenerateTimer(trained, device)
             start = time.perf_counter()
@@ -713,8 +719,7 @@ def main() -> None:
                   f"profiled step ({profile['wall_ms']:.0f} ms profiled, {row['step_ms']:.0f} ms timed)")  # fmt: skip
     if args.memory_sites:
         print("\nwhat is alive at each contender's step peak (allocated during the step; weights, optimizer state "
-              "and earlier steps' buffers excluded), by the code that allocated it" if device.type == "cuda" else
-              "\n--memory-sites: n/a on the CPU (the CUDA allocator's history)")  # fmt: skip
+              "and earlier steps' buffers excluded), by the code that allocated it")  # fmt: skip
         for row in rows:
             if row.get("memory_sites"):
                 print(f"{row['case']} {row['impl']}:\n{memory_sites.format_sites(row['memory_sites'])}")

@@ -123,7 +123,7 @@ if has profile; then
   # (NOTES.md, "The small-block layout on an H200"); works on the Firecracker machines (KINDS.md), not on gVisor
   stage "ncu over the logits layouts"
   (cd benchmarks && timeout 240 ncu --clock-control none --profile-from-start off \
-    --kernel-name 'regex:^grpo_loss_from_logits_(small_block_|resident_)?kernel$' \
+    --kernel-name 'regex:^grpo_loss_from_logits_(small_block_)?kernel$' \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     python3 ncu_logits_layouts.py) > "$OUT/ncu_logits_layouts.txt" 2>&1
   echo "ncu exit: $?" | tee -a "$OUT/ncu_logits_layouts.txt"

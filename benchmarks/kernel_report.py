@@ -48,14 +48,11 @@ DETAIL_ARCH = "sm_90"
 TOOLS = ("cuobjdump", "ptxas", "cu++filt")
 
 # Kernels whose loops stream a [rows, V] logits tensor (or a [B, T] one): their loads are the bandwidth.
-BANDWIDTH_BOUND = ("selective_log_softmax", "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_resident_kernel",
-                   "grpo_loss_from_logits_small_block_kernel", "scale_rows", "grpo_loss_rows",
-                   "grpo_loss_backward")  # fmt: skip
+BANDWIDTH_BOUND = ("selective_log_softmax", "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_small_block_kernel",
+                   "scale_rows", "grpo_loss_rows", "grpo_loss_backward")  # fmt: skip
 
 # Kernels whose occupancy the launcher's dynamic shared memory sets, not the static figures of the table.
 DYNAMIC_SHARED = {
-    "grpo_loss_from_logits_resident_kernel": "plus dynamic shared memory: its part of a row (up to 227 KiB; "
-    "148 KiB at V=151936 bf16, one block per SM)",
     "grpo_loss_from_logits_small_block_kernel": "plus dynamic shared memory: its part of a row, 1/16 to 1/2 of the "
     "row (the small-block layout section below gives the blocks per SM at each shape)",
 }
@@ -266,8 +263,7 @@ def widths(table: dict[str, int]) -> str:
 
 # The row kernels of the logits ops (their loops stream [rows, V]), and what an H100 gives them.
 ROW_LOOP_KERNELS = ("selective_log_softmax_forward_kernel", "selective_log_softmax_backward_kernel",
-                    "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_resident_kernel",
-                    "grpo_loss_from_logits_small_block_kernel")  # fmt: skip
+                    "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_small_block_kernel")  # fmt: skip
 H100_ISSUE_RATE = 132 * 4 * 32 * 1.98e9  # lane-instructions per second: 132 SMs x 4 schedulers x 32 lanes x 1.98 GHz
 H100_IN_FLIGHT_NEEDED = 3.0e12 * 1e-6 / 132  # bytes each SM keeps in flight for 3 TB/s at about 1 us of latency
 VECTORS_IN_FLIGHT = 2  # vector_io.cuh kRowUnroll: 16-byte loads each thread issues before using the first
@@ -309,8 +305,6 @@ def row_loop_section(kernels: list[Kernel]) -> str:
         width = element_width(k.name)
         most = max((loop.wide_loads for loop in k.row_loops), default=0)
         threads_per_sm = k.occupancy * ARCHS[k.arch]["threads"]
-        if "resident" in k.name:
-            threads_per_sm = min(threads_per_sm, k.max_threads)  # its dynamic shared memory: one block per SM
         in_flight = threads_per_sm * VECTORS_IN_FLIGHT * 16
         for loop in (loop for loop in k.row_loops if loop.wide_loads == most):
             elements = loop.wide_loads * width

@@ -1,7 +1,11 @@
-"""What is alive at a CUDA step's allocator peak, by the code that allocated it (``bench_trainer.py --memory-sites``).
+"""What is alive at a step's allocator peak, by the code that allocated it (``bench_trainer.py --memory-sites``).
 
-torch's allocator records every allocation and free with its Python stack while
-``torch.cuda.memory._record_memory_history(stacks="python")`` is on; :func:`peak_sites` replays one device's trace,
+On CUDA, torch's allocator records every allocation and free with its Python stack while
+``torch.cuda.memory._record_memory_history(stacks="python")`` is on. On the CPU, ``torch.profiler`` with
+``profile_memory=True, with_stack=True`` records the same events (the CPU allocator's, those of grpo_ext's native
+ops included) under the Python calls that made them; :func:`profiler_trace` turns them into the CUDA trace's form,
+each frame's name followed by the innermost torch op (``f [aten::mm]``: the profiler knows the function, not the
+line). :func:`peak_sites` replays one device's trace,
 finds the moment the bytes allocated since recording began were highest, and sums the blocks alive then by their
 *site*: the innermost frame outside torch itself (a transformers module, TRL's chunked head, a grpo_ext op). Blocks
 allocated before recording began (weights, optimizer state) are not in the trace and not counted: the figure is the
@@ -13,6 +17,8 @@ from __future__ import annotations
 
 from collections import Counter
 from typing import Any
+
+import torch
 
 #: Frames in these paths are torch's own (autograd, modules, the allocator's callers): a site is the first frame
 #: outside them, so that an activation is charged to the model's module and a GEMM's output to the op that asked.
@@ -27,7 +33,8 @@ def site_of(frames: list[dict[str, Any]]) -> str:
         return "?"
     for frame in frames:
         filename = str(frame.get("filename", ""))
-        if filename and not any(part in filename for part in TORCH_PATHS):
+        # "/" first: the profiler's paths are relative to sys.path ("torch/nn/modules/linear.py")
+        if filename and not any(part in "/" + filename for part in TORCH_PATHS):
             short = "/".join(filename.split("/")[-3:])
             return f"{short}:{frame.get('line', '?')} {frame.get('name', '?')}"
     return "torch"
@@ -82,3 +89,41 @@ def format_sites(result: dict[str, Any]) -> str:
     lines = [f"  traced peak {result['peak_bytes'] / 2**20:.1f} MiB ({result['events']} allocator events)"]
     lines += [f"  {size / 2**20:9.1f} MiB  {site}" for site, size in result["sites"]]
     return "\n".join(lines)
+
+
+def profiler_trace(profiler: torch.profiler.profile, device: str = "cpu") -> list[dict[str, Any]]:
+    """One device's allocations and frees from a finished ``torch.profiler.profile(profile_memory=True,
+    with_stack=True)``, in time order, as :func:`peak_sites` reads a CUDA trace: ``action`` (``alloc`` or
+    ``free_completed``), ``addr``, ``size`` and ``frames`` (innermost first; a frame's ``line`` is where it called
+    the next frame in, its definition's line for the innermost one).
+
+    Args:
+        profiler: the profile, after its context has exited.
+        device: ``"cpu"`` or ``"cuda"`` (the allocations of that device type only).
+    """
+    from torch._C._profiler import _EventType  # the profiler's event tree: where each allocation was made
+
+    events = []
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(reversed(node.children))  # pre-order, children in time order
+        if node.tag != _EventType.Allocation or node.extra_fields.device.type != device:
+            continue
+        op, calls, parent = None, [], node.parent
+        while parent is not None:
+            if parent.tag == _EventType.TorchOp and op is None:
+                op = parent.name
+            elif parent.tag == _EventType.PyCall:
+                calls.append(parent.extra_fields)
+            parent = parent.parent
+        suffix = f" [{op}]" if op else ""
+        frames = [{"filename": call.callsite.file_name,
+                   "line": calls[i - 1].caller.line_number if i else call.callsite.line_number,
+                   "name": call.callsite.function_name + suffix} for i, call in enumerate(calls)]  # fmt: skip
+        size = node.extra_fields.alloc_size
+        action = "alloc" if size > 0 else "free_completed"
+        event = {"action": action, "addr": node.extra_fields.ptr, "size": abs(size), "frames": frames}
+        events.append((node.start_time_ns, event))
+    events.sort(key=lambda pair: pair[0])
+    return [event for _, event in events]

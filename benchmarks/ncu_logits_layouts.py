@@ -6,7 +6,7 @@ Each layout (``bench_floor.LAYOUTS`` and the default) is run twice first, outsid
 it, in the order printed, so that ``ncu --profile-from-start off`` profiles one pass kernel per layout::
 
     ncu --clock-control none --profile-from-start off \\
-        --kernel-name 'regex:^grpo_loss_from_logits_(small_block_|resident_)?kernel$' \\
+        --kernel-name 'regex:^grpo_loss_from_logits_(small_block_)?kernel$' \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         python3 benchmarks/ncu_logits_layouts.py            # gpu_session.sh profile
 

@@ -79,11 +79,14 @@ def test_trainer_benchmark_profile_with_a_reference_model(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "(ok, " in result.stdout and "MISMATCH" not in result.stdout
-    assert "--memory-sites: n/a on the CPU" in result.stdout  # the allocator history is CUDA's
     rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"grpo_ext/fused", "trl", "trl+grpo_ext/fused"}
     for impl, row in rows.items():
         assert "note" not in row and " fp32 beta=0.04" in row["case"], row
+        # --memory-sites on the CPU (torch.profiler's allocations): the sites alive at the step's peak, at most it
+        sites = row["memory_sites"]
+        assert sites["peak_bytes"] > 0 and 0 < sum(size for _, size in sites["sites"]) <= sites["peak_bytes"], sites
+        assert f"{row['case']} {impl}:\n  traced peak" in result.stdout
         profile = row["profile"]
         assert 0.95 <= profile["check"] <= 1.05, (impl, profile)
         assert all(profile["cpu"][part] > 0 for part in ("layers_fwd", "layers_bwd", "head_fwd", "optimizer")), row
@@ -132,6 +135,44 @@ def test_memory_sites_finds_the_blocks_alive_at_the_peak(monkeypatch):
     assert capped["sites"] == [("torch", 320), ("x/m/q.py:11 f1", 100), ("other", 90)]
     assert memory_sites.format_sites(capped).splitlines()[-1].split() == ["0.0", "MiB", "other"]
     assert memory_sites.peak_sites({"device_traces": []})["peak_bytes"] == 0
+
+
+def test_memory_sites_on_the_cpu_from_the_profiler(monkeypatch):
+    """memory_sites.profiler_trace: a CPU profile's allocations and frees in order, each under the Python function
+    that made it, so that peak_sites finds the same peak and sites as counted here from the tensors' sizes."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import memory_sites
+
+    def make_a():
+        return torch.ones(1000)  # 4000 bytes
+
+    def make_b():
+        return torch.ones(3000, dtype=torch.float64)  # 24000 bytes
+
+    def make_c():
+        return torch.ones(2500)  # 10000 bytes
+
+    def step():
+        a = make_a()
+        b = make_b()
+        del a  # freed before the peak
+        c = make_c()
+        return b, c
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                with_stack=True) as profiler:  # fmt: skip
+        kept = step()
+    trace = memory_sites.profiler_trace(profiler)
+    sizes = [(event["action"], event["size"]) for event in trace if event["size"] >= 4000]
+    assert sizes[:4] == [("alloc", 4000), ("alloc", 24000), ("free_completed", 4000), ("alloc", 10000)]
+    result = memory_sites.peak_sites({"device_traces": [trace]})
+    assert result["peak_bytes"] == 24000 + 10000
+    # each site: this file (its path as the profiler shortens it), the function's first line, its innermost op
+    assert all(site.split(":")[0].endswith("test_benchmarks.py") for site, _ in result["sites"])
+    line = {name: func.__code__.co_firstlineno for name, func in (("make_b", make_b), ("make_c", make_c))}
+    assert [(site.split(":", 1)[1], size) for site, size in result["sites"]] == [
+        (f"{line['make_b']} make_b [aten::empty]", 24000), (f"{line['make_c']} make_c [aten::empty]", 10000)]
+    del kept
 
 
 def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):

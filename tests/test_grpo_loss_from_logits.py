@@ -81,9 +81,9 @@ def test_vocabulary_sizes_and_temperature(device, vocab):
 @pytest.mark.parametrize("single_read", ["1", "small-blocks", "0"])
 @pytest.mark.parametrize("vocab", [32000, 151936, 262144])
 def test_single_read_and_two_read_passes(monkeypatch, single_read, vocab):
-    """Rows staged in shared memory (GRPO_EXT_LOGITS_SINGLE_READ=1: one block at V=32000, a cluster of 3 to 5 blocks
-    beyond on sm_90; small-blocks: clusters of 3, 11 and 14 blocks of 256 threads on an H100, the last two over the
-    portable 8) and the two-read kernel (the default), each against the reference."""
+    """Rows staged in shared memory (GRPO_EXT_LOGITS_SINGLE_READ=1, or small-blocks, its earlier name: clusters of 3,
+    11 and 14 blocks of 256 threads on an H100, the last two over the portable 8) and the two-read kernel (the
+    default), each against the reference."""
     monkeypatch.setenv("GRPO_EXT_LOGITS_SINGLE_READ", single_read)
     logits, ids, adv, mask, old, ref = make_problem(2, 3, vocab, seed=vocab, per_token_adv=True)
     kwargs = dict(old_logps=old, ref_logps=ref, beta=0.1, temperature=0.7, loss_type="dapo")

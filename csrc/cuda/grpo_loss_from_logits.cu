@@ -9,9 +9,9 @@ namespace grpo_ext {
 namespace {
 
 // What the current device offers the single-read pass (attribute queries: no sync), and the layout the environment
-// asks for (with_layout_from_env: the two-read pass unless GRPO_EXT_LOGITS_SINGLE_READ=1 or small-blocks, ...).
-// The small-block layout's clusters of up to 16 blocks (the non-portable size) only on a device that launches
-// clusters (sm_90 and newer); whether one such cluster fits a GPC is asked at launch (launch_small_blocks).
+// asks for (with_layout_from_env: the two-read pass unless GRPO_EXT_LOGITS_SINGLE_READ=1, ...). The small-block
+// layout's clusters of up to 16 blocks (the non-portable size) only on a device that launches clusters (sm_90 and
+// newer); whether one such cluster fits a GPC is asked at launch (launch_small_blocks).
 RowResidency row_residency(const CudaCall& call) {
   const int shared = call.attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int shared_per_sm = call.attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
@@ -19,9 +19,8 @@ RowResidency row_residency(const CudaCall& call) {
   const bool clusters = major >= 9 && call.attribute(cudaDevAttrClusterLaunch) != 0;
   RowResidency device;
   device.shared_per_block = static_cast<size_t>(shared);
-  device.max_cluster_blocks = clusters ? 8u : 1u;  // clusters of up to 8 blocks are portable on sm_90
   device.shared_per_sm = static_cast<size_t>(shared_per_sm);
-  device.max_small_cluster_blocks = clusters ? 16u : 1u;
+  device.max_cluster_blocks = clusters ? 16u : 1u;
   return with_layout_from_env(device);
 }
 

@@ -82,11 +82,11 @@ struct LogitsPassArgs {
   StridedMatrix entropy_weights;  // [B, T] weights of the tokens in the bonus' mean, or absent (every kept token)
 };
 
-// The shared memory of both pass kernels (one declaration, so that the host knows its size: resident_split).
+// The shared memory of both pass kernels (one declaration, so that the host knows its size: split_row).
 template <typename T>
 struct PassShared {
   SoftmaxState<T> warp_states[32];
-  SoftmaxState<T> block_state[2];  // the resident kernel: this block's part of the row, by row parity
+  SoftmaxState<T> block_state[2];  // the single-read kernel: this block's part of the row, by row parity
   T row_max, row_log_sum, row_logp, row_g;
   T row_entropy_weight, row_mean_shift;  // the entropy bonus' e * m and E_p[z] - max
   int64_t row_id;
@@ -249,9 +249,8 @@ __global__ void __launch_bounds__(1024)
 // Each block copies its part into dynamic shared memory (cp.async: the whole part in flight at once) and accumulates
 // the part's softmax state from there, the blocks exchange their states through distributed shared memory (every
 // block merges them in the same fixed order: the same bits everywhere), and each block writes its part's gradient
-// from shared memory. HBM sees each row once. Two
-// kernels run this body: the resident one (blocks of up to 1024 threads, clusters of up to 8) and the small-block
-// one (256 threads, clusters of up to 16, several blocks per SM: small_block_layout).
+// from shared memory. HBM sees each row once. The small-block kernel runs it (256 threads, clusters of up to 16,
+// several blocks per SM: small_block_layout).
 template <typename T, typename In>
 __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const LogitTransform<T>& f,
                                                  const T* __restrict__ row_weight, In* grad, T* __restrict__ logps,
@@ -305,18 +304,10 @@ __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const 
   cluster_sync();  // no block exits (its shared memory gone) while a peer may still read its block_state
 }
 
-template <typename T, typename In>
-__global__ void __launch_bounds__(1024)
-    grpo_loss_from_logits_resident_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight,
-                                          In* grad, T* __restrict__ logps, T* __restrict__ entropy, int64_t slice) {
-  __shared__ PassShared<T> sh;
-  single_read_pass(a, f, row_weight, grad, logps, entropy, slice, sh);
-}
-
-// The small-block layout (GRPO_EXT_LOGITS_SINGLE_READ=small-blocks): blocks of at most kSmallBlockThreads threads,
-// kSmallBlocksPerSm of them per SM. The bound caps the registers at 65536 / (256 * 4) = 64 a thread, which the pass
-// needs no more than (58-64 at 1024 threads, 0 spills: benchmarks/KERNELS.md), so that four blocks, of four different
-// rows, share an SM and one's loads run while another merges, finishes or writes.
+// The single-read pass's kernel (GRPO_EXT_LOGITS_SINGLE_READ=1): blocks of at most kSmallBlockThreads threads,
+// kSmallBlocksPerSm of them per SM. The bound caps the registers at 65536 / (256 * 4) = 64 a thread, within which the
+// pass fits (0 spills for float32, bf16 and fp16 logits on sm_90: benchmarks/KERNELS.md), so that four blocks, of four
+// different rows, share an SM and one's loads run while another merges, finishes or writes.
 constexpr int kSmallBlockThreads = 256;
 constexpr unsigned kSmallBlocksPerSm = 4;
 
@@ -328,37 +319,32 @@ __global__ void __launch_bounds__(256, 4)  // kSmallBlockThreads, kSmallBlocksPe
   single_read_pass(a, f, row_weight, grad, logps, entropy, slice, sh);
 }
 
-// What the device offers the single-read pass: dynamic shared memory per block (static included: the device's
-// opt-in maximum) and the largest cluster (8 on sm_90, 1 before). {0, 0}: the two-read pass only. And the pass's
-// layout on the SM: threads per block at most max_threads (both kernels), and the single-read kernel's blocks sized
-// so that blocks_per_sm of them fit an SM's shared memory (1: the largest parts, the fewest blocks per row). The
-// small-block layout (small_blocks) budgets the SM's shared memory (shared_per_sm) over its blocks and takes clusters
-// of up to max_small_cluster_blocks (16 on sm_90 and newer: the non-portable size; 0: not chosen).
+// What the device offers the single-read pass: dynamic shared memory per block (the device's opt-in maximum) and per
+// SM, and the largest cluster (16 on sm_90 and newer: the non-portable size; 1 before; 0: the two-read pass only).
+// And the layout on the SM: threads per block of the two-read kernel at most max_threads (0: two_read_threads), and
+// whether the single-read kernel's clusters are persistent.
 struct RowResidency {
   size_t shared_per_block = 0;
-  unsigned max_cluster_blocks = 0;
-  int max_threads = 1024;  // 0: two_read_threads of the logits' element size
-  unsigned blocks_per_sm = 1;
-  bool small_blocks = false;
   size_t shared_per_sm = 0;
-  unsigned max_small_cluster_blocks = 0;
-  bool persistent_clusters = false;  // small_blocks: as many clusters as run at once, each over several rows
+  unsigned max_cluster_blocks = 0;
+  int max_threads = 0;
+  bool persistent_clusters = false;  // as many clusters as run at once, each over several rows
 };
 
 // The layout candidates of issues 32 and 38, chosen at run time so that one GPU session compares them all (read at
-// each call; anything else keeps the default). The default is the two-read kernel for every row: on an H100 it was
-// faster than the single-read one on every shape measured (2026-11-26, benchmarks/RESULTS.md), so that path waits
-// behind GRPO_EXT_LOGITS_SINGLE_READ=1 until a layout makes it win. GRPO_EXT_LOGITS_SINGLE_READ=small-blocks takes
-// the small-block layout (small_block_layout: clusters of up to 16 blocks of 256 threads, four blocks of four rows
-// per SM) where a row fits, else the two-read kernel. The two-read kernel takes blocks of at most 256 threads for
-// bf16/fp16 logits and 512 for float32 (two_read_threads; its 55-64 registers a thread allow 1024 threads an SM): on
-// an H200, 512 was 3.5-25% faster than one block of 1024 per SM on four of bench_floor's five shapes and level on the
-// fifth, since one block of 1024 leaves the SM idle while it finishes a row; 256 was 2-5% faster than 512 on three
-// bf16 shapes, level on the fourth, 2.5% slower on float32 (2026-11-27, RESULTS.md, both H200 sections).
-// GRPO_EXT_LOGITS_THREADS=128|256|512|1024 caps the threads per block of
-// either kernel (the single-read one's default: 1024, one block holding its part of a row);
-// GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2 halves the single-read kernel's part of a row (more blocks per cluster), so
-// that two blocks, of at most 512 threads, share an SM and one's load overlaps the other's gradient.
+// each call; anything else keeps the default). The default is the two-read kernel for every row: on an H100 and an
+// H200 it was faster than every single-read layout measured (2026-11-26/27, benchmarks/RESULTS.md), so the
+// single-read pass waits behind GRPO_EXT_LOGITS_SINGLE_READ=1 (or small-blocks, its earlier name) until it wins: the
+// small-block layout (small_block_layout: clusters of up to 16 blocks of 256 threads, four blocks of four rows per
+// SM) where a row fits, else the two-read kernel. The resident layout (one block of up to 1024 threads an SM, its
+// part of the row up to 227 KiB, clusters of up to 8) is gone: it lost to the two-read pass on all five shapes of
+// both H100 calls and to the small blocks on every shape of both H200 calls (benchmarks/NOTES.md, "The resident
+// single-read kernel removed"). The two-read kernel takes blocks of at most 256 threads for bf16/fp16 logits and 512
+// for float32 (two_read_threads; its 55-64 registers a thread allow 1024 threads an SM): on an H200, 512 was 3.5-25%
+// faster than one block of 1024 per SM on four of bench_floor's five shapes and level on the fifth, since one block
+// of 1024 leaves the SM idle while it finishes a row; 256 was 2-5% faster than 512 on three bf16 shapes, level on
+// the fourth, 2.5% slower on float32 (2026-11-27, RESULTS.md, both H200 sections).
+// GRPO_EXT_LOGITS_THREADS=128|256|512|1024 sets the two-read kernel's block size, and 128 the small blocks' too.
 // GRPO_EXT_LOGITS_PERSISTENT=1 launches the small-block layout with no more clusters than the device runs at once
 // (cudaOccupancyMaxActiveClusters), each over several rows: one cluster placed per row was one candidate cause of that
 // layout's time on an H200 (benchmarks/NOTES.md, "The small-block layout on an H200").
@@ -370,27 +356,24 @@ constexpr int two_read_threads(int element_bytes) {
 
 inline RowResidency with_layout_from_env(RowResidency device) {
   const char* single_read = std::getenv("GRPO_EXT_LOGITS_SINGLE_READ");
-  device.small_blocks = single_read != nullptr && std::strcmp(single_read, "small-blocks") == 0;
-  if (!device.small_blocks) device.max_small_cluster_blocks = 0;
-  if (!device.small_blocks && (single_read == nullptr || std::strcmp(single_read, "1") != 0))
-    device.shared_per_block = 0, device.max_cluster_blocks = 0, device.max_threads = 0;
+  const bool wanted =
+      single_read != nullptr && (std::strcmp(single_read, "1") == 0 || std::strcmp(single_read, "small-blocks") == 0);
+  if (!wanted) device.max_cluster_blocks = 0;
+  device.max_threads = 0;
   if (const char* threads = std::getenv("GRPO_EXT_LOGITS_THREADS")) {
     if (std::strcmp(threads, "128") == 0) device.max_threads = 128;
     if (std::strcmp(threads, "256") == 0) device.max_threads = 256;
     if (std::strcmp(threads, "512") == 0) device.max_threads = 512;
     if (std::strcmp(threads, "1024") == 0) device.max_threads = 1024;
   }
-  if (const char* blocks = std::getenv("GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM")) {
-    if (std::strcmp(blocks, "2") == 0) device.blocks_per_sm = 2;
-  }
   const char* persistent = std::getenv("GRPO_EXT_LOGITS_PERSISTENT");
   device.persistent_clusters = persistent != nullptr && std::strcmp(persistent, "1") == 0;
   return device;
 }
 
-// How the resident kernel splits a row of `vocab` elements: `cluster_blocks` blocks of `slice` elements each, with
+// How the single-read kernel splits a row of `vocab` elements: `cluster_blocks` blocks of `slice` elements each, with
 // `shared_bytes` of dynamic shared memory per block; cluster_blocks == 0 when the row does not fit.
-struct ResidentSplit {
+struct RowSplit {
   unsigned cluster_blocks = 0;
   int64_t slice = 0;
   size_t shared_bytes = 0;
@@ -399,7 +382,7 @@ struct ResidentSplit {
 // A row of `vocab` elements in the fewest parts of at most `share` bytes of shared memory each (the kernel's static
 // PassShared included), at most max_blocks of them; cluster_blocks == 0 when it does not fit.
 template <typename T, typename In>
-inline ResidentSplit split_row(int64_t vocab, int64_t share, unsigned max_blocks) {
+inline RowSplit split_row(int64_t vocab, int64_t share, unsigned max_blocks) {
   constexpr int64_t width = Vector<In>::kWidth, element = sizeof(In);
   const int64_t free_bytes = share - int64_t(sizeof(PassShared<T>));
   // Elements a block can stage, a multiple of the vector width, leaving room for the alignment pad (one vector).
@@ -410,14 +393,6 @@ inline ResidentSplit split_row(int64_t vocab, int64_t share, unsigned max_blocks
   // At most per_block (a multiple of width at least vocab / blocks), so every block's part starts inside the row.
   const int64_t slice = ((vocab + blocks - 1) / blocks + width - 1) / width * width;
   return {static_cast<unsigned>(blocks), slice, size_t((slice + width) * element)};
-}
-
-template <typename T, typename In>
-inline ResidentSplit resident_split(int64_t vocab, const RowResidency& device) {
-  // blocks_per_sm blocks, each with its 1 KiB the SM reserves, within what one block may have.
-  const int64_t share =
-      int64_t(device.shared_per_block / device.blocks_per_sm) - 1024 * int64_t(device.blocks_per_sm - 1);
-  return split_row<T, In>(vocab, share, device.max_cluster_blocks);
 }
 
 // The small-block layout of a row: `cluster_blocks` blocks (1 to 16) of `threads` threads, `blocks_per_sm` of them
@@ -445,11 +420,11 @@ struct SmallBlockLayout {
 template <typename T, typename In>
 inline SmallBlockLayout small_block_layout(int64_t vocab, const RowResidency& device) {
   constexpr int64_t reserved = 1024;
-  if (vocab <= 0 || device.max_small_cluster_blocks == 0) return {};
+  if (vocab <= 0 || device.max_cluster_blocks == 0) return {};
   for (unsigned per_sm = kSmallBlocksPerSm; per_sm >= 2; --per_sm) {
     int64_t share = int64_t(device.shared_per_sm / per_sm) - reserved;
     if (share > int64_t(device.shared_per_block)) share = int64_t(device.shared_per_block);
-    const ResidentSplit split = split_row<T, In>(vocab, share, device.max_small_cluster_blocks);
+    const RowSplit split = split_row<T, In>(vocab, share, device.max_cluster_blocks);
     if (split.cluster_blocks == 0) continue;
     // kSmallBlockThreads at most, or GRPO_EXT_LOGITS_THREADS=128 (max_threads): twice the elements a thread, half
     // the per-row work a thread repeats (merges, barriers, setup) per element, and half the warps.
@@ -485,12 +460,10 @@ void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInp
       entropy_weights, row_weight);
 }
 
-// Threads per block of the pass kernels: row_threads, at most device.max_threads, and with blocks_per_sm blocks
-// of the single-read kernel sharing an SM, at most 1024 / blocks_per_sm (their registers: about 60 a thread).
+// Threads per block of the two-read kernel: row_threads, at most device.max_threads (two_read_threads when 0).
 inline int pass_threads(int64_t vocab, int element_bytes, const RowResidency& device) {
-  const int threads = row_threads(vocab, element_bytes), per_sm = 1024 / int(device.blocks_per_sm);
-  const int max_threads = device.max_threads > 0 ? device.max_threads : two_read_threads(element_bytes);
-  const int cap = max_threads < per_sm ? max_threads : per_sm;
+  const int threads = row_threads(vocab, element_bytes);
+  const int cap = device.max_threads > 0 ? device.max_threads : two_read_threads(element_bytes);
   return threads < cap ? threads : cap;
 }
 
@@ -528,34 +501,18 @@ bool launch_small_blocks(const LogitsPassArgs& a, const LogitTransform<T>& f, co
   return status == cudaSuccess;
 }
 
-// The pass over every row: the single-read kernel where a row fits `device` (one block or a cluster; the small-block
-// kernel where device.small_blocks), else (or if the device refuses that launch) the two-read kernel.
+// The pass over every row: the single-read (small-block) kernel where device.max_cluster_blocks > 0, a row fits 16
+// blocks and the device runs such a cluster, else (or if the device refuses that launch) the two-read kernel.
 template <typename T, typename In>
 void launch_grpo_loss_from_logits(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight, In* grad,
                                   T* logps, T* entropy, const RowResidency& device, cudaStream_t stream) {
   if (a.logits.rows == 0) return;
-  const int64_t max_rows = int64_t(1) << 27;  // grid-stride beyond that: any number of rows
-  const int64_t rows = a.logits.rows < max_rows ? a.logits.rows : max_rows;
-  if (device.small_blocks) {
+  if (device.max_cluster_blocks > 0) {
     if (launch_small_blocks<T, In>(a, f, row_weight, grad, logps, entropy, device, stream)) return;
     (void)cudaGetLastError();  // too long a row, or refused: clear any error and take the two-read pass
   }
-  const ResidentSplit split = device.small_blocks ? ResidentSplit{} : resident_split<T, In>(a.logits.vocab, device);
-  if (split.cluster_blocks > 0) {
-    constexpr size_t kDefaultShared = 48 * 1024;
-    cudaError_t status = cudaSuccess;
-    if (split.shared_bytes + sizeof(PassShared<T>) > kDefaultShared) {
-      status = GRPO_ALLOW_DYNAMIC_SHARED(split.shared_bytes, grpo_loss_from_logits_resident_kernel<T, In>);
-    }
-    if (status == cudaSuccess) {
-      status = GRPO_LAUNCH_CLUSTER(unsigned(rows * split.cluster_blocks), pass_threads(split.slice, sizeof(In), device),
-                                   split.cluster_blocks, split.shared_bytes, stream,
-                                   grpo_loss_from_logits_resident_kernel<T, In>)(a, f, row_weight, grad, logps, entropy,
-                                                                                 split.slice);
-    }
-    if (status == cudaSuccess) return;
-    (void)cudaGetLastError();  // refused (no GPC takes the cluster, say): clear it and take the two-read pass
-  }
+  const int64_t max_rows = int64_t(1) << 27;  // grid-stride beyond that: any number of rows
+  const int64_t rows = a.logits.rows < max_rows ? a.logits.rows : max_rows;
   GRPO_LAUNCH(unsigned(rows), pass_threads(a.logits.vocab, sizeof(In), device), 0, stream,
               grpo_loss_from_logits_kernel<T, In>)(a, f, row_weight, grad, logps, entropy);
 }

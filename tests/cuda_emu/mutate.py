@@ -80,13 +80,13 @@ MUTATIONS = [
     Mutation("wrong grid stride", "scale_rows: the row loop strides by 1 instead of gridDim.x (rows scaled twice)",
              "cuda/grpo_loss_from_logits.cuh", "r < rows.rows; r += gridDim.x) {\n    Out* row",
              "r < rows.rows; r += 1) {\n    Out* row"),
-    Mutation("missing cluster barrier", "resident pass: no cluster_sync before exit (a block's shared memory may be "
+    Mutation("missing cluster barrier", "single-read pass: no cluster_sync before exit (a block's shared memory may be "
              "gone while a peer reads it)", "cuda/grpo_loss_from_logits.cuh",
              "  cluster_sync();  // no block exits", "  // no block exits"),
-    Mutation("shared state reused too early", "resident pass: one block_state for every row (a block may overwrite "
+    Mutation("shared state reused too early", "single-read pass: one block_state for every row (a block may overwrite "
              "it while a peer still reads the previous row's)", "cuda/grpo_loss_from_logits.cuh",
              "    parity ^= 1;\n", ""),
-    Mutation("missing cluster barrier", "resident pass: peers' states read before every block has written its own",
+    Mutation("missing cluster barrier", "single-read pass: peers' states read before every block has written its own",
              "cuda/grpo_loss_from_logits.cuh", "    cluster_sync();  // every block's state",
              "    // every block's state"),
     Mutation("redundant barrier removed", "logits pass: no barrier at the end of the row loop (the next row's "
@@ -129,7 +129,7 @@ MUTATIONS = [
              "a.logits.offset(r) : grad + r * vocab)",
              "the thread that writes it).\n    In* grad_row = a.compute_grad ? (a.grad_in_logits ? grad + "
              "a.logits.offset(r) : grad + a.logits.offset(r))"),
-    Mutation("wrong row stride", "resident pass: a new gradient's row written at the logits' row offset",
+    Mutation("wrong row stride", "single-read pass: a new gradient's row written at the logits' row offset",
              "cuda/grpo_loss_from_logits.cuh",
              "grad + r * vocab) : nullptr;\n    if (row.m == T(0)) {  // the same branch",
              "grad + a.logits.offset(r)) : nullptr;\n    if (row.m == T(0)) {  // the same branch"),
@@ -143,8 +143,8 @@ MUTATIONS = [
              "plan/logits_loss.h",
              "plan.params.sequence_level = parse_sequence_level(options.importance_sampling_level);",
              "plan.params.sequence_level = false;"),
-    # The single-read pass's cluster merge and handshake (the resident and small-block kernels share them: clusters
-    # of up to 16 blocks, test_logits_small_blocks.py), and its part bounds.
+    # The single-read pass's cluster merge and handshake (clusters of up to 16 blocks, test_logits_small_blocks.py),
+    # and its part bounds.
     Mutation("skipped rank", "single-read merge: the cluster's last block's state left out of the row's",
              "cuda/grpo_loss_from_logits.cuh", "if (lane < blocks) part = *cluster_map_shared",
              "if (lane + 1 < blocks) part = *cluster_map_shared"),

@@ -2,7 +2,6 @@
 // mirrored without torch (plan/selective_log_softmax.h, cuda/selective_log_softmax.cu); the fused pass and the whole
 // op through their plans as they are (plan/grpo_loss_from_logits.h, plan/logits_loss.h; plans.h), launched as
 // cuda/grpo_loss_from_logits.cu launches them.
-#include <cstdlib>
 
 #include "cuda/grpo_loss_from_logits.cuh"
 #include "cuda/kept_entropy.cuh"
@@ -86,22 +85,16 @@ std::vector<Tensor> selective_log_softmax_backward(Args& a) {
   return {grad};
 }
 
-// What the emulated device offers the single-read pass (its limits come from the driver's command line).
-// CUDA_EMU_CLAIM_MAX_CLUSTER=n tells the launcher that clusters of n blocks fit where the device takes fewer: a GPU
-// that reports sm_90 and then refuses the cluster (no GPC free for it), to test the launcher's fallback. The layout
-// variables (GRPO_EXT_LOGITS_THREADS, ..._RESIDENT_BLOCKS_PER_SM) are read as the CUDA binding reads them.
-// As the binding, the small-block layout is offered clusters of 16 on any device that launches clusters (of more than
-// one block); whether one fits is asked at launch (GRPO_MAX_ACTIVE_CLUSTERS).
+// What the emulated device offers the single-read pass (its limits come from the driver's command line), as the
+// CUDA binding's row_residency: clusters of up to 16 on any device that launches clusters (of more than one block),
+// whether one fits asked at launch (GRPO_MAX_ACTIVE_CLUSTERS). The layout variables (GRPO_EXT_LOGITS_*) are read as
+// the binding reads them.
 grpo_ext::RowResidency row_residency() {
   const DeviceLimits& d = device_limits();
   grpo_ext::RowResidency residency;
   residency.shared_per_block = d.max_shared_per_block;
-  residency.max_cluster_blocks = d.max_cluster_blocks;
   residency.shared_per_sm = d.shared_per_sm;
-  residency.max_small_cluster_blocks = d.max_cluster_blocks == 0 ? 0u : d.max_cluster_blocks > 1 ? 16u : 1u;
-  if (const char* claim = std::getenv("CUDA_EMU_CLAIM_MAX_CLUSTER")) {
-    residency.max_cluster_blocks = static_cast<unsigned>(std::strtoul(claim, nullptr, 10));
-  }
+  residency.max_cluster_blocks = d.max_cluster_blocks == 0 ? 0u : d.max_cluster_blocks > 1 ? 16u : 1u;
   return grpo_ext::with_layout_from_env(residency);
 }
 

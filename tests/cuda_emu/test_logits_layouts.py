@@ -1,7 +1,7 @@
 """The fused logits pass's layouts on the emulated device: the single-read kernel over thread-block clusters (small
-shared memory per block, so that small rows take every path), the launcher's fallback when a device refuses the
-cluster, the layout candidates chosen at run time (GRPO_EXT_LOGITS_*), and the entropy bonus in the single-read
-kernel. The rest of the logits kernels: test_logits.py."""
+shared memory per block, so that small rows take every path), the layout candidates chosen at run time
+(GRPO_EXT_LOGITS_*), the two-read kernel's block size, and the entropy bonus in the single-read kernel. The launcher's
+fallbacks and clusters of every size: test_logits_small_blocks.py; the rest of the logits kernels: test_logits.py."""
 
 from __future__ import annotations
 
@@ -17,23 +17,25 @@ from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 
 # The single-read pass on a device with 2 KiB of shared memory per block (emu_small_shared), so that small rows take
 # every path: which kernel the launcher picks for each (dtype, V), from csrc/cuda/grpo_loss_from_logits.cuh's
-# resident_split: a block stages (2048 - sizeof(PassShared)) / element size - one vector of elements (400 float32,
-# 800 bf16/fp16, 146 float64), a cluster holds 8 blocks; a larger row takes the two-read kernel.
-RESIDENT_CASES = [
-    (torch.float32, 33, "resident"),  # one block
-    (torch.float32, 1000, "resident"),  # a cluster of 3
-    (torch.float32, 3001, "resident"),  # of 8
-    (torch.float32, 4099, "two-read"),  # 11 blocks: too many
-    (torch.bfloat16, 1000, "resident"),  # 2
-    (torch.bfloat16, 4099, "resident"),  # 6
-    (torch.float16, 7001, "two-read"),  # 9
-    (torch.float64, 1000, "resident"),  # 7
-    (torch.float64, 1201, "two-read"),  # 9
+# small_block_layout: a block stages (2048 - sizeof(PassShared)) / element size - one vector of elements (396
+# float32, 792 bf16/fp16, 146 float64), a cluster holds up to 16 blocks (over 8: the non-portable size); a larger
+# row takes the two-read kernel.
+CLUSTER_CASES = [
+    (torch.float32, 33, "single-read"),  # one block
+    (torch.float32, 1000, "single-read"),  # a cluster of 3
+    (torch.float32, 3001, "single-read"),  # of 8
+    (torch.float32, 4099, "single-read"),  # of 11: over the portable size
+    (torch.float32, 7001, "two-read"),  # 18 blocks: too many
+    (torch.bfloat16, 1000, "single-read"),  # 2
+    (torch.bfloat16, 4099, "single-read"),  # 6
+    (torch.float16, 7001, "single-read"),  # 9
+    (torch.float64, 1000, "single-read"),  # 7
+    (torch.float64, 2501, "two-read"),  # 18
 ]
-PASS_KERNELS = {"resident": "grpo_loss_from_logits_resident_kernel", "two-read": "grpo_loss_from_logits_kernel"}
+PASS_KERNELS = {"single-read": "grpo_loss_from_logits_small_block_kernel", "two-read": "grpo_loss_from_logits_kernel"}
 
 
-@pytest.mark.parametrize(("dtype", "vocab", "path"), RESIDENT_CASES)
+@pytest.mark.parametrize(("dtype", "vocab", "path"), CLUSTER_CASES)
 @pytest.mark.parametrize("layout", ["contiguous", "misaligned in place", "strided rows"])
 def test_logits_pass_single_read_in_clusters(emu_small_shared, dtype, vocab, path, layout):
     """Masked rows (never read), a confident token, rows that start off a 16-byte boundary written in place, and
@@ -69,38 +71,22 @@ def test_logits_pass_single_read_grid_stride_and_sequence_gradients(emu_small_sh
                      old_logps=old.float(), loss_type="grpo", importance_sampling_level="sequence")  # fmt: skip
     launched = kernels_launched(emu_small_shared, lambda: check_op(emu_small_shared, "grpo_loss_from_logits_pass",
                                                                    *args, tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
-    assert PASS_KERNELS["resident"] in launched
-
-
-def test_logits_pass_falls_back_when_the_device_refuses_the_cluster(monkeypatch):
-    """A device that takes clusters of 2 blocks while the launcher is told 8 fit (as a GPU with no GPC free for the
-    cluster): the launch of a 3-block cluster is refused, the error is cleared (a pending one would fail the op) and
-    the two-read kernel computes the same outputs."""
-    monkeypatch.setenv("CUDA_EMU_CLAIM_MAX_CLUSTER", "8")  # the drivers start on the first call, with this set
-    device = EmuDevice(CSRC, shared_per_block=2048, max_cluster=2)
-    try:
-        logits, ids, adv, mask, old, _ = make_problem(2, 3, 1000, seed=30, per_token_adv=True)
-        args = pass_args(logits.float().reshape(6, 1000), ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
-                         loss_type="dapo")  # fmt: skip
-        launched = kernels_launched(device, lambda: check_op(device, "grpo_loss_from_logits_pass", *args,
-                                                             tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
-        assert PASS_KERNELS["two-read"] in launched
-    finally:
-        assert not device.close()
+    assert PASS_KERNELS["single-read"] in launched
 
 
 @pytest.mark.parametrize(
     ("layout", "path"),
     [
-        ({"GRPO_EXT_LOGITS_THREADS": "512"}, "resident"),  # the rows over clusters of 2 blocks of 512 threads
-        ({"GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM": "2"}, "resident"),  # parts for 2 blocks an SM: clusters of 8
+        ({"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks"}, "single-read"),  # the earlier name: clusters of 2 blocks
+        ({"GRPO_EXT_LOGITS_PERSISTENT": "1"}, "single-read"),  # as many clusters as run at once, over several rows
+        ({"GRPO_EXT_LOGITS_THREADS": "128"}, "single-read"),  # blocks of 128 threads
         ({"GRPO_EXT_LOGITS_THREADS": "256", "GRPO_EXT_LOGITS_SINGLE_READ": "0"}, "two-read"),
     ],
 )
 def test_logits_pass_layout_candidates(monkeypatch, layout, path):
-    """Issue 32's layouts, chosen at run time by the binding's environment variables (with_layout_from_env in
+    """Issues 32 and 38's layouts, chosen at run time by the binding's environment variables (with_layout_from_env in
     csrc/cuda/grpo_loss_from_logits.cuh): the same outputs as the CPU kernel under every schedule, on a device with 4
-    KiB of shared memory per block (V=1000 float32: a cluster of 2 blocks, or of 8 with half the shared memory each)."""
+    KiB of shared memory per block (V=1000 float32: a cluster of 2 blocks)."""
     for name, value in layout.items():
         monkeypatch.setenv(name, value)  # the drivers start on the first call, with these set
     device = EmuDevice(CSRC, shared_per_block=4096, max_cluster=8)
@@ -143,7 +129,7 @@ def test_two_read_kernel_block_size(monkeypatch, layout, dtype, threads):
         assert not device.close()
 
 
-@pytest.mark.parametrize(("dtype", "vocab", "path"), [RESIDENT_CASES[1], RESIDENT_CASES[3], RESIDENT_CASES[5]])
+@pytest.mark.parametrize(("dtype", "vocab", "path"), [CLUSTER_CASES[1], CLUSTER_CASES[4], CLUSTER_CASES[6]])
 def test_logits_pass_entropy_bonus_single_read(emu_small_shared, dtype, vocab, path):
     """The bonus in the single-read kernel (a cluster's blocks each write their part with the row's E_p[z]) and in
     the two-read kernel, with the soft-cap."""

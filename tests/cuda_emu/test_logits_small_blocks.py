@@ -22,7 +22,6 @@ from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 SMALL_BLOCKS = {"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks"}
 PASS_KERNELS = {
     "small-blocks": "grpo_loss_from_logits_small_block_kernel",
-    "resident": "grpo_loss_from_logits_resident_kernel",
     "two-read": "grpo_loss_from_logits_kernel",
 }
 PASS_SHARED = {4: 440, 8: 872}  # sizeof(PassShared<T>) by accumulation bytes (float, double), within 8 bytes
@@ -185,7 +184,7 @@ def test_every_block_of_a_cluster_uses_the_same_row_statistics(emu_small_blocks,
     ("env", "limits", "vocab", "path"),
     [
         (SMALL_BLOCKS, {}, 1000, "small-blocks"),
-        ({}, {}, 1000, "resident"),  # the emulated devices' default: GRPO_EXT_LOGITS_SINGLE_READ=1
+        ({}, {}, 1000, "small-blocks"),  # the emulated devices' default: GRPO_EXT_LOGITS_SINGLE_READ=1
         ({"GRPO_EXT_LOGITS_SINGLE_READ": "0"}, {}, 1000, "two-read"),
         (SMALL_BLOCKS, {}, 8200, "two-read"),  # over 16 blocks even at 2 blocks per SM
         (SMALL_BLOCKS, {"gpc_sms": 3}, 1000, "two-read"),  # 16 blocks, 4 per SM: no GPC holds the cluster
@@ -197,8 +196,8 @@ def test_every_block_of_a_cluster_uses_the_same_row_statistics(emu_small_blocks,
     ],
 )
 def test_the_launcher_picks_the_layout_for_the_env_and_device(env, limits, vocab, path):
-    """GRPO_EXT_LOGITS_SINGLE_READ picks the layout; the small-block one falls back to the two-read kernel (never the
-    resident one) where the row needs more than 16 blocks, where the occupancy query finds no GPC that holds the
+    """GRPO_EXT_LOGITS_SINGLE_READ picks the layout; the small-block one falls back to the two-read kernel where the
+    row needs more than 16 blocks, where the occupancy query finds no GPC that holds the
     cluster (GRPO_MAX_ACTIVE_CLUSTERS: 0 clusters), or where the device refuses the cluster; any refusal's error is
     cleared (an op that leaves one pending fails). The outputs match the CPU kernel's on every path."""
     device = EmuDevice(CSRC, shared_per_sm=SHARED_PER_SM, env=env, **limits)

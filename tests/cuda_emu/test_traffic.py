@@ -36,8 +36,9 @@ def counted():
 
 
 # The logits pass on three emulated devices: an H100 (a row of V = 1003 fits one block's shared memory), 2 KiB of
-# shared memory per block (the row split over a cluster of `blocks[dtype]` blocks, test_logits.RESIDENT_CASES), and
-# no cluster launch (the two-read kernel); and the small-block layout with clusters of up to 16 blocks.
+# shared memory per block (the row split over a cluster of `blocks[dtype]` blocks,
+# test_logits_layouts.CLUSTER_CASES), and no cluster launch (the two-read kernel); and the small-block layout with
+# clusters of up to 16 blocks.
 PASS_DEVICES = {
     "one block": ({}, {torch.float32: 1, torch.bfloat16: 1, torch.float16: 1, torch.float64: 1}),
     "cluster": ({"shared_per_block": 2048}, {torch.float32: 3, torch.bfloat16: 2, torch.float16: 2, torch.float64: 7}),

@@ -306,12 +306,11 @@ def grpo_loss_from_logits(
 
     Token-level losses read each logits row once for its softmax statistics and write its gradient in the same
     kernel; no ``[N, V]`` float temporary is made. On CUDA each row is read a second time to write its gradient
-    (from L2 where it is still there), by blocks of at most 512 threads: on an H100 and an H200 that was faster than
-    staging the row on chip to read it once (``GRPO_EXT_LOGITS_SINGLE_READ=1``: shared memory over a thread-block
-    cluster of up to 8 blocks on sm_90; ``=small-blocks``: clusters of up to 16 blocks of 256 threads).
-    ``GRPO_EXT_LOGITS_THREADS=256|1024`` and ``GRPO_EXT_LOGITS_RESIDENT_BLOCKS_PER_SM=2`` pick the other layouts of the
-    pass on the SM (benchmarks/NOTES.md), all read at each call so that one run compares them
-    (``benchmarks/bench_floor.py``). Sequence-level
+    (from L2 where it is still there), by blocks of 256 threads (512 for float32 logits): on an H100 and an H200 that
+    was faster than staging the row on chip to read it once (``GRPO_EXT_LOGITS_SINGLE_READ=1``: the row split over a
+    thread-block cluster of up to 16 blocks of 256 threads on sm_90). ``GRPO_EXT_LOGITS_THREADS=128|256|512|1024``
+    and ``GRPO_EXT_LOGITS_PERSISTENT=1`` pick the other layouts of the pass on the SM (benchmarks/NOTES.md), all read
+    at each call so that one run compares them (``benchmarks/bench_floor.py``). Sequence-level
     losses (GSPO) take a second pass, since a row's ratio needs all its log-probs first. Masked rows are never read
     and get a zero gradient. The backward only scales the gradient by the incoming one (skipped when it is 1).
 
