@@ -4,10 +4,11 @@ On CUDA, torch's allocator records every allocation and free with its Python sta
 ``torch.cuda.memory._record_memory_history(stacks="python")`` is on. On the CPU, ``torch.profiler`` with
 ``profile_memory=True, with_stack=True`` records the same events (the CPU allocator's, those of grpo_ext's native
 ops included) under the Python calls that made them; :func:`profiler_trace` turns them into the CUDA trace's form,
-each frame's name followed by the innermost torch op (``f [aten::mm]``: the profiler knows the function, not the
-line). :func:`peak_sites` replays one device's trace,
-finds the moment the bytes allocated since recording began were highest, and sums the blocks alive then by their
-*site*: the innermost frame outside torch itself (a transformers module, TRL's chunked head, a grpo_ext op). Blocks
+each frame's name followed by the outermost and innermost torch ops under it (``f [aten::linear > aten::empty]``,
+or an autograd node's name in the backward: the profiler knows the function, not the line). :func:`peak_sites`
+replays one device's trace, finds the moment the bytes allocated since recording began were highest, and sums the
+blocks alive then by their *site*: the innermost frame outside torch itself (a transformers module, TRL's chunked
+head, a grpo_ext op). Blocks
 allocated before recording began (weights, optimizer state) are not in the trace and not counted: the figure is the
 step's own peak, which is what differs between contenders (issue 39: TRL + grpo_ext's peak 346 MiB above TRL's at T
 1024 on an H200, RESULTS.md).
@@ -110,14 +111,14 @@ def profiler_trace(profiler: torch.profiler.profile, device: str = "cpu") -> lis
         stack.extend(reversed(node.children))  # pre-order, children in time order
         if node.tag != _EventType.Allocation or node.extra_fields.device.type != device:
             continue
-        op, calls, parent = None, [], node.parent
+        ops, calls, parent = [], [], node.parent  # the torch ops below the innermost Python call, innermost first
         while parent is not None:
-            if parent.tag == _EventType.TorchOp and op is None:
-                op = parent.name
+            if parent.tag == _EventType.TorchOp and not calls:
+                ops.append(parent.name)
             elif parent.tag == _EventType.PyCall:
                 calls.append(parent.extra_fields)
             parent = parent.parent
-        suffix = f" [{op}]" if op else ""
+        suffix = f" [{ops[-1]} > {ops[0]}]" if len(ops) > 1 else f" [{ops[0]}]" if ops else ""
         frames = [{"filename": call.callsite.file_name,
                    "line": calls[i - 1].caller.line_number if i else call.callsite.line_number,
                    "name": call.callsite.function_name + suffix} for i, call in enumerate(calls)]  # fmt: skip

@@ -167,11 +167,12 @@ def test_memory_sites_on_the_cpu_from_the_profiler(monkeypatch):
     assert sizes[:4] == [("alloc", 4000), ("alloc", 24000), ("free_completed", 4000), ("alloc", 10000)]
     result = memory_sites.peak_sites({"device_traces": [trace]})
     assert result["peak_bytes"] == 24000 + 10000
-    # each site: this file (its path as the profiler shortens it), the function's first line, its innermost op
+    # each site: this file (its path as the profiler shortens it), the function's first line, its outer and inner ops
     assert all(site.split(":")[0].endswith("test_benchmarks.py") for site, _ in result["sites"])
     line = {name: func.__code__.co_firstlineno for name, func in (("make_b", make_b), ("make_c", make_c))}
     assert [(site.split(":", 1)[1], size) for site, size in result["sites"]] == [
-        (f"{line['make_b']} make_b [aten::empty]", 24000), (f"{line['make_c']} make_c [aten::empty]", 10000)]
+        (f"{line['make_b']} make_b [aten::ones > aten::empty]", 24000),
+        (f"{line['make_c']} make_c [aten::ones > aten::empty]", 10000)]
     del kept
 
 
