@@ -94,15 +94,26 @@ def full_params(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def float64_step(output_dir: Path, gradient_checkpointing: bool, **options) -> dict:
-    """One optimizer step of the demo model in float64 (case "dapo_kl"), with or without gradient checkpointing: the
-    parameters before and after, the gradient norm, and each layer's attention calls in the step (2: recomputed)."""
-    config = case_config(output_dir, "dapo_kl", WORLD, gradient_checkpointing=gradient_checkpointing, warmup_steps=0,
-                         save_steps=0, **options)  # fmt: skip
+def tied_model(tokenizer) -> torch.nn.Module:
+    """The demo model with its LM head tied to the input embedding (as Qwen2.5-0.5B's): the trainer's tied lookup
+    (grpo_ext/trainer/tied_embedding.py) adds the embedding's gradient rows into the head's in place."""
+    model = build_model(tokenizer, seed=0).double()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def float64_step(output_dir: Path, gradient_checkpointing: bool, world_size: int = WORLD, tied: bool = False,
+                 **options) -> dict:  # fmt: skip
+    """One optimizer step of the demo model in float64 (case "dapo_kl"), with or without gradient checkpointing (and
+    tied embeddings): the parameters before and after, the gradient norm, and each layer's attention calls in the
+    step (2: recomputed)."""
+    config = case_config(output_dir, "dapo_kl", world_size, gradient_checkpointing=gradient_checkpointing,
+                         warmup_steps=0, save_steps=0, **options)  # fmt: skip
     tokenizer = build_tokenizer()
     train_rows, _ = reversal_dataset(seed=0)
-    trainer = GRPOTrainer(build_model(tokenizer, seed=0).double(), [reversal_reward], train_rows, config,
-                          tokenizer=tokenizer)  # fmt: skip
+    model = tied_model(tokenizer) if tied else build_model(tokenizer, seed=0).double()
+    trainer = GRPOTrainer(model, [reversal_reward], train_rows, config, tokenizer=tokenizer)
     initial = full_params(trainer)
     trainer._generate_and_score()
     calls = AttentionCalls(trainer.model)
@@ -130,6 +141,8 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
             layout: {on: float64_step(Path(out_dir) / f"ckpt_{layout}_{on}", on, **options) for on in (False, True)}
             for layout, options in CHECKPOINTING_LAYOUTS.items()
         }
+        results["tied"] = {layout: float64_step(Path(out_dir) / f"tied_{layout}", True, tied=True, **options)
+                           for layout, options in CHECKPOINTING_LAYOUTS.items()}  # fmt: skip
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -220,6 +233,22 @@ def test_gradient_checkpointing_gives_the_same_step_under_ddp_and_fsdp(two_rank_
             torch.testing.assert_close(value, off[name], rtol=0, atol=1e-12, msg=name)
     replicas = [rank["checkpointing"][layout][True]["params"] for rank in ranks]
     assert_same_params(replicas[1], replicas[0], exact=True)  # one replica (FSDP2: one sharded model)
+
+
+@pytest.mark.parametrize("layout", CHECKPOINTING_LAYOUTS)
+def test_tied_embeddings_step_under_ddp_and_fsdp_as_one_plain_process(two_rank_runs, tmp_path, layout):
+    """A tied LM head (float64, fused path, checkpointing): the 2-rank step, whose embedding gradient rows go into
+    the head's gradient in place before the weight's gradient hooks (DDP's all-reduce, FSDP2's reduce-scatter) fire,
+    updates the parameters as one process on the plain path (the model's own logits and embedding), to 1e-12."""
+    _, ranks = two_rank_runs
+    plain = float64_step(tmp_path / "plain", True, world_size=1, tied=True, logps_backend="plain")
+    assert not plain["fused"]
+    for rank in ranks:
+        run = rank["tied"][layout]
+        assert run["fused"]
+        assert run["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-10)
+        for name, value in plain["params"].items():
+            torch.testing.assert_close(run["params"][name], value, rtol=0, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("case", RESUMED)

@@ -28,6 +28,7 @@ from torch import Tensor
 from .. import ops
 from ..ops.lm_head import chunk_rows, project
 from ..results import GRPOLossOutput
+from . import tied_embedding
 
 #: transformers classes whose forward is exactly ``lm_head(base_model(...).last_hidden_state)``, then Cohere's
 #: ``* logit_scale`` or Gemma 2's ``final_logit_softcapping`` (read from transformers 5's sources). Other classes
@@ -244,19 +245,29 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 
 def _completion_head(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                     prompt_len: int) -> tuple[Tensor, Tensor, Tensor | None, torch.dtype]:  # fmt: skip
+                     prompt_len: int, share_tied_gradient: bool = False,
+                     ) -> tuple[Tensor, Tensor, Tensor | None, torch.dtype]:  # fmt: skip
     """The completion positions' last hidden states ``[B, T, H]``, the LM head's weight ``[V, H]`` and bias as the
     model holds them, and the dtype the head computes in.
 
     Hidden state ``t`` predicts token ``t + 1``: the completion's tokens are predicted from ``prompt_len - 1`` to
     ``-2``. The compute dtype is the autocast dtype when autocast is on (as the model's own LM head would run), else
-    the hidden states'.
+    the hidden states'. With ``share_tied_gradient`` and a trained tied embedding, the body takes ``inputs_embeds``
+    from :func:`tied_embedding.tied_lookup` and the weight returned is its alias (one ``[V, H]`` gradient buffer
+    in the backward, not two).
     """
     lm = causal_lm(model)
-    out = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=False)  # fmt: skip
-    hidden = out.last_hidden_state[:, prompt_len - 1 : -1]
+    body = lm.base_model
     weight, bias = lm_head_weights(lm.get_output_embeddings())
+    embedding = tied_embedding.tied_embedding(body, weight) if share_tied_gradient else None
+    inputs: dict[str, Tensor] = {"input_ids": input_ids}
+    if embedding is not None and torch.is_grad_enabled():
+        inputs_embeds, sink = tied_embedding.tied_lookup(embedding, input_ids)
+        inputs = {"inputs_embeds": inputs_embeds}
+    out = body(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if "inputs_embeds" in inputs:  # made after the body: its hook runs before the lookup's backward
+        weight = tied_embedding.head_weight_alias(weight, sink)
+    hidden = out.last_hidden_state[:, prompt_len - 1 : -1]
     return hidden, weight, bias, _autocast_dtype(hidden.device) or hidden.dtype
 
 
@@ -310,8 +321,9 @@ def fused_policy_loss(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
     scale, softcap = logits_transform(model)
 
     def forward(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> GRPOLossOutput:
-        hidden, weight, bias, dtype = _completion_head(model, input_ids, attention_mask, position_ids,
-                                                       batch["prompt_ids"].shape[1])  # fmt: skip
+        prompt_len = batch["prompt_ids"].shape[1]
+        hidden, weight, bias, dtype = _completion_head(model, input_ids, attention_mask, position_ids, prompt_len,
+                                                       share_tied_gradient=True)  # fmt: skip
         with torch.autocast(hidden.device.type, enabled=False):  # the master weight as it is: the op casts it
             return ops.grpo_loss_from_hidden(
                 hidden, weight, batch["completion_ids"], batch["advantages"], batch["completion_mask"],

@@ -1,0 +1,80 @@
+"""The input embedding of a weight the LM head shares (tied embeddings), with its gradient rows added into the head's
+weight gradient in place: one float32 ``[V, H]`` gradient buffer in the step's backward instead of two.
+
+With tied embeddings autograd gets two gradients for the one weight: the fused head's ``[V, H]`` (made in the
+forward by :func:`grpo_ext.grpo_loss_from_hidden`) and, at the end of the backward, ``EmbeddingBackward0``'s dense
+``[V, H]``, which exists only to be added to the first. Both are alive together at the step's peak (benchmarks/
+NOTES.md, "What holds the step's peak on the CPU": a third of it at Qwen2.5-0.5B's shape). Here the head's weight
+enters through an alias whose gradient hook keeps a reference to the head's gradient, and the embedding's backward
+adds its ``[N, H]`` rows into that tensor (``index_put_`` with ``accumulate=True``: deterministic on CUDA too) and
+gives autograd no gradient of its own. The weight's ``AccumulateGrad`` runs after both nodes (it waits for every
+edge into it), so DDP's gradient hooks, which fire there, see the sum; where the head's gradient never arrived (it
+did not need one), the embedding returns its dense gradient as ``nn.Embedding`` would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _TiedLookup(torch.autograd.Function):
+    """``weight[ids]`` whose backward adds its rows into the head's gradient held by ``sink`` (see the module)."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: Tensor, weight: Tensor, sink: list[Tensor], padding_idx: int | None) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.sink, ctx.padding_idx, ctx.weight_shape, ctx.weight_dtype = sink, padding_idx, weight.shape, weight.dtype
+        return torch.nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad_rows: Tensor) -> tuple[None, Tensor | None, None, None]:
+        (ids,) = ctx.saved_tensors
+        flat_ids = ids.reshape(-1)
+        rows = grad_rows.reshape(flat_ids.numel(), -1)
+        if ctx.padding_idx is not None:  # nn.Embedding's rule: the padding row gets no gradient (no host sync here)
+            rows = rows * (flat_ids != ctx.padding_idx).unsqueeze(1).to(rows.dtype)
+        head_grad = ctx.sink.pop() if ctx.sink else None
+        ctx.sink = None  # the head's gradient now referenced by autograd's buffer alone, so AccumulateGrad steals it
+        if head_grad is None:
+            grad = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=rows.device)
+            return None, grad.index_put_((flat_ids,), rows.to(grad.dtype), accumulate=True), None, None
+        head_grad.index_put_((flat_ids,), rows.to(head_grad.dtype), accumulate=True)
+        return None, None, None, None
+
+
+def tied_embedding(model_body: torch.nn.Module, head_weight: Tensor) -> torch.nn.Embedding | None:
+    """The body's input embedding when it is a plain ``nn.Embedding`` whose weight is ``head_weight`` and trains,
+    else None (untied, a frozen or LoRA-adapted head, a scaled or sparse embedding: the model's own lookup).
+
+    Args:
+        model_body: the causal LM's base model (``get_input_embeddings``).
+        head_weight: the LM head's weight ``[V, H]`` as the fused op takes it.
+    """
+    embedding = model_body.get_input_embeddings() if hasattr(model_body, "get_input_embeddings") else None
+    if type(embedding) is not torch.nn.Embedding or embedding.weight is not head_weight:
+        return None
+    if not head_weight.requires_grad or embedding.max_norm is not None or embedding.sparse:
+        return None
+    return embedding
+
+
+def tied_lookup(embedding: torch.nn.Embedding, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """``(inputs_embeds, sink)``: the lookup of ``input_ids`` ``[B, L]`` in the tied ``embedding`` (float
+    ``[B, L, H]``, as ``embedding(input_ids)``), and the list through which :func:`head_weight_alias` hands it the
+    head's gradient. Call before the body's forward, and :func:`head_weight_alias` after it: autograd runs the nodes
+    made later first, so the alias's gradient (its hook) is taken before this lookup's backward runs.
+    """
+    sink: list[Tensor] = []
+    return _TiedLookup.apply(input_ids, embedding.weight, sink, embedding.padding_idx), sink
+
+
+def head_weight_alias(weight: Tensor, sink: list[Tensor]) -> Tensor:
+    """An alias of the tied ``weight`` to hand the LM head: its gradient (the head's) goes into ``sink`` for the
+    lookup of :func:`tied_lookup` to add its rows into, and on to the weight."""
+    alias = weight.view_as(weight)
+    if torch.is_grad_enabled():
+        alias.register_hook(sink.append)
+    return alias
