@@ -75,6 +75,11 @@ CASES: dict[str, dict[str, Any]] = {
     "entropy_grpo_fsdp2": dict(
         config=dict(loss_type="grpo", beta=0.04, **ENTROPY), backend="fsdp2", attrs=dict(_last_world_entropy=0.0)
     ),
+    # tied embeddings: under DDP the embedding's gradient rows go into the LM head's gradient in place, before the
+    # weight's gradient hook (the all-reduce) fires (grpo_ext/trainer/tied_embedding.py); accelerate's FSDP2 wraps the
+    # embedding module itself (FSDPEmbedding), which keeps its own lookup: the same numbers either way
+    "tied_dapo_ddp": dict(config=dict(loss_type="dapo", beta=0.04), backend="ddp", arch="qwen2_tied"),
+    "tied_grpo_fsdp2": dict(config=dict(loss_type="grpo", beta=0.04), backend="fsdp2", arch="qwen2_tied"),
 }
 # TRL's entropy bonus is the mean entropy of each process' own tokens: with ranks holding different token counts the
 # 2-process loss and gradients are not those of 1 process; they are compared with TRL's on 2 processes only.
@@ -150,6 +155,8 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     try:
         tokenizer = build_tokenizer()
         model_dir = save_model(tmp / "model", tokenizer)
+        arch_dirs = {arch: save_model(tmp / arch, tokenizer, arch)
+                     for arch in {case["arch"] for case in CASES.values() if "arch" in case}}  # fmt: skip
         cases = {name: dict(case, config=dict(case["config"]), attrs=case.get("attrs", {}))
                  for name, case in CASES.items()}  # fmt: skip
         base = make_trainer(model_dir, tokenizer, tmp / "base")
@@ -162,10 +169,12 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         spec = dict(model_dir=model_dir, batch=batch, cases={})
         single = {}
         for name, case in cases.items():
-            spec["cases"][name] = dict(config=case["config"], attrs=case["attrs"], backend=case["backend"])
-            key = repr(sorted(case["config"].items()))  # DDP and FSDP2 cases share their single-process run
+            case_dir = arch_dirs.get(case.get("arch"), model_dir)
+            spec["cases"][name] = dict(config=case["config"], attrs=case["attrs"], backend=case["backend"],
+                                       model_dir=case_dir)  # fmt: skip
+            key = repr((case_dir, sorted(case["config"].items())))  # DDP and FSDP2 cases share a 1-process run
             if key not in single:
-                trainer = make_trainer(model_dir, tokenizer, tmp / "single", **case["config"])
+                trainer = make_trainer(case_dir, tokenizer, tmp / "single", **case["config"])
                 single[key] = single_process(trainer, batch, case["attrs"])
             case["single"] = single[key]
     finally:
@@ -189,7 +198,8 @@ def test_two_processes_match_trl_and_one_process(runs, name):
     assert setup["distributed_type"] == "DistributedType.MULTI_CPU" and setup["num_processes"] == WORLD
     if case["backend"] == "fsdp2":
         # really sharded: an FSDP module, and each rank holds half of the LM head's rows
-        vocab, hidden = ranks[0][name]["grpo_ext"]["grads"]["lm_head.weight"].shape
+        grads = ranks[0][name]["grpo_ext"]["grads"]  # a tied head's weight is named once, as the embedding's
+        vocab, hidden = grads.get("lm_head.weight", grads.get("model.embed_tokens.weight")).shape
         assert setup["wrapper"].startswith("FSDP") and setup["lm_head_shard"] == ("DTensor", (vocab // WORLD, hidden))
     else:
         assert setup["wrapper"] == "DistributedDataParallel"

@@ -90,7 +90,7 @@ def run_case(case: dict[str, Any], spec: dict[str, Any], tokenizer, run_dir: Pat
     """TRL's compute_loss, then grpo_ext's, on one trainer and this rank's rows; the results and the setup seen."""
     # ddp_timeout: a rank waiting for a failed peer gives up within minutes (TrainingArguments' default is 30)
     config = dict(case["config"], ddp_timeout=120, **(FSDP2_CONFIG if case["backend"] == "fsdp2" else {}))
-    trainer = make_trainer(spec["model_dir"], tokenizer, run_dir, **config)
+    trainer = make_trainer(case.get("model_dir", spec["model_dir"]), tokenizer, run_dir, **config)
     accelerator = trainer.accelerator
     setup = dict(distributed_type=str(accelerator.distributed_type), num_processes=accelerator.num_processes,
                  fsdp_enabled=trainer.is_fsdp_enabled)  # fmt: skip

@@ -19,7 +19,7 @@ from torch import Tensor
 from ... import ops
 from ...validation.options import CLIP_FAMILY_LOSS_TYPES, TOKEN_LEVEL_LOSS_TYPES
 from . import compat
-from .fused import FusedLossRequest, fused_loss_request
+from .fused import FusedLossRequest, fused_loss_request, tied_lookup_during
 
 # Arguments of TRL's `_get_per_token_logps_and_entropies` that `_compute_loss` does not build itself: they are
 # forwarded from `inputs` by name (pixel_values, image_grid_thw, ...), so multimodal batches keep working.
@@ -314,7 +314,10 @@ def _compute_loss(trainer: trl.GRPOTrainer, model: torch.nn.Module, inputs: dict
             want_logps=old_logps is not None and trainer.loss_type in CLIP_FAMILY_LOSS_TYPES,
             token_weights=token_weights,
         )  # fmt: skip
-    with fused_loss_request(request) if request is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as fused_forward:
+        if request is not None:
+            fused_forward.enter_context(fused_loss_request(request))
+            fused_forward.enter_context(tied_lookup_during(trainer.accelerator.unwrap_model(model), request))
         logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
             model,
             torch.cat([prompt_ids, completion_ids], dim=1),
