@@ -96,7 +96,7 @@ def full_params(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
 
 def tied_model(tokenizer) -> torch.nn.Module:
     """The demo model with its LM head tied to the input embedding (as Qwen2.5-0.5B's): the trainer's tied lookup
-    (grpo_ext/trainer/tied_embedding.py) adds the embedding's gradient rows into the head's in place."""
+    (grpo_ext/ops/tied_embedding.py) adds the embedding's gradient rows into the head's in place."""
     model = build_model(tokenizer, seed=0).double()
     model.config.tie_word_embeddings = True
     model.lm_head.weight = model.model.embed_tokens.weight

@@ -1,4 +1,4 @@
-"""The trainer's tied input embedding (grpo_ext/trainer/tied_embedding.py): with the LM head's weight shared, the
+"""The trainer's tied input embedding (grpo_ext/ops/tied_embedding.py): with the LM head's weight shared, the
 fused training forward gives the same gradients as the model's own lookup (float64), its backward allocates one
 ``[V, H]`` gradient instead of two, and the lookup falls back to the dense gradient where the head's never arrives."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from grpo_ext.trainer import policy_logps, tied_embedding
+from grpo_ext.ops import tied_embedding
+from grpo_ext.trainer import policy_logps
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 VOCAB, HIDDEN, PAD = 3000, 48, 3

@@ -76,7 +76,7 @@ CASES: dict[str, dict[str, Any]] = {
         config=dict(loss_type="grpo", beta=0.04, **ENTROPY), backend="fsdp2", attrs=dict(_last_world_entropy=0.0)
     ),
     # tied embeddings: under DDP the embedding's gradient rows go into the LM head's gradient in place, before the
-    # weight's gradient hook (the all-reduce) fires (grpo_ext/trainer/tied_embedding.py); accelerate's FSDP2 wraps the
+    # weight's gradient hook (the all-reduce) fires (grpo_ext/ops/tied_embedding.py); accelerate's FSDP2 wraps the
     # embedding module itself (FSDPEmbedding), which keeps its own lookup: the same numbers either way
     "tied_dapo_ddp": dict(config=dict(loss_type="dapo", beta=0.04), backend="ddp", arch="qwen2_tied"),
     "tied_grpo_fsdp2": dict(config=dict(loss_type="grpo", beta=0.04), backend="fsdp2", arch="qwen2_tied"),

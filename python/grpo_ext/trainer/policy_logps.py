@@ -28,7 +28,7 @@ from torch import Tensor
 from .. import ops
 from ..ops.lm_head import chunk_rows, project
 from ..results import GRPOLossOutput
-from . import tied_embedding
+from ..ops import tied_embedding
 
 #: transformers classes whose forward is exactly ``lm_head(base_model(...).last_hidden_state)``, then Cohere's
 #: ``* logit_scale`` or Gemma 2's ``final_logit_softcapping`` (read from transformers 5's sources). Other classes

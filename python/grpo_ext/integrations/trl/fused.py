@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ... import ops
 from ...results import GRPOLossOutput
-from ...trainer import tied_embedding
+from ...ops import tied_embedding
 from . import compat
 from .log_probs import _compute_dtype, _GrpoExtLogProbs, full_logits_log_probs, full_logits_log_probs_and_entropy
 
@@ -71,7 +71,7 @@ _REQUEST: contextvars.ContextVar[FusedLossRequest | None] = contextvars.ContextV
 @contextlib.contextmanager
 def tied_lookup_during(model: torch.nn.Module, request: FusedLossRequest) -> Iterator[None]:
     """While open, a trained tied input embedding of ``model`` (a plain ``nn.Embedding`` whose weight is the LM
-    head's) looks its tokens up through :func:`grpo_ext.trainer.tied_embedding.tied_lookup`, so that the fused loss
+    head's) looks its tokens up through :func:`grpo_ext.ops.tied_embedding.tied_lookup`, so that the fused loss
     of ``request`` hands autograd one ``[V, H]`` gradient of that weight instead of two (the embedding's rows are
     added into the head's in place; README, "Tied embeddings"). Any other model runs as it is."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
