@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..ops import tied_embedding
 from ..ops.lm_head import chunk_rows, project
 from ..results import GRPOLossOutput
-from ..ops import tied_embedding
 
 #: transformers classes whose forward is exactly ``lm_head(base_model(...).last_hidden_state)``, then Cohere's
 #: ``* logit_scale`` or Gemma 2's ``final_logit_softcapping`` (read from transformers 5's sources). Other classes

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from ... import ops
-from ...results import GRPOLossOutput
 from ...ops import tied_embedding
+from ...results import GRPOLossOutput
 from . import compat
 from .log_probs import _compute_dtype, _GrpoExtLogProbs, full_logits_log_probs, full_logits_log_probs_and_entropy
 
