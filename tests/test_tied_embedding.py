@@ -86,6 +86,13 @@ def test_tied_lookup_gives_the_model_s_gradients_with_one_weight_gradient(monkey
     assert peak["own"] - peak["shared"] >= weight_bytes - 4 * lookup_rows_bytes, peak
 
 
+def test_tied_lookup_is_deterministic(monkeypatch):
+    """Two runs of the same micro-batch give bit-identical gradients (the rows added in a fixed order)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    runs = [loss_and_grads(tiny_qwen2(), True, monkeypatch)[0] for _ in range(2)]
+    assert all(torch.equal(runs[0][name], runs[1][name]) for name in runs[0])
+
+
 def test_tied_lookup_falls_back_to_the_dense_gradient():
     """No head gradient handed over (the alias never used): the lookup's backward returns nn.Embedding's gradient,
     the padding row's 0."""

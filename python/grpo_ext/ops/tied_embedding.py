@@ -6,8 +6,8 @@ forward by :func:`grpo_ext.grpo_loss_from_hidden`) and, at the end of the backwa
 ``[V, H]``, which exists only to be added to the first. Both are alive together at the step's peak (benchmarks/
 NOTES.md, "What holds the step's peak on the CPU": a third of it at Qwen2.5-0.5B's shape). Here the head's weight
 enters through an alias whose gradient hook keeps a reference to the head's gradient, and the embedding's backward
-adds its ``[N, H]`` rows into that tensor (``index_put_`` with ``accumulate=True``: deterministic on CUDA too) and
-gives autograd no gradient of its own. The weight's ``AccumulateGrad`` runs after both nodes (it waits for every
+adds its ``[N, H]`` rows into that tensor in a fixed order (:func:`_add_rows`) and gives autograd no gradient of its
+own. The weight's ``AccumulateGrad`` runs after both nodes (it waits for every
 edge into it), so DDP's gradient hooks, which fire there, see the sum; where the head's gradient never arrived (it
 did not need one), the embedding returns its dense gradient as ``nn.Embedding`` would.
 """
@@ -40,9 +40,21 @@ class _TiedLookup(torch.autograd.Function):
         ctx.sink = None  # the head's gradient now referenced by autograd's buffer alone, so AccumulateGrad steals it
         if head_grad is None:
             grad = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=rows.device)
-            return None, grad.index_put_((flat_ids,), rows.to(grad.dtype), accumulate=True), None, None
-        head_grad.index_put_((flat_ids,), rows.to(head_grad.dtype), accumulate=True)
+            _add_rows(grad, flat_ids, rows)
+            return None, grad, None, None
+        _add_rows(head_grad, flat_ids, rows)
         return None, None, None, None
+
+
+def _add_rows(target: Tensor, ids: Tensor, rows: Tensor) -> None:
+    """``target[ids[i]] += rows[i]`` in a fixed order: ``index_put_`` with ``accumulate=True`` on CUDA (sort-based;
+    ``index_add_`` there is atomic), ``index_add_`` elsewhere (serial; torch lists the CPU ``index_put_`` accumulate
+    as nondeterministic)."""
+    rows = rows.to(target.dtype)
+    if target.is_cuda:
+        target.index_put_((ids,), rows, accumulate=True)
+    else:
+        target.index_add_(0, ids, rows)
 
 
 def tied_embedding(model_body: torch.nn.Module, head_weight: Tensor) -> torch.nn.Embedding | None:
