@@ -14,6 +14,8 @@ did not need one), the embedding returns its dense gradient as ``nn.Embedding`` 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -70,7 +72,32 @@ def tied_embedding(model_body: torch.nn.Module, head_weight: Tensor) -> torch.nn
         return None
     if not head_weight.requires_grad or embedding.max_norm is not None or embedding.sparse:
         return None
+    if "forward" in embedding.__dict__:  # a forward replaced on the instance (accelerate's device hooks): leave it
+        return None
     return embedding
+
+
+@contextlib.contextmanager
+def lookups_sharing_gradient(embedding: torch.nn.Embedding, sinks: list[list[Tensor]]) -> Iterator[None]:
+    """While open, each call of ``embedding`` is a :func:`tied_lookup` (the module's hooks still run around it), and
+    its sink is appended to ``sinks``: hand the LM head :func:`head_weight_alias` of the last one after the body's
+    forward.
+
+    Args:
+        embedding: a tied embedding (:func:`tied_embedding`).
+        sinks: filled with each lookup's sink, in call order.
+    """
+
+    def forward(input_ids: Tensor) -> Tensor:
+        inputs_embeds, sink = tied_lookup(embedding, input_ids)
+        sinks.append(sink)
+        return inputs_embeds
+
+    embedding.forward = forward
+    try:
+        yield
+    finally:
+        del embedding.forward
 
 
 def tied_lookup(embedding: torch.nn.Embedding, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:

@@ -252,21 +252,20 @@ def _completion_head(model: torch.nn.Module, input_ids: Tensor, attention_mask: 
 
     Hidden state ``t`` predicts token ``t + 1``: the completion's tokens are predicted from ``prompt_len - 1`` to
     ``-2``. The compute dtype is the autocast dtype when autocast is on (as the model's own LM head would run), else
-    the hidden states'. With ``share_tied_gradient`` and a trained tied embedding, the body takes ``inputs_embeds``
-    from :func:`tied_embedding.tied_lookup` and the weight returned is its alias (one ``[V, H]`` gradient buffer
-    in the backward, not two).
+    the hidden states'. With ``share_tied_gradient`` and a trained tied embedding, the body's lookup is
+    :func:`tied_embedding.tied_lookup` and the weight returned is its alias (one ``[V, H]`` gradient buffer in the
+    backward, not two).
     """
     lm = causal_lm(model)
     body = lm.base_model
     weight, bias = lm_head_weights(lm.get_output_embeddings())
     embedding = tied_embedding.tied_embedding(body, weight) if share_tied_gradient else None
-    inputs: dict[str, Tensor] = {"input_ids": input_ids}
-    if embedding is not None and torch.is_grad_enabled():
-        inputs_embeds, sink = tied_embedding.tied_lookup(embedding, input_ids)
-        inputs = {"inputs_embeds": inputs_embeds}
-    out = body(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if "inputs_embeds" in inputs:  # made after the body: its hook runs before the lookup's backward
-        weight = tied_embedding.head_weight_alias(weight, sink)
+    sinks: list[list[Tensor]] = []
+    shared = embedding is not None and torch.is_grad_enabled()
+    with tied_embedding.lookups_sharing_gradient(embedding, sinks) if shared else nullcontext():
+        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if sinks:  # the alias made after the body: its hook runs before the lookup's backward
+        weight = tied_embedding.head_weight_alias(weight, sinks[-1])
     hidden = out.last_hidden_state[:, prompt_len - 1 : -1]
     return hidden, weight, bias, _autocast_dtype(hidden.device) or hidden.dtype
 

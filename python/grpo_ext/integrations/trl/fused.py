@@ -48,8 +48,8 @@ class FusedLossRequest:
         logps: the detached log-probs when ``want_logps``.
         token_entropy: the detached ``[B, T]`` entropies of the fused pass, set by the head.
         refusal: why the call fell back to the log-prob pass, set by the head; None when fused.
-        tied: ``(weight, sink)`` of the tied input embedding's lookup in this forward (:func:`tied_lookup_during`),
-            for the head to hand the weight's alias to the loss; None otherwise.
+        tied: ``(weight, sinks)`` of the tied input embedding and its lookups in this forward
+            (:func:`tied_lookup_during`), for the head to hand the weight's alias to the loss; None otherwise.
     """
 
     completion_ids: Tensor
@@ -62,7 +62,7 @@ class FusedLossRequest:
     output: GRPOLossOutput | None = None
     logps: Tensor | None = None
     refusal: str | None = None
-    tied: tuple[Tensor, list[Tensor]] | None = None
+    tied: tuple[Tensor, list[list[Tensor]]] | None = None
 
 
 _REQUEST: contextvars.ContextVar[FusedLossRequest | None] = contextvars.ContextVar("grpo_ext_trl_fused", default=None)
@@ -71,26 +71,18 @@ _REQUEST: contextvars.ContextVar[FusedLossRequest | None] = contextvars.ContextV
 @contextlib.contextmanager
 def tied_lookup_during(model: torch.nn.Module, request: FusedLossRequest) -> Iterator[None]:
     """While open, a trained tied input embedding of ``model`` (a plain ``nn.Embedding`` whose weight is the LM
-    head's) looks its tokens up through :func:`grpo_ext.ops.tied_embedding.tied_lookup`, so that the fused loss
-    of ``request`` hands autograd one ``[V, H]`` gradient of that weight instead of two (the embedding's rows are
-    added into the head's in place; README, "Tied embeddings"). Any other model runs as it is."""
+    head's) looks its tokens up through :func:`grpo_ext.ops.tied_embedding.tied_lookup`, so that the fused loss of
+    ``request`` hands autograd one ``[V, H]`` gradient of that weight instead of two (the embedding's rows are added
+    into the head's in place; README, "Tied embeddings"). Any other model runs as it is."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(output, "weight", None)
     embedding = tied_embedding.tied_embedding(model, weight) if isinstance(weight, Tensor) else None
     if embedding is None or not torch.is_grad_enabled():
         yield
         return
-
-    def forward(input_ids: Tensor) -> Tensor:
-        inputs_embeds, sink = tied_embedding.tied_lookup(embedding, input_ids)
-        request.tied = (embedding.weight, sink)
-        return inputs_embeds
-
-    embedding.forward = forward
-    try:
+    request.tied = (weight, [])
+    with tied_embedding.lookups_sharing_gradient(embedding, request.tied[1]):
         yield
-    finally:
-        del embedding.forward
 
 
 @contextlib.contextmanager
@@ -153,8 +145,8 @@ class GrpoExtHead:
             return _GrpoExtLogProbs.apply(*args)
 
         dtype = _compute_dtype(hidden)  # the autocast dtype when autocast is on, as TRL's head computes
-        if request.tied is not None and weight is request.tied[0]:  # made after the body: see tied_embedding
-            weight = tied_embedding.head_weight_alias(weight, request.tied[1])
+        if request.tied is not None and request.tied[1] and weight is request.tied[0]:  # after the body's lookup
+            weight = tied_embedding.head_weight_alias(weight, request.tied[1][-1])
         with torch.autocast(hidden.device.type, enabled=False):
             ids = request.completion_ids.to(hidden.device)
             if request.token_weights is not None:
