@@ -7,9 +7,9 @@ forward by :func:`grpo_ext.grpo_loss_from_hidden`) and, at the end of the backwa
 NOTES.md, "What holds the step's peak on the CPU": a third of it at Qwen2.5-0.5B's shape). Here the head's weight
 enters through an alias whose gradient hook keeps a reference to the head's gradient, and the embedding's backward
 adds its ``[N, H]`` rows into that tensor in a fixed order (:func:`_add_rows`) and gives autograd no gradient of its
-own. The weight's ``AccumulateGrad`` runs after both nodes (it waits for every
-edge into it), so DDP's gradient hooks, which fire there, see the sum; where the head's gradient never arrived (it
-did not need one), the embedding returns its dense gradient as ``nn.Embedding`` would.
+own. The weight's ``AccumulateGrad`` runs after both nodes (it waits for every edge into it), so DDP's gradient
+hooks, which fire there, see the sum; where the head's gradient never arrived (it did not need one), the embedding
+returns its dense gradient as ``nn.Embedding`` would. Used by the trainer's fused path and the TRL integration.
 """
 
 from __future__ import annotations
@@ -103,8 +103,9 @@ def lookups_sharing_gradient(embedding: torch.nn.Embedding, sinks: list[list[Ten
 def tied_lookup(embedding: torch.nn.Embedding, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:
     """``(inputs_embeds, sink)``: the lookup of ``input_ids`` ``[B, L]`` in the tied ``embedding`` (float
     ``[B, L, H]``, as ``embedding(input_ids)``), and the list through which :func:`head_weight_alias` hands it the
-    head's gradient. Call before the body's forward, and :func:`head_weight_alias` after it: autograd runs the nodes
-    made later first, so the alias's gradient (its hook) is taken before this lookup's backward runs.
+    head's gradient. Call it during the body's forward (:func:`lookups_sharing_gradient`) and
+    :func:`head_weight_alias` after it: autograd runs the nodes made later first, so the alias's gradient (its hook)
+    is taken before this lookup's backward runs.
     """
     sink: list[Tensor] = []
     return _TiedLookup.apply(input_ids, embedding.weight, sink, embedding.padding_idx), sink
