@@ -218,9 +218,9 @@ def host_profile(inputs: dict[str, Tensor], device: torch.device, calls: int = 5
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for op, from_logits in (("grpo_loss", False), ("grpo_loss_from_logits", True)):
         step = native_forward(inputs, from_logits)
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         step()
         sync()
         with torch.profiler.profile(activities=activities) as profiler:

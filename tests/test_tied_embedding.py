@@ -126,12 +126,13 @@ def test_only_a_trained_plain_tied_embedding_is_shared():
 def test_the_embedding_s_hooks_run_around_the_shared_lookup():
     """The lookup replaces the module's forward only: a forward hook (NEFTune's noise, say) still acts on its output,
     and the module's own forward is back afterwards."""
-    embedding = tiny_qwen2().get_input_embeddings()
+    model = tiny_qwen2()
+    embedding = model.get_input_embeddings()
     handle = embedding.register_forward_hook(lambda module, args, output: output + 1.0)
     ids = torch.tensor([[1, 2, 3]])
-    sinks = []
-    with tied_embedding.lookups_sharing_gradient(embedding, sinks):
+    with tied_embedding.sharing_tied_gradient(model.model, model.get_output_embeddings().weight) as lookups:
         shared = embedding(ids)
+    sinks = lookups.sinks
     assert len(sinks) == 1 and "forward" not in embedding.__dict__
     torch.testing.assert_close(shared, embedding(ids), rtol=0, atol=0)
     torch.testing.assert_close(shared, embedding.weight[ids] + 1.0, rtol=0, atol=0)

@@ -359,7 +359,6 @@ inline RowResidency with_layout_from_env(RowResidency device) {
   const bool wanted =
       single_read != nullptr && (std::strcmp(single_read, "1") == 0 || std::strcmp(single_read, "small-blocks") == 0);
   if (!wanted) device.max_cluster_blocks = 0;
-  device.max_threads = 0;
   if (const char* threads = std::getenv("GRPO_EXT_LOGITS_THREADS")) {
     if (std::strcmp(threads, "128") == 0) device.max_threads = 128;
     if (std::strcmp(threads, "256") == 0) device.max_threads = 256;

@@ -77,44 +77,58 @@ def tied_embedding(model_body: torch.nn.Module, head_weight: Tensor) -> torch.nn
     return embedding
 
 
+class SharedTiedGradient:
+    """The lookups of a tied embedding during one body forward (:func:`sharing_tied_gradient`), and the alias of its
+    weight to hand the LM head after it."""
+
+    def __init__(self, embedding: torch.nn.Embedding) -> None:
+        self.embedding = embedding
+        self.sinks: list[list[Tensor]] = []  # each lookup's sink, in call order
+
+    def head_weight(self, weight: Tensor) -> Tensor:
+        """``weight`` as the LM head should take it: the tied weight's alias whose gradient (the head's) goes to the
+        last lookup's backward to add its rows into, and on to the weight; ``weight`` itself when it is not the tied
+        one or no lookup ran. Call after the body's forward: autograd runs the nodes made later first, so the alias's
+        gradient (its hook) is taken before the lookup's backward runs."""
+        if not self.sinks or weight is not self.embedding.weight or not torch.is_grad_enabled():
+            return weight
+        alias = weight.view_as(weight)
+        alias.register_hook(self.sinks[-1].append)
+        return alias
+
+
 @contextlib.contextmanager
-def lookups_sharing_gradient(embedding: torch.nn.Embedding, sinks: list[list[Tensor]]) -> Iterator[None]:
-    """While open, each call of ``embedding`` is a :func:`tied_lookup` (the module's hooks still run around it), and
-    its sink is appended to ``sinks``: hand the LM head :func:`head_weight_alias` of the last one after the body's
-    forward.
+def sharing_tied_gradient(model_body: torch.nn.Module, head_weight: Tensor) -> Iterator[SharedTiedGradient | None]:
+    """While open, each call of the body's tied input embedding (:func:`tied_embedding`; with grad on) is a
+    :func:`tied_lookup`, the module's hooks still run around it; yields the :class:`SharedTiedGradient` whose
+    :meth:`~SharedTiedGradient.head_weight` the LM head takes after the body, or None where the model keeps its own
+    lookup.
 
     Args:
-        embedding: a tied embedding (:func:`tied_embedding`).
-        sinks: filled with each lookup's sink, in call order.
+        model_body: the causal LM's base model (or the causal LM: ``get_input_embeddings``).
+        head_weight: the LM head's weight ``[V, H]`` as the fused op takes it.
     """
+    embedding = tied_embedding(model_body, head_weight) if torch.is_grad_enabled() else None
+    if embedding is None:
+        yield None
+        return
+    shared = SharedTiedGradient(embedding)
 
     def forward(input_ids: Tensor) -> Tensor:
         inputs_embeds, sink = tied_lookup(embedding, input_ids)
-        sinks.append(sink)
+        shared.sinks.append(sink)
         return inputs_embeds
 
     embedding.forward = forward
     try:
-        yield
+        yield shared
     finally:
         del embedding.forward
 
 
 def tied_lookup(embedding: torch.nn.Embedding, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:
     """``(inputs_embeds, sink)``: the lookup of ``input_ids`` ``[B, L]`` in the tied ``embedding`` (float
-    ``[B, L, H]``, as ``embedding(input_ids)``), and the list through which :func:`head_weight_alias` hands it the
-    head's gradient. Call it during the body's forward (:func:`lookups_sharing_gradient`) and
-    :func:`head_weight_alias` after it: autograd runs the nodes made later first, so the alias's gradient (its hook)
-    is taken before this lookup's backward runs.
-    """
+    ``[B, L, H]``, as ``embedding(input_ids)``), and the list through which the head's gradient reaches its backward
+    (:meth:`SharedTiedGradient.head_weight`; without it the backward returns the dense gradient)."""
     sink: list[Tensor] = []
     return _TiedLookup.apply(input_ids, embedding.weight, sink, embedding.padding_idx), sink
-
-
-def head_weight_alias(weight: Tensor, sink: list[Tensor]) -> Tensor:
-    """An alias of the tied ``weight`` to hand the LM head: its gradient (the head's) goes into ``sink`` for the
-    lookup of :func:`tied_lookup` to add its rows into, and on to the weight."""
-    alias = weight.view_as(weight)
-    if torch.is_grad_enabled():
-        alias.register_hook(sink.append)
-    return alias

@@ -253,19 +253,16 @@ def _completion_head(model: torch.nn.Module, input_ids: Tensor, attention_mask: 
     Hidden state ``t`` predicts token ``t + 1``: the completion's tokens are predicted from ``prompt_len - 1`` to
     ``-2``. The compute dtype is the autocast dtype when autocast is on (as the model's own LM head would run), else
     the hidden states'. With ``share_tied_gradient`` and a trained tied embedding, the body's lookup is
-    :func:`tied_embedding.tied_lookup` and the weight returned is its alias (one ``[V, H]`` gradient buffer in the
-    backward, not two).
+    :func:`tied_embedding.tied_lookup` and the weight returned is its alias
+    (:func:`tied_embedding.sharing_tied_gradient`: one ``[V, H]`` gradient buffer in the backward, not two).
     """
     lm = causal_lm(model)
     body = lm.base_model
     weight, bias = lm_head_weights(lm.get_output_embeddings())
-    embedding = tied_embedding.tied_embedding(body, weight) if share_tied_gradient else None
-    sinks: list[list[Tensor]] = []
-    shared = embedding is not None and torch.is_grad_enabled()
-    with tied_embedding.lookups_sharing_gradient(embedding, sinks) if shared else nullcontext():
+    with tied_embedding.sharing_tied_gradient(body, weight) if share_tied_gradient else nullcontext() as shared:
         out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if sinks:  # the alias made after the body: its hook runs before the lookup's backward
-        weight = tied_embedding.head_weight_alias(weight, sinks[-1])
+    if shared is not None:
+        weight = shared.head_weight(weight)
     hidden = out.last_hidden_state[:, prompt_len - 1 : -1]
     return hidden, weight, bias, _autocast_dtype(hidden.device) or hidden.dtype
 

@@ -48,8 +48,8 @@ class FusedLossRequest:
         logps: the detached log-probs when ``want_logps``.
         token_entropy: the detached ``[B, T]`` entropies of the fused pass, set by the head.
         refusal: why the call fell back to the log-prob pass, set by the head; None when fused.
-        tied: ``(weight, sinks)`` of the tied input embedding and its lookups in this forward
-            (:func:`tied_lookup_during`), for the head to hand the weight's alias to the loss; None otherwise.
+        tied: the tied input embedding's lookups in this forward (:func:`tied_lookup_during`), whose weight alias
+            the head hands the loss; None otherwise.
     """
 
     completion_ids: Tensor
@@ -62,7 +62,7 @@ class FusedLossRequest:
     output: GRPOLossOutput | None = None
     logps: Tensor | None = None
     refusal: str | None = None
-    tied: tuple[Tensor, list[list[Tensor]]] | None = None
+    tied: tied_embedding.SharedTiedGradient | None = None
 
 
 _REQUEST: contextvars.ContextVar[FusedLossRequest | None] = contextvars.ContextVar("grpo_ext_trl_fused", default=None)
@@ -70,18 +70,15 @@ _REQUEST: contextvars.ContextVar[FusedLossRequest | None] = contextvars.ContextV
 
 @contextlib.contextmanager
 def tied_lookup_during(model: torch.nn.Module, request: FusedLossRequest) -> Iterator[None]:
-    """While open, a trained tied input embedding of ``model`` (a plain ``nn.Embedding`` whose weight is the LM
-    head's) looks its tokens up through :func:`grpo_ext.ops.tied_embedding.tied_lookup`, so that the fused loss of
-    ``request`` hands autograd one ``[V, H]`` gradient of that weight instead of two (the embedding's rows are added
-    into the head's in place; README, "Tied embeddings"). Any other model runs as it is."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(output, "weight", None)
-    embedding = tied_embedding.tied_embedding(model, weight) if isinstance(weight, Tensor) else None
-    if embedding is None or not torch.is_grad_enabled():
+    """While open, a trained tied input embedding of ``model`` looks its tokens up so that the fused loss of
+    ``request`` hands autograd one ``[V, H]`` gradient of that weight instead of two
+    (:func:`grpo_ext.ops.tied_embedding.sharing_tied_gradient`; README, "Tied embeddings"). Any other model runs as
+    it is."""
+    weight = getattr(model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None, "weight", None)
+    if not isinstance(weight, Tensor):
         yield
         return
-    request.tied = (weight, [])
-    with tied_embedding.lookups_sharing_gradient(embedding, request.tied[1]):
+    with tied_embedding.sharing_tied_gradient(model, weight) as request.tied:
         yield
 
 
@@ -145,8 +142,8 @@ class GrpoExtHead:
             return _GrpoExtLogProbs.apply(*args)
 
         dtype = _compute_dtype(hidden)  # the autocast dtype when autocast is on, as TRL's head computes
-        if request.tied is not None and request.tied[1] and weight is request.tied[0]:  # after the body's lookup
-            weight = tied_embedding.head_weight_alias(weight, request.tied[1][-1])
+        if request.tied is not None:  # after the body's lookup
+            weight = request.tied.head_weight(weight)
         with torch.autocast(hidden.device.type, enabled=False):
             ids = request.completion_ids.to(hidden.device)
             if request.token_weights is not None:
