@@ -185,15 +185,15 @@ def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):
     import transformers
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import bench_trainer
     import step_profile
+    import trainer_step
 
     config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                       attn_implementation="sdpa")  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).train()
-    bench_trainer.enable_checkpointing(model)  # use_reentrant=False, as transformers' Trainer.train()
+    trainer_step.enable_checkpointing(model)  # use_reentrant=False, as transformers' Trainer.train()
     optimizer = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, 64, (2, 12))
     markers = step_profile.StepMarkers(model)
