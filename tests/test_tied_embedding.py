@@ -121,6 +121,21 @@ def test_only_a_trained_plain_tied_embedding_is_shared():
     head.requires_grad_(True)
     tied.model.embed_tokens.forward = tied.model.embed_tokens.forward  # as accelerate's device hooks replace it
     assert tied_embedding.tied_embedding(tied.model, head) is None
+    del tied.model.embed_tokens.forward
+    # a wrapper class that keeps nn.Embedding's forward (FSDP2's FSDPEmbedding) is a plain lookup; one with a forward
+    # of its own (Gemma's scaled lookup) is not
+    class WrappedEmbedding(torch.nn.Embedding):
+        pass
+
+    class ScaledEmbedding(torch.nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return 2.0 * super().forward(ids)
+
+    embedding = tied.model.embed_tokens
+    embedding.__class__ = WrappedEmbedding  # as fully_shard swaps it
+    assert tied_embedding.tied_embedding(tied.model, head) is embedding
+    embedding.__class__ = ScaledEmbedding
+    assert tied_embedding.tied_embedding(tied.model, head) is None
 
 
 def test_the_embedding_s_hooks_run_around_the_shared_lookup():

@@ -75,9 +75,9 @@ CASES: dict[str, dict[str, Any]] = {
     "entropy_grpo_fsdp2": dict(
         config=dict(loss_type="grpo", beta=0.04, **ENTROPY), backend="fsdp2", attrs=dict(_last_world_entropy=0.0)
     ),
-    # tied embeddings: under DDP the embedding's gradient rows go into the LM head's gradient in place, before the
-    # weight's gradient hook (the all-reduce) fires (grpo_ext/ops/tied_embedding.py); accelerate's FSDP2 wraps the
-    # embedding module itself (FSDPEmbedding), which keeps its own lookup: the same numbers either way
+    # tied embeddings: the embedding's gradient rows go into the LM head's gradient in place
+    # (grpo_ext/ops/tied_embedding.py), before DDP's gradient hook (the all-reduce) fires, and before FSDP2's
+    # reduce-scatter (accelerate wraps the embedding, final norm and LM head as one unit: FSDPEmbedding)
     "tied_dapo_ddp": dict(config=dict(loss_type="dapo", beta=0.04), backend="ddp", arch="qwen2_tied"),
     "tied_grpo_fsdp2": dict(config=dict(loss_type="grpo", beta=0.04), backend="fsdp2", arch="qwen2_tied"),
 }
@@ -205,8 +205,10 @@ def test_two_processes_match_trl_and_one_process(runs, name):
         assert setup["wrapper"] == "DistributedDataParallel"
 
     for rank in ranks:
-        # TRL's code never reached grpo_ext; the patched one took the fused path, once
+        # TRL's code never reached grpo_ext; the patched one took the fused path, once, and a tied model's lookup
         assert rank[name]["trl"]["fused_calls"] == 0 and rank[name]["grpo_ext"]["fused_calls"] == 1
+        tied = case.get("arch") == "qwen2_tied"
+        assert (rank[name]["trl"]["tied_lookups"], rank[name]["grpo_ext"]["tied_lookups"]) == (0, int(tied))
         for impl in ("trl", "grpo_ext"):
             # the replicas' gradients are the same reduced values, the metrics the same reduced numbers
             for param, grad in rank[name][impl]["grads"].items():

@@ -276,6 +276,46 @@ def test_fused_path_projects_only_completion_rows_one_chunk_at_a_time(tokenizer,
     assert sum(projected_rows) == int((inputs["completion_mask"] != 0).sum()) < B * T
 
 
+def test_torch_compiled_tied_model_matches_trl(tokenizer, tmp_path, grpo_ext_calls):
+    """``torch_compile=True`` (the model compiled by accelerate's prepare, as transformers' Trainer does) with a tied
+    embedding: the patched, compiled model gives TRL's eager loss and gradients over two steps, and the tied lookup
+    runs outside dynamo's graph, so that its backward adds its rows into the fused head's gradient (traced, it would
+    bake in the dense fallback: the sink is empty at trace time). aot_eager, so that the backward's aten ops are
+    visible here; what dynamo traces is the same under TRL's default inductor."""
+    model_dir = save_model(tmp_path / "qwen2_tied", tokenizer, "qwen2_tied")
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, loss_type="dapo", beta=0.04, torch_compile=True,
+                           torch_compile_backend="aot_eager")  # fmt: skip
+    inputs = make_inputs(trainer)
+    expected = loss_and_grads(trainer, inputs)
+    weight = trainer.model.get_input_embeddings().weight
+    weight_sized: list[str] = []  # the backward's aten ops with an output the weight's shape
+
+    class RecordWeightSized(TorchDispatchMode):  # sees the compiled backward's aten ops too, without tracing anything
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            weight_sized.extend(str(func) for t in torch.utils._pytree.tree_leaves(out)
+                                if isinstance(t, torch.Tensor) and t.shape == weight.shape)  # fmt: skip
+            return out
+
+    grpo_trl.patch(trainer)
+    compiled = trainer.accelerator.prepare(trainer.model)
+    assert compiled is not trainer.model and hasattr(compiled, "_orig_mod")  # really compiled
+    for step in (1, 2):
+        trainer.model.zero_grad(set_to_none=True)
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(compiled, inputs)
+        weight_sized.clear()
+        with RecordWeightSized():
+            loss.backward()
+        grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+        metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+        assert_same(expected, (loss.detach(), grads, metrics))
+        # the embedding's rows added in place into the fused head's gradient (made in the forward): no dense
+        # embedding gradient (zeros, index_add) and no sum of two (add), as when dynamo traced the lookup
+        assert grpo_ext_calls.grpo_loss_from_hidden == step and "aten.index_add_.default" in weight_sized
+        assert not {"aten.zeros.default", "aten.index_add.default", "aten.add.Tensor"} & set(weight_sized)
+
+
 def test_fused_path_on_trl_compact_rows(llama_dir, tokenizer, tmp_path, monkeypatch, grpo_ext_calls):
     """On Triton devices TRL hands the head only the labelled rows: scattered back, the loss is still TRL's."""
     trainer = make_trainer(llama_dir, tokenizer, tmp_path, loss_type="dapo", beta=0.04)

@@ -24,6 +24,7 @@ torch.set_num_threads(1)  # two ranks share the CI machine's cores
 
 import grpo_ext  # noqa: E402
 from grpo_ext.integrations import trl as grpo_trl  # noqa: E402
+from grpo_ext.ops import tied_embedding  # noqa: E402
 from grpo_ext.trainer.demo import build_tokenizer  # noqa: E402
 
 # The script's folder (tests/) is sys.path[0]: the TRL tests' helpers (tests/trl_utils.py) are importable.
@@ -76,11 +77,12 @@ def step(trainer, model: torch.nn.Module, batch: dict[str, Any], calls: list[int
     """One ``compute_loss`` + backward from zero gradients through the wrapped model."""
     trainer.model.zero_grad(set_to_none=True)
     trainer._metrics["train"].clear()
-    before = calls[0]
+    before = list(calls)
     loss = trainer.compute_loss(model, batch)
     loss.backward()
     return dict(
-        loss=loss.detach(), grads=full_grads(trainer.model), fused_calls=calls[0] - before,
+        loss=loss.detach(), grads=full_grads(trainer.model), fused_calls=calls[0] - before[0],
+        tied_lookups=calls[1] - before[1],
         metrics={name: values[-1] for name, values in trainer._metrics["train"].items()},
         entropy_control=entropy_control_state(trainer),
     )  # fmt: skip
@@ -135,15 +137,21 @@ def main() -> None:
     args = parser.parse_args()
     spec = torch.load(args.spec, weights_only=False)
     out = Path(args.out)
-    # counts grpo_loss_from_hidden calls, so a patch that did nothing cannot pass (fused.py calls it through ops)
-    calls = [0]
-    fused = grpo_ext.ops.grpo_loss_from_hidden
+    # counts grpo_loss_from_hidden calls, so a patch that did nothing cannot pass (fused.py calls it through ops),
+    # and the tied embedding's lookups (sharing_tied_gradient calls tied_lookup through its module)
+    calls = [0, 0]
+    fused, lookup = grpo_ext.ops.grpo_loss_from_hidden, tied_embedding.tied_lookup
 
     def counted(*a, **kw):
         calls[0] += 1
         return fused(*a, **kw)
 
+    def counted_lookup(*a, **kw):
+        calls[1] += 1
+        return lookup(*a, **kw)
+
     grpo_ext.ops.grpo_loss_from_hidden = counted
+    tied_embedding.tied_lookup = counted_lookup
     tokenizer = build_tokenizer()
     results = {name: run_case(case, spec, tokenizer, out / name, calls) for name, case in spec["cases"].items()}
     import torch.distributed as dist

@@ -60,15 +60,19 @@ def _add_rows(target: Tensor, ids: Tensor, rows: Tensor) -> None:
 
 
 def tied_embedding(model_body: torch.nn.Module, head_weight: Tensor) -> torch.nn.Embedding | None:
-    """The body's input embedding when it is a plain ``nn.Embedding`` whose weight is ``head_weight`` and trains,
-    else None (untied, a frozen or LoRA-adapted head, a scaled or sparse embedding: the model's own lookup).
+    """The body's input embedding when it looks its tokens up as ``nn.Embedding`` does (its class's ``forward`` is
+    ``nn.Embedding.forward``: a plain one, or FSDP2's ``FSDPEmbedding`` wrapper class) with ``head_weight`` as its
+    weight, and trains; else None (untied, a frozen or LoRA-adapted head, a scaled or sparse embedding: the model's
+    own lookup).
 
     Args:
         model_body: the causal LM's base model (``get_input_embeddings``).
         head_weight: the LM head's weight ``[V, H]`` as the fused op takes it.
     """
     embedding = model_body.get_input_embeddings() if hasattr(model_body, "get_input_embeddings") else None
-    if type(embedding) is not torch.nn.Embedding or embedding.weight is not head_weight:
+    if not isinstance(embedding, torch.nn.Embedding) or type(embedding).forward is not torch.nn.Embedding.forward:
+        return None  # a subclass with a forward of its own (Gemma's scaled lookup) is not a plain lookup
+    if embedding.weight is not head_weight:
         return None
     if not head_weight.requires_grad or embedding.max_norm is not None or embedding.sparse:
         return None
@@ -119,7 +123,9 @@ def sharing_tied_gradient(model_body: torch.nn.Module, head_weight: Tensor) -> I
         shared.sinks.append(sink)
         return inputs_embeds
 
-    embedding.forward = forward
+    # Outside torch.compile's graph (a compiled model: TRL's torch_compile=True): traced, the lookup's backward would
+    # be fixed at trace time, when no head gradient has reached the sink yet, to the dense fallback.
+    embedding.forward = torch.compiler.disable(forward)
     try:
         yield shared
     finally:
