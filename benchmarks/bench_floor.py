@@ -27,8 +27,10 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
   ``trl-chunked`` (TRL 1.16's ``add_fused_lm_head`` path, as ``GRPOTrainer`` sets it up: its chunked log-probs
   and entropies, then :func:`trl_loss`; on the CPU, where it has no Triton, TRL projects every position, masked or
   not: compare it with ``grpo_ext/all-kept`` there), ``grpo_ext/all-kept`` (every token kept: the GEMMs' own work),
-  ``grpo_ext/all-kept chunk=N`` (one chunk) and ``grpo_ext/half-masked`` (the second half of every row masked: its
-  GEMMs should take about half the time).
+  ``grpo_ext/all-kept chunk=R`` for R = N/4, N/2 and N where R is not the default chunk (each chunk reads and writes
+  the float32 ``[V, H]`` weight-gradient accumulator; one chunk has none: its time over the default's is the
+  accumulator's cost, its peak the memory that buys it) and ``grpo_ext/half-masked`` (the second half of every row
+  masked: its GEMMs should take about half the time).
 
 ``x floor`` is a row's time over its yardstick (copy, read or gemm). Before timing, every peer of a case but
 compile (it would compile again) is run on the case's first sequences (``--check-rows`` tokens) and compared with
@@ -61,6 +63,7 @@ import fused_loss
 import grpo_ext
 from bench_grpo_loss_from_logits import liger_step
 from grpo_ext import reference
+from grpo_ext.ops.grpo_loss_from_hidden import default_chunk_size
 from harness import checks, cli, environment, peers, reporting, timing
 from logits_inputs import TEMPERATURE, first_rows, policy_logps
 from trl_style import trl_style_loss
@@ -72,7 +75,9 @@ LOGITS_CASES = (
     "8192x151936:bfloat16,16384x32000:bfloat16,2048x262144:bfloat16,32768x151936:bfloat16,4096x151936:float32"
 )
 SELECTIVE_CASES = "8192x151936:bfloat16"
-HIDDEN_CASES = "8192x151936x4096:bfloat16"
+# H 4096 (a 7B head: one chunk at N 8192) and Qwen2.5-0.5B's H 896, whose default chunks are 1024 rows (issue 39:
+# the step's head + loss at 1.44x its GEMMs on an H200; the chunk sweep below tells the accumulator's share)
+HIDDEN_CASES = "8192x151936x4096:bfloat16,8192x151936x896:bfloat16"
 QUICK = {"logits": "64x96:float32,64x96:bfloat16", "selective": "64x96:bfloat16", "hidden": "64x96x32:float32"}
 # The CPU's defaults: sizes where the CPU kernels, TRL's chunked path and the GEMMs do real work (a few minutes on 2
 # cores, the float64 checks included).
@@ -459,9 +464,12 @@ def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: 
     trl_step, reason = trl_fused_head_step(hidden, inputs["weight"], inputs)
     if reason:
         notes["trl-chunked"] = reason
+    default_rows = default_chunk_size(flat_h, inputs["weight"])
+    sweep_rows = [r for r in dict.fromkeys((rows_n // 4, rows_n // 2, rows_n)) if r > 0 and r != default_rows]
+    chunk_sweep = {f"grpo_ext/all-kept chunk={r}": fused(mask=kept, chunk_size=r) for r in sweep_rows}
     steps: dict[str, Step | None] = {
-        "gemm": gemm, "grpo_ext": fused(), "trl-chunked": trl_step, "grpo_ext/all-kept": fused(mask=kept),
-        f"grpo_ext/all-kept chunk={rows_n}": fused(mask=kept, chunk_size=rows_n),
+        "gemm": gemm, "grpo_ext": fused(), "trl-chunked": trl_step,
+        f"grpo_ext/all-kept (chunk={default_rows})": fused(mask=kept), **chunk_sweep,
         "grpo_ext/half-masked": fused(mask=half),
     }  # fmt: skip
     small = first_rows(inputs, args.check_rows)
@@ -480,7 +488,7 @@ def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: 
                                                       return_entropy=True).entropy  # fmt: skip
         truths["trl-chunked"] = truth_all | {"entropy": entropy * small["mask"]}  # 0 where masked, as TRL's
     check(case, steps, notes, small_steps, truths.__getitem__, dtype, small["batch"] * small["length"])
-    for name in ("grpo_ext/all-kept", f"grpo_ext/all-kept chunk={rows_n}", "grpo_ext/half-masked"):
+    for name in (f"grpo_ext/all-kept (chunk={default_rows})", *chunk_sweep, "grpo_ext/half-masked"):
         if steps["grpo_ext"] is None:
             steps[name], notes[name] = None, notes["grpo_ext"]
     return time_rows(case, steps, notes, {name: "gemm" for name in steps}, device, args.target_s)

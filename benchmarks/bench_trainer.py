@@ -69,6 +69,9 @@ Figures per contender, case by case:
   ``torch.profiler``'s memory events); what is alive at its peak, summed by the innermost Python frame outside torch
   that allocated it (``memory_sites.py``): where a contender's peak above another's comes from.
 
+``--hidden-chunk-rows R``: the grpo_ext contenders' ``grpo_loss_from_hidden`` in chunks of R rows instead of its
+default (the case name gets ``chunk=R``): the step's time and peak against the chunk length.
+
 ``--max-logits-gib`` skips a contender (n/a) whose step would hold the ``[B, P + T, V]`` float32 logits above that
 size (the plain path on a small machine).
 
@@ -286,6 +289,10 @@ def main() -> None:
     parser.add_argument("--memory-sites", action="store_true",
                         help="CUDA: one more step with the allocator's history recorded; what is alive at its peak, "
                              "by the code that allocated it (memory_sites.py)")  # fmt: skip
+    parser.add_argument("--hidden-chunk-rows", type=int, default=None,
+                        help="rows per chunk of grpo_loss_from_hidden in the grpo_ext contenders (default: the op's "
+                             "own rule, default_chunk_size): longer chunks read and write the float32 weight-gradient "
+                             "accumulator fewer times, for a chunk of logits that much larger")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per contender and case")
     parser.add_argument("--options", default=None,
                         help="KEY=VALUE,... loss options of every contender's config (e.g. entropy_coef=0.01)")
@@ -320,7 +327,10 @@ def main() -> None:
         dims, batch=args.batch or (4 if quick else 8), prompt_length=args.prompt_length or (4 if quick else 32),
         steps=args.steps or (1 if quick else 3), seed=args.seed, device=str(device), generation=not args.no_generation,
         options=parse_options(args.options), profile=args.profile, memory_sites=args.memory_sites,
+        hidden_chunk_rows=args.hidden_chunk_rows,
     )  # fmt: skip
+    if args.hidden_chunk_rows is not None and args.hidden_chunk_rows < 1:
+        raise SystemExit(f"--hidden-chunk-rows must be >= 1, got {args.hidden_chunk_rows}")
     if shape["batch"] % NUM_GENERATIONS:
         raise SystemExit(f"--batch must be a multiple of num_generations={NUM_GENERATIONS}")
     settings_on = {"off": [False], "on": [True], "both": [True, False]}[args.gradient_checkpointing]
@@ -343,6 +353,8 @@ def main() -> None:
                                  f"H={shape['hidden']} L={shape['layers']} {precision} beta={beta:g}")  # fmt: skip
                     if shape["options"]:
                         case_name += " " + " ".join(f"{key}={value}" for key, value in shape["options"].items())
+                    if shape["hidden_chunk_rows"]:
+                        case_name += f" chunk={shape['hidden_chunk_rows']}"
                     logits_gib = shape["batch"] * (shape["prompt_length"] + length) * vocab * 4 / 2**30
                     for label, contender, checkpointing in contenders:
                         full_logits = contender in ("grpo_ext/plain", "grpo_ext/torch", "grpo_ext/grpo_ext")

@@ -275,6 +275,11 @@ def run_child(case: dict[str, Any]) -> dict[str, Any]:
     """
     device = torch.device(case["device"])
     torch.manual_seed(case["seed"])
+    if case.get("hidden_chunk_rows"):  # the op's default for every caller in this process (trainer, TRL integration)
+        import grpo_ext.ops.grpo_loss_from_hidden  # noqa: F401 (the module; the package's name is the function)
+
+        hidden_op = sys.modules["grpo_ext.ops.grpo_loss_from_hidden"]
+        hidden_op.default_chunk_size = lambda *_: case["hidden_chunk_rows"]
     tokenizer = build_tokenizer(case["vocab"])
     model = build_model(case, tokenizer, device)
     ref_logps = reference_logps(model, fixed_batch(case, device), case["seed"] + 2) if case["beta"] else None
