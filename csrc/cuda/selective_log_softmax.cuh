@@ -192,10 +192,11 @@ __global__ void __launch_bounds__(1024)
       for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) out[v] = to_out<Out, T>(T(0));
       continue;
     }
-    const auto grad = [&](int64_t v, T logit) {
+    // v: a RowIndex (vector_io.cuh), so that the chosen-token test is one 64-bit compare a vector, not one an element
+    const auto grad = [&](RowIndex v, T logit) {
       const T z = f.template z_with<kCap>(logit);
       const T p = softmax_exp(z - lse);
-      const T onehot = v == id ? gl : T(0);
+      const T onehot = select_computed(v.is(id), gl, T(0));
       const T spread = p > T(0) ? p * (z - mean_z) : T(0);  // a -inf logit: p = 0, and not 0 * -inf
       return (onehot - gl * p - gh * spread) * f.template slope_with<kCap>(z);
     };
@@ -207,7 +208,7 @@ __global__ void __launch_bounds__(1024)
                                          grad);
     } else {
       for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x)
-        out[v] = to_out<Out, T>(grad(v, logits.load<T>(row, v)));
+        out[v] = to_out<Out, T>(grad(RowIndex{v, 0}, logits.load<T>(row, v)));
     }
   }
 }

@@ -177,6 +177,9 @@ MUTATIONS = [
              "runs before it in its batch", "cuda/group_rows.cuh",
              "int start = carry + block_inclusive_scan(run, scratch, batch_total) - run;",
              "int start = carry + 0 * block_inclusive_scan(run, scratch, batch_total);"),
+    Mutation("wrong index", "softmax backward: the chosen token's onehot on the element after it",
+             "cuda/selective_log_softmax.cuh", "select_computed(v.is(id), gl, T(0))",
+             "select_computed(v.is(id + 1), gl, T(0))"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).
