@@ -464,7 +464,7 @@ def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: 
     trl_step, reason = trl_fused_head_step(hidden, inputs["weight"], inputs)
     if reason:
         notes["trl-chunked"] = reason
-    default_rows = default_chunk_size(flat_h, inputs["weight"])
+    default_rows = default_chunk_size(flat_h, weight)  # the leaf the op differentiates
     sweep_rows = [r for r in dict.fromkeys((rows_n // 4, rows_n // 2, rows_n)) if r > 0 and r != default_rows]
     chunk_sweep = {f"grpo_ext/all-kept chunk={r}": fused(mask=kept, chunk_size=r) for r in sweep_rows}
     steps: dict[str, Step | None] = {

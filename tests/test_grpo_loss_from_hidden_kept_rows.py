@@ -5,6 +5,7 @@ reference; the default chunk from the weight gradient's size."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import grpo_ext
-from conftest import assert_close
+from conftest import DEVICES, assert_close
 from grpo_ext import reference
 from grpo_ext.ops.grpo_loss_from_hidden import default_chunk_size, hidden_loss
 from grpo_ext.validation.options import LOSS_TYPES
@@ -45,6 +46,108 @@ def test_default_chunk_holds_as_many_logits_as_the_weight_gradient(device):
     assert chosen(10**6, 151936, 512, torch.float32) == 512  # a chunk of float32 logits = the weight gradient
     assert chosen(10**6, 32000, 64, torch.float32) == 2048  # the 256 MiB floor
     assert chosen(100, 32000, 64, torch.float32) == 100
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_one_chunk_where_it_peaks_no_higher(device):
+    """With a weight gradient, every row goes in one chunk up to the rule's chunk + H rows (a half-width compute
+    weight, or a master weight of twice the compute width): past the chunk, the chunked path holds a [V, H] buffer
+    in the compute dtype that one chunk does not (the cast, or the narrowed accumulator). float32 GEMMs on a float32
+    weight save nothing, and nor does a frozen weight."""
+
+    def chosen(rows: int, weight_dtype: torch.dtype, compute: torch.dtype, weight_grad: bool, size: int = 896) -> int:
+        with FakeTensorMode():
+            hidden = torch.empty(rows, size, dtype=compute, device=device)
+            weight = torch.empty(151936, size, dtype=weight_dtype, device=device)
+            return default_chunk_size(hidden, weight, weight_grad=weight_grad)
+
+    for weight_dtype in (torch.bfloat16, torch.float32):  # a bf16 weight; a float32 master weight under bf16 GEMMs
+        assert chosen(1024 + 896, weight_dtype, torch.bfloat16, True) == 1024 + 896
+        assert chosen(1024 + 897, weight_dtype, torch.bfloat16, True) == 1024
+        assert chosen(1024 + 896, weight_dtype, torch.bfloat16, False) == 1024  # no gradient, no saving
+        assert chosen(8192, weight_dtype, torch.bfloat16, True) == 1024  # the 0.5B step at T 1024: still chunked
+    assert chosen(513, torch.float32, torch.float32, True, size=512) == 512  # float32 throughout: nothing saved
+    # grad mode and requires_grad when not told
+    with FakeTensorMode():
+        hidden = torch.empty(1024 + 896, 896, dtype=torch.bfloat16, device=device)
+        weight = torch.empty(151936, 896, dtype=torch.bfloat16, device=device, requires_grad=True)
+        assert default_chunk_size(hidden, weight) == 1024 + 896
+        with torch.no_grad():
+            assert default_chunk_size(hidden, weight) == 1024
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_one_chunk_peak_is_no_higher_than_the_chunked_one(device, weight_dtype, monkeypatch):
+    """The claim behind the rule above, measured: the default's one chunk (chunk + H/2 rows) against the rule's
+    chunk forced, bf16 GEMMs, a bf16 or float32 master weight: the same gradients (to bf16 rounding of the order)
+    and a peak no higher (CPU: the profiler's allocation trace; CUDA: the allocator's peak)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import memory_sites
+
+    # the rule without its 256 MiB floor, so that a small head has several chunks: 128 rows of V 4096 here
+    monkeypatch.setattr(hidden_module(), "hidden_chunk_budget", lambda vocab, size: vocab * size * 4)
+    batch, length, size, vocab = 11, 16, 64, 4096  # 176 rows = 128 + 48
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(batch, length, size, generator=g).to(device)
+    weight = (0.3 * torch.randn(vocab, size, generator=g)).to(device, weight_dtype)
+    ids = torch.randint(0, vocab, (batch, length), generator=g).to(device)
+    adv, mask = torch.randn(batch, generator=g).to(device), torch.ones(batch, length, device=device)
+    assert default_chunk_size(hidden.to(torch.bfloat16), weight.requires_grad_(True)) == batch * length
+
+    def peak_and_grads(chunk_size):
+        h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+
+        def step():
+            loss = grpo_ext.grpo_loss_from_hidden(h, w, ids, adv, mask, compute_dtype=torch.bfloat16,
+                                                  chunk_size=chunk_size).loss  # fmt: skip
+            loss.backward()
+
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base, (h.grad, w.grad)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        trace = memory_sites.profiler_trace(prof)
+        return memory_sites.peak_sites({"device_traces": [trace]})["peak_bytes"], (h.grad, w.grad)
+
+    one, one_grads = peak_and_grads(None)
+    chunked, chunked_grads = peak_and_grads(128)
+    for a, b in zip(one_grads, chunked_grads, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+    assert one <= chunked, (one, chunked)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_one_chunk_of_logits_alive_at_a_time(level, monkeypatch):
+    """Each chunk's logits are freed before the next chunk's are projected (sequence-level losses: in both passes):
+    rebinding the name kept two chunks alive at each projection, one chunk of logits above the peak."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import memory_sites
+
+    batch, length, size, vocab, chunk = 8, 32, 16, 2000, 64
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(batch, length, size, generator=g, requires_grad=True)
+    weight = (0.3 * torch.randn(vocab, size, generator=g)).requires_grad_(True)
+    ids, adv = torch.randint(0, vocab, (batch, length), generator=g), torch.randn(batch, generator=g)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                with_stack=True) as prof:  # fmt: skip
+        out = grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, torch.ones(batch, length), chunk_size=chunk,
+                                             importance_sampling_level=level)  # fmt: skip
+    alive, most, projected = set(), 0, 0
+    for event in memory_sites.profiler_trace(prof):
+        if event["action"] == "alloc" and any(f["name"].startswith("project") for f in event["frames"]):
+            alive.add(event["addr"])
+            projected += 1
+        elif event["action"] == "free_completed":
+            alive.discard(event["addr"])
+        most = max(most, len(alive))
+    assert projected == batch * length // chunk * (2 if level == "sequence" else 1) and most == 1
+    assert torch.isfinite(out.loss)
 
 
 def hidden_module():

@@ -62,20 +62,43 @@ def _write_ref_logps(ref_head: RefHead, pieces: list[Segment], ids: Tensor, logi
     put_rows(out, pieces, selective_log_softmax(logits, ids, **logit._asdict()).logps)
 
 
-def default_chunk_size(hidden: Tensor, lm_head_weight: Tensor) -> int:
+def default_chunk_size(hidden: Tensor, lm_head_weight: Tensor, weight_grad: bool | None = None) -> int:
     """grpo_loss_from_hidden's ``chunk_size`` when None: the largest power of two of rows whose logits fit in
-    ``lm_head.hidden_chunk_budget`` (the float32 ``[V, H]`` weight gradient's size, at least 256 MiB), on any device.
+    ``lm_head.hidden_chunk_budget`` (the float32 ``[V, H]`` weight gradient's size, at least 256 MiB), on any device;
+    or every row in one chunk where those logits take no more than what the chunked path holds beyond a chunk's.
 
-    A pure function of the shapes and dtype (no data is read; fake or meta tensors do).
+    With a weight gradient, more than one chunk costs a ``[V, H]`` buffer in the compute dtype that one chunk does
+    without (:func:`_one_chunk_saving`): a master weight's cast, which one chunk makes inside its gradient's buffer,
+    or the float32 accumulator's narrowed copy, where one chunk's product is the gradient. So up to ``chunk + H``
+    rows one chunk peaks no higher, and it is faster (no accumulator traffic, one longer GEMM): 1024 + 896 rows at
+    Qwen2.5-0.5B's head in bf16, where the rule alone stopped at 1024 (benchmarks/NOTES.md, "The head at H 896").
+
+    A pure function of the shapes, dtypes and grad flags (no data is read; fake or meta tensors do).
 
     Args:
-        hidden: ``[B, T, H]`` or ``[N, H]``.
-        lm_head_weight: ``[V, H]``.
+        hidden: ``[B, T, H]`` or ``[N, H]``, in the compute dtype.
+        lm_head_weight: ``[V, H]``, in its own dtype (a float32 master weight under bf16 GEMMs, say).
+        weight_grad: whether the op computes the weight's gradient (None: grad mode and ``requires_grad``).
     """
     size = hidden.shape[-1]
     rows = hidden.numel() // size if size else 0
     vocab = lm_head_weight.shape[0]
-    return chunk_rows(rows, vocab, hidden.element_size(), hidden_chunk_budget(vocab, size))
+    chunk = chunk_rows(rows, vocab, hidden.element_size(), hidden_chunk_budget(vocab, size))
+    if weight_grad is None:
+        weight_grad = torch.is_grad_enabled() and lm_head_weight.requires_grad
+    saving_rows = _one_chunk_saving(hidden, lm_head_weight) // max(1, vocab * hidden.element_size())
+    return rows if weight_grad and rows <= chunk + saving_rows else chunk
+
+
+def _one_chunk_saving(hidden: Tensor, weight: Tensor) -> int:
+    """Bytes the chunked path holds, beside its float32 accumulator and a chunk of logits, that one chunk does not
+    (see _hidden_loss_forward): a master weight of twice the compute width is cast into one chunk's gradient buffer
+    (lm_head.SharedWeightGradient) but into a buffer of its own beside the accumulator; a half-precision weight's
+    gradient is one chunk's product, but the accumulator narrowed into a new buffer after several. Either is
+    ``[V, H]`` in the compute dtype. 0 otherwise (float32 weights and GEMMs: the accumulator is the gradient)."""
+    cast_shared = weight.element_size() == 2 * hidden.element_size()
+    narrowed = weight.dtype == hidden.dtype and accumulate_dtype(hidden.dtype) != hidden.dtype
+    return weight.numel() * hidden.element_size() if cast_shared or narrowed else 0
 
 
 def _hidden_loss_forward(
@@ -198,6 +221,8 @@ def _hidden_loss_forward(
         run_passes(logits, pieces, chunk_ids, None, grad_now)
         if grad_now:
             backward_through_chunk(pieces, chunk_hidden, logits)  # the logits buffer holds the gradient now
+        # freed before the next chunk's are made: rebinding would keep two chunks of logits alive at its projection
+        del logits, chunk_hidden
     loss, metrics, grad_raw, grad_scale = ops.grpo_loss_forward(
         logps.view(batch, length), advantages, completion_mask, *option_args, two_phase
     )
@@ -208,6 +233,7 @@ def _hidden_loss_forward(
             logits = project(chunk_hidden, weight, bias)
             run_passes(logits, pieces, take_rows(ids, pieces), token_grad, True)
             backward_through_chunk(pieces, chunk_hidden, logits)
+            del logits, chunk_hidden  # as above
     if shared is not None:
         grad_weight = widen_in_place(shared)
     if need_weight and grad_weight is None:  # no row at all

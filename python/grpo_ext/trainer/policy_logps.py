@@ -294,6 +294,7 @@ def fused_token_logps(wrapper: torch.nn.Module, model: torch.nn.Module, batch: d
                 )  # fmt: skip
                 logps.append(chunk.logps)
                 entropy.append(chunk.entropy.detach() if with_entropy else chunk.logps.new_empty(0))
+                del logits, chunk  # before the next chunk's logits exist (not two chunks alive at once)
         return torch.cat(logps).view_as(completion_ids), torch.cat(entropy)
 
     logps, entropy = call_through(*redirect_target(wrapper, model), forward, *model_inputs(batch))

@@ -98,6 +98,7 @@ class _GrpoExtLogProbs(torch.autograd.Function):
                 logps_chunks.append(chunk.logps)
                 if want_entropy:
                     entropy_chunks.append(chunk.entropy)
+                del logits, chunk  # before the next chunk's logits exist (not two chunks alive at once)
         out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         if not logps_chunks:  # no row to score (every label ignored): empty outputs, still part of the graph
             empty = hidden.new_zeros((0,), dtype=out_dtype)
@@ -149,6 +150,7 @@ class _GrpoExtLogProbs(torch.autograd.Function):
                     grad_weight.addmm_(grad_raw.t(), hidden_c.to(acc))
                 if grad_bias is not None:
                     grad_bias += grad_raw.sum(dim=0)
+                del raw, chunk, terms, grad_raw  # likewise
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
