@@ -34,8 +34,9 @@ def hidden_chunk_budget(vocab: int, size: int) -> int:
     The same rule on CPU and CUDA. Each chunk pays a read and write of the ``[V, H]`` float32 accumulator and
     small-M GEMM blocking, so fewer, larger chunks are faster on both (an H100, N=8192, H=4096, V=151936 in bf16:
     70.4 ms with 256 MiB chunks, 48.6 ms with this rule's 8192 rows, against 41.3 ms for the three GEMMs). The peak
-    stays flat in N, at most twice the weight gradient, and when one chunk covers every row it is lower (the weight
-    gradient is then written in the weight's dtype, with no float32 accumulator: 3.87 GB against 3.96 GB there).
+    stays flat in N: the weight gradient, a chunk of logits at most its size, and a master weight's cast; where one
+    chunk covers every row it is lower (the weight gradient is then written in the weight's dtype, with no float32
+    accumulator: 3.87 GB against 3.96 GB there), which ``default_chunk_size`` takes up to chunk + H rows.
     """
     return max(LOGITS_CHUNK_BYTES, vocab * size * 4)
 
