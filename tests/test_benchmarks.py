@@ -246,10 +246,11 @@ def test_trainer_profile_gives_each_op_the_part_that_made_it(monkeypatch):
 
 def test_trainer_benchmark_with_trl_loss_options(tmp_path):
     """--options: TRL's entropy bonus and both token masks on TRL and on GRPOExtTrainer's fused path; the first-step
-    gradient norms agree (the same step), and grpo_ext's trainer, without these options, says so."""
+    gradient norms agree (the same step), and grpo_ext's trainer, without these options, says so. With
+    --hidden-chunk-rows 16 the fused loss runs its 64 rows in 4 chunks: still the same step."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(BENCHMARKS / "bench_trainer.py"), "--quick", "--device", "cpu", "--out", str(out),
-           "--no-generation", "--contenders", "grpo_ext/fused,trl,trl+grpo_ext/fused",
+           "--no-generation", "--contenders", "grpo_ext/fused,trl,trl+grpo_ext/fused", "--hidden-chunk-rows", "16",
            "--options", "entropy_coef=0.01,top_entropy_quantile=0.2,off_policy_mask_threshold=0.5"]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -257,7 +258,7 @@ def test_trainer_benchmark_with_trl_loss_options(tmp_path):
     rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
     assert rows["trl"]["step_ms"] > 0 and rows["trl+grpo_ext/fused"]["step_ms"] > 0
     assert "has no off_policy_mask_threshold, top_entropy_quantile" in rows["grpo_ext/fused"]["note"]
-    assert "top_entropy_quantile=0.2" in rows["trl"]["case"]
+    assert "top_entropy_quantile=0.2" in rows["trl"]["case"] and rows["trl"]["case"].endswith(" chunk=16")
 
 
 def test_a_peer_that_disagrees_is_an_na_row_not_a_crash(monkeypatch):
