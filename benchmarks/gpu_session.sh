@@ -15,6 +15,9 @@
 # here (the H100 machine of 2026-11-26 had the rest), then carry .whl and dist.
 # Two calls fit the 15 minutes of a lease (2026-11-27, fifth session, an H200): `test,floor,profile` then `sanitize`
 # in one (347 s), then `trainer` with TRAINER_CASES="qwen2.5-0.5b:1024:0 qwen2.5-1.5b:1024:0" (274 s); give it back.
+# What they decide (NOTES.md's predictions, written before): `floor` the logits layouts on the card and the head's
+# chunk sweep at Qwen2.5-0.5B's H 896 ("The head at H 896"); `profile` where the small blocks' instructions go;
+# `trainer` the step's peak after the tied lookup and the one-chunk-of-logits fix ("Two chunks of logits alive").
 # The device tool returns at most 8 files from its $OUT, and this writes about 16: point OUT elsewhere and pack it,
 # under a limit that leaves time to pack (2026-11-27): D=$OUT; export OUT=/tmp/g; WHEELS=.whl GRPO_EXT_WHEEL=$(ls
 # dist/*.whl) timeout -k 5 540 bash benchmarks/gpu_session.sh all; tar czf $D/gpu.tgz -C /tmp/g .
