@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import grpo_ext
 from conftest import DEVICES, assert_close
 from grpo_ext import reference
-from grpo_ext.ops.grpo_loss_from_hidden import default_chunk_size, hidden_loss
+from grpo_ext.ops.grpo_loss_from_hidden import default_chunk_size, hidden_loss, one_chunk_rows
 from grpo_ext.validation.options import LOSS_TYPES
 from test_grpo_loss_from_hidden import make_problem, run
 
@@ -120,6 +120,32 @@ def test_one_chunk_peak_is_no_higher_than_the_chunked_one(device, weight_dtype, 
     for a, b in zip(one_grads, chunked_grads, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
     assert one <= chunked, (one, chunked)
+
+
+@pytest.mark.parametrize(("kept", "projections"), [(176, 1), (192, 1), (200, 2)])
+def test_one_chunk_counts_the_kept_rows(kept, projections, monkeypatch):
+    """Without chunk_size, the one-chunk limit (the rule's chunk + H: 128 + 64 here) applies to the rows the masks
+    keep, not to B x T (352): a padded batch whose kept rows fit goes in one chunk; a chunk_size given is kept."""
+    monkeypatch.setattr(hidden_module(), "hidden_chunk_budget", lambda vocab, size: vocab * size * 4)
+    calls = []
+    project = hidden_module().project
+    monkeypatch.setattr(hidden_module(), "project", lambda *a: calls.append(a[0].shape[0]) or project(*a))
+    batch, length, size, vocab = 11, 32, 64, 4096
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(batch, length, size, generator=g, requires_grad=True)
+    weight = (0.3 * torch.randn(vocab, size, generator=g)).to(torch.bfloat16).requires_grad_(True)
+    ids, adv = torch.randint(0, vocab, (batch, length), generator=g), torch.randn(batch, generator=g)
+    mask = (torch.arange(batch * length) < kept).reshape(batch, length).float()
+    assert one_chunk_rows(hidden.to(torch.bfloat16), weight) == 192
+    losses = []
+    for chunk_size in (None, 128):
+        calls.clear()
+        out = grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, compute_dtype=torch.bfloat16,
+                                             chunk_size=chunk_size)  # fmt: skip
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        assert sum(calls) == kept and len(calls) == (projections if chunk_size is None else -(-kept // 128))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -72,6 +72,7 @@ def default_chunk_size(hidden: Tensor, lm_head_weight: Tensor, weight_grad: bool
     or the float32 accumulator's narrowed copy, where one chunk's product is the gradient. So up to ``chunk + H``
     rows one chunk peaks no higher, and it is faster (no accumulator traffic, one longer GEMM): 1024 + 896 rows at
     Qwen2.5-0.5B's head in bf16, where the rule alone stopped at 1024 (benchmarks/NOTES.md, "The head at H 896").
+    Called without chunk_size, the op applies that limit to the rows its masks keep (:func:`one_chunk_rows`).
 
     A pure function of the shapes, dtypes and grad flags (no data is read; fake or meta tensors do).
 
@@ -82,12 +83,29 @@ def default_chunk_size(hidden: Tensor, lm_head_weight: Tensor, weight_grad: bool
     """
     size = hidden.shape[-1]
     rows = hidden.numel() // size if size else 0
+    return rows if rows <= one_chunk_rows(hidden, lm_head_weight, weight_grad) else _rule_chunk(hidden, lm_head_weight)
+
+
+def _rule_chunk(hidden: Tensor, lm_head_weight: Tensor) -> int:
+    """The largest power of two of rows whose logits fit in ``lm_head.hidden_chunk_budget`` (at most the rows)."""
+    size = hidden.shape[-1]
+    rows = hidden.numel() // size if size else 0
     vocab = lm_head_weight.shape[0]
-    chunk = chunk_rows(rows, vocab, hidden.element_size(), hidden_chunk_budget(vocab, size))
+    return chunk_rows(rows, vocab, hidden.element_size(), hidden_chunk_budget(vocab, size))
+
+
+def one_chunk_rows(hidden: Tensor, lm_head_weight: Tensor, weight_grad: bool | None = None) -> int:
+    """Rows up to which one chunk peaks no higher than the rule's chunks (:func:`default_chunk_size`): the rule's
+    chunk, plus H where the chunked path holds an extra ``[V, H]`` (:func:`_one_chunk_saving`). The op applies it
+    to the rows its masks keep, once it has counted them (a padded batch often fits where its B x T does not).
+
+    Args as :func:`default_chunk_size`.
+    """
+    vocab = lm_head_weight.shape[0]
     if weight_grad is None:
         weight_grad = torch.is_grad_enabled() and lm_head_weight.requires_grad
-    saving_rows = _one_chunk_saving(hidden, lm_head_weight) // max(1, vocab * hidden.element_size())
-    return rows if weight_grad and rows <= chunk + saving_rows else chunk
+    saving = _one_chunk_saving(hidden, lm_head_weight) if weight_grad else 0
+    return _rule_chunk(hidden, lm_head_weight) + saving // max(1, vocab * hidden.element_size())
 
 
 def _one_chunk_saving(hidden: Tensor, weight: Tensor) -> int:
@@ -115,6 +133,7 @@ def _hidden_loss_forward(
     ref_head: RefHead | None = None,
     entropy_coef: float = 0.0,
     entropy_weights: Tensor | None = None,
+    one_chunk: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor]:
     """The chunked forward: (loss, metrics vector, mean entropy, d/d hidden, d/d weight, d/d bias, ``[N]`` log-probs,
     ``[N]`` entropy).
@@ -144,6 +163,9 @@ def _hidden_loss_forward(
         kept = kept & (options.sample_mask != 0).unsqueeze(1)
     kept = kept.reshape(rows)
     plan = plan_rows(kept, _GATHER_KEPT_ROWS, MAX_SEGMENTS)
+    kept_rows = sum(end - start for start, end in plan.segments)
+    if 0 < kept_rows <= one_chunk:  # the default's one chunk, on the rows kept (one_chunk_rows)
+        chunk_size = kept_rows
     chunks = chunk_segments(plan.segments, chunk_size)
     logps = torch.empty(rows, dtype=acc, device=hidden.device)
     entropy = torch.empty(rows, dtype=acc, device=hidden.device)
@@ -252,11 +274,11 @@ class _HiddenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, advantages, completion_mask, options, logit, chunk_size,
-                ref_head=None, entropy_coef=0.0, entropy_weights=None):  # fmt: skip
+                ref_head=None, entropy_coef=0.0, entropy_weights=None, one_chunk=0):  # fmt: skip
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         loss, metrics, entropy, *grads, token_logps, token_entropy = _hidden_loss_forward(
             hidden, weight, bias, ids, advantages, completion_mask, options, logit, chunk_size, needs, ref_head,
-            entropy_coef, entropy_weights,
+            entropy_coef, entropy_weights, one_chunk,
         )  # fmt: skip
         ctx.saved_grads = tuple(grads)
         ctx.mark_non_differentiable(metrics, entropy, token_logps, token_entropy)
@@ -267,7 +289,7 @@ class _HiddenLossFunction(torch.autograd.Function):
         refuse_double_backward("grpo_loss_from_hidden")
         grads = take_saved_grads(ctx, "grpo_loss_from_hidden")
         scaled = tuple(None if g is None else scale_grad(g, grad_loss) for g in grads)
-        return scaled + (None,) * 9
+        return scaled + (None,) * 10
 
 
 # The chunked loss as one opaque op for torch.compile; every gradient computed (bias' empty without bias).
@@ -380,7 +402,9 @@ def grpo_loss_from_hidden(
             :func:`grpo_loss_from_logits` takes them.
         chunk_size: kept token rows per chunk (default :func:`default_chunk_size`, the same rule on CPU and CUDA:
             the largest power of two whose logits fit in the float32 ``[V, H]`` weight gradient's size, which the op
-            holds anyway, and at least in 256 MiB; e.g. 8192 rows at H=4096, V=151936 in bf16).
+            holds anyway, and at least in 256 MiB; e.g. 8192 rows at H=4096, V=151936 in bf16; and every kept row
+            in one chunk up to :func:`one_chunk_rows`, where one chunk peaks no higher; under torch.compile, on the
+            B x T rows).
         compute_dtype: the dtype of the GEMMs and the pass (bf16 autocast's ``torch.bfloat16``, say), or None:
             ``hidden``'s, and the weight must have it. Given, ``hidden``, ``lm_head_weight`` and ``lm_head_bias`` may
             each have any floating dtype (a float32 master weight, say): the op casts them, and each gradient comes
@@ -496,8 +520,10 @@ def hidden_loss(
     resolved = resolve_loss_options("grpo_loss_from_hidden", batch, length, hidden, advantages, completion_mask,
                                     options)  # fmt: skip
     rows = flat_hidden.shape[0]
+    one_chunk = 0  # a chunk_size given is kept as given
     if chunk_size is None:
         chunk_size = default_chunk_size(flat_hidden, lm_head_weight)
+        one_chunk = one_chunk_rows(flat_hidden, lm_head_weight)
     else:
         chunk_size = check_int("chunk_size", chunk_size, 1)
     flat_hidden = flat_hidden.contiguous()
@@ -524,7 +550,7 @@ def hidden_loss(
     else:
         loss, metrics, entropy, token_logps, token_entropy = _HiddenLossFunction.apply(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit, chunk_size,
-            ref_head, entropy_coef, entropy_weights,
+            ref_head, entropy_coef, entropy_weights, one_chunk,
         )
     return loss_output(loss, metrics_dict(metrics, resolved, entropy), token_logps, token_entropy, completion_mask,
                        return_token_logps)  # fmt: skip
