@@ -30,7 +30,8 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
   ``grpo_ext/all-kept chunk=R`` for R = N/4, N/2 and N where R is not the default chunk (each chunk reads and writes
   the float32 ``[V, H]`` weight-gradient accumulator; one chunk has none: its time over the default's is the
   accumulator's cost, its peak the memory that buys it) and ``grpo_ext/half-masked`` (the second half of every row
-  masked: its GEMMs should take about half the time).
+  masked: its GEMMs should take about half the time); on CUDA also one chunk with the single-read pass
+  (``small-blocks``), the head's floor at small H if that pass reaches its own.
 
 ``x floor`` is a row's time over its yardstick (copy, read or gemm). Before timing, every peer of a case but
 compile (it would compile again) is run on the case's first sequences (``--check-rows`` tokens) and compared with
@@ -467,6 +468,9 @@ def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: 
     default_rows = default_chunk_size(flat_h, weight)  # the leaf the op differentiates
     sweep_rows = [r for r in dict.fromkeys((rows_n // 4, rows_n // 2, rows_n)) if r > 0 and r != default_rows]
     chunk_sweep = {f"grpo_ext/all-kept chunk={r}": fused(mask=kept, chunk_size=r) for r in sweep_rows}
+    if device.type == "cuda":  # the head's floor at small H: one chunk and the single-read pass (NOTES.md, H 896)
+        chunk_sweep[f"grpo_ext/all-kept chunk={rows_n} small-blocks"] = peers.with_env(
+            LAYOUTS["grpo_ext/small-blocks"], fused(mask=kept, chunk_size=rows_n))
     steps: dict[str, Step | None] = {
         "gemm": gemm, "grpo_ext": fused(), "trl-chunked": trl_step,
         f"grpo_ext/all-kept (chunk={default_rows})": fused(mask=kept), **chunk_sweep,
