@@ -279,8 +279,7 @@ def run_child(case: dict[str, Any]) -> dict[str, Any]:
         import grpo_ext.ops.grpo_loss_from_hidden  # noqa: F401 (the module; the package's name is the function)
 
         hidden_op = sys.modules["grpo_ext.ops.grpo_loss_from_hidden"]
-        hidden_op.default_chunk_size = lambda *_: case["hidden_chunk_rows"]
-        hidden_op.one_chunk_rows = lambda *_: 0  # nor one chunk of the kept rows in its place
+        hidden_op.head_chunking = lambda *_: (case["hidden_chunk_rows"], 0)  # and no one chunk of the kept rows
     tokenizer = build_tokenizer(case["vocab"])
     model = build_model(case, tokenizer, device)
     ref_logps = reference_logps(model, fixed_batch(case, device), case["seed"] + 2) if case["beta"] else None

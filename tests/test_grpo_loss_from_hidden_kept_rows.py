@@ -86,7 +86,7 @@ def test_one_chunk_peak_is_no_higher_than_the_chunked_one(device, weight_dtype, 
     import memory_sites
 
     # the rule without its 256 MiB floor, so that a small head has several chunks: 128 rows of V 4096 here
-    monkeypatch.setattr(hidden_module(), "hidden_chunk_budget", lambda vocab, size: vocab * size * 4)
+    monkeypatch.setattr(grpo_ext.ops.lm_head, "hidden_chunk_budget", lambda vocab, size: vocab * size * 4)
     batch, length, size, vocab = 11, 16, 64, 4096  # 176 rows = 128 + 48
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(batch, length, size, generator=g).to(device)
@@ -128,7 +128,7 @@ def test_one_chunk_peak_is_no_higher_than_the_chunked_one(device, weight_dtype, 
 def test_one_chunk_counts_the_kept_rows(kept, projections, monkeypatch):
     """Without chunk_size, the one-chunk limit (the rule's chunk + H: 128 + 64 here) applies to the rows the masks
     keep, not to B x T (352): a padded batch whose kept rows fit goes in one chunk; a chunk_size given is kept."""
-    monkeypatch.setattr(hidden_module(), "hidden_chunk_budget", lambda vocab, size: vocab * size * 4)
+    monkeypatch.setattr(grpo_ext.ops.lm_head, "hidden_chunk_budget", lambda vocab, size: vocab * size * 4)
     calls = []
     project = hidden_module().project
     monkeypatch.setattr(hidden_module(), "project", lambda *a: calls.append(a[0].shape[0]) or project(*a))

@@ -249,7 +249,7 @@ def test_fused_path_projects_only_completion_rows_one_chunk_at_a_time(tokenizer,
     vocab, chunk = trainer.model.config.vocab_size, 4
     monkeypatch.setattr(grpo_ext.ops.lm_head, "LOGITS_CHUNK_BYTES", chunk * vocab * 4)  # 4 float32 rows of logits
     # the loss' chunks under CUDA's rule (on a CPU they may grow to the [V, H] weight gradient's size)
-    monkeypatch.setattr(sys.modules["grpo_ext.ops.grpo_loss_from_hidden"], "hidden_chunk_budget",
+    monkeypatch.setattr(grpo_ext.ops.lm_head, "hidden_chunk_budget",
                         lambda *_: grpo_ext.ops.lm_head.LOGITS_CHUNK_BYTES)  # fmt: skip
     vocab_rows: list[int] = []  # rows of every tensor allocated (not a view, not in place) whose last dimension is V
     projected_rows: list[int] = []  # rows of the LM-head products (matmuls whose output has V columns)

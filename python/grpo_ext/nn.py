@@ -50,7 +50,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         use_ref_model: use the reference log-probs (``ref_per_token_logps`` or ``ref_input``/``ref_weight``) for the
             KL term; when False, or when no reference is given, the KL term is zero (as in Liger).
         chunk_size: sequences per chunk of the LM head: ``chunk_size * T`` kept token rows (the masked ones cost
-            no GEMM work); None: grpo_ext's automatic chunk (``ops.grpo_loss_from_hidden.default_chunk_size``).
+            no GEMM work); None: grpo_ext's automatic chunk (``ops.lm_head.default_chunk_size``).
         epsilon_low: lower clip ``1 - epsilon_low`` (grpo_ext's ``epsilon``).
         epsilon_high: upper clip ``1 + epsilon_high``; for ``cispo`` the absolute ratio cap.
         loss_type: one of ``LOSS_TYPES`` (:mod:`grpo_ext.ops.options`), as :func:`grpo_ext.grpo_loss` takes it

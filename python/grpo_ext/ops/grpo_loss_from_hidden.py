@@ -28,10 +28,11 @@ from .grpo_loss_from_logits import (
     with_entropy_bonus,
 )
 from .kept_rows import Segment, chunk_segments, plan_rows, put_rows, take_rows, zero_outside
-from .lm_head import (
+from .lm_head import (  # default_chunk_size and one_chunk_rows: importable from here as before
     accumulate_product,
-    chunk_rows,
-    hidden_chunk_budget,
+    default_chunk_size,  # noqa: F401
+    head_chunking,
+    one_chunk_rows,  # noqa: F401
     product,
     project,
     shared_weight_gradient,
@@ -60,63 +61,6 @@ def _write_ref_logps(ref_head: RefHead, pieces: list[Segment], ids: Tensor, logi
     ref_hidden, ref_weight, ref_bias = ref_head
     logits = project(take_rows(ref_hidden, pieces), ref_weight, ref_bias)
     put_rows(out, pieces, selective_log_softmax(logits, ids, **logit._asdict()).logps)
-
-
-def default_chunk_size(hidden: Tensor, lm_head_weight: Tensor, weight_grad: bool | None = None) -> int:
-    """grpo_loss_from_hidden's ``chunk_size`` when None: the largest power of two of rows whose logits fit in
-    ``lm_head.hidden_chunk_budget`` (the float32 ``[V, H]`` weight gradient's size, at least 256 MiB), on any device;
-    or every row in one chunk where those logits take no more than what the chunked path holds beyond a chunk's.
-
-    With a weight gradient, more than one chunk costs a ``[V, H]`` buffer in the compute dtype that one chunk does
-    without (:func:`_one_chunk_saving`): a master weight's cast, which one chunk makes inside its gradient's buffer,
-    or the float32 accumulator's narrowed copy, where one chunk's product is the gradient. So up to ``chunk + H``
-    rows one chunk peaks no higher, and it is faster (no accumulator traffic, one longer GEMM): 1024 + 896 rows at
-    Qwen2.5-0.5B's head in bf16, where the rule alone stopped at 1024 (benchmarks/NOTES.md, "The head at H 896").
-    Called without chunk_size, the op applies that limit to the rows its masks keep (:func:`one_chunk_rows`).
-
-    A pure function of the shapes, dtypes and grad flags (no data is read; fake or meta tensors do).
-
-    Args:
-        hidden: ``[B, T, H]`` or ``[N, H]``, in the compute dtype.
-        lm_head_weight: ``[V, H]``, in its own dtype (a float32 master weight under bf16 GEMMs, say).
-        weight_grad: whether the op computes the weight's gradient (None: grad mode and ``requires_grad``).
-    """
-    size = hidden.shape[-1]
-    rows = hidden.numel() // size if size else 0
-    return rows if rows <= one_chunk_rows(hidden, lm_head_weight, weight_grad) else _rule_chunk(hidden, lm_head_weight)
-
-
-def _rule_chunk(hidden: Tensor, lm_head_weight: Tensor) -> int:
-    """The largest power of two of rows whose logits fit in ``lm_head.hidden_chunk_budget`` (at most the rows)."""
-    size = hidden.shape[-1]
-    rows = hidden.numel() // size if size else 0
-    vocab = lm_head_weight.shape[0]
-    return chunk_rows(rows, vocab, hidden.element_size(), hidden_chunk_budget(vocab, size))
-
-
-def one_chunk_rows(hidden: Tensor, lm_head_weight: Tensor, weight_grad: bool | None = None) -> int:
-    """Rows up to which one chunk peaks no higher than the rule's chunks (:func:`default_chunk_size`): the rule's
-    chunk, plus H where the chunked path holds an extra ``[V, H]`` (:func:`_one_chunk_saving`). The op applies it
-    to the rows its masks keep, once it has counted them (a padded batch often fits where its B x T does not).
-
-    Args as :func:`default_chunk_size`.
-    """
-    vocab = lm_head_weight.shape[0]
-    if weight_grad is None:
-        weight_grad = torch.is_grad_enabled() and lm_head_weight.requires_grad
-    saving = _one_chunk_saving(hidden, lm_head_weight) if weight_grad else 0
-    return _rule_chunk(hidden, lm_head_weight) + saving // max(1, vocab * hidden.element_size())
-
-
-def _one_chunk_saving(hidden: Tensor, weight: Tensor) -> int:
-    """Bytes the chunked path holds, beside its float32 accumulator and a chunk of logits, that one chunk does not
-    (see _hidden_loss_forward): a master weight of twice the compute width is cast into one chunk's gradient buffer
-    (lm_head.SharedWeightGradient) but into a buffer of its own beside the accumulator; a half-precision weight's
-    gradient is one chunk's product, but the accumulator narrowed into a new buffer after several. Either is
-    ``[V, H]`` in the compute dtype. 0 otherwise (float32 weights and GEMMs: the accumulator is the gradient)."""
-    cast_shared = weight.element_size() == 2 * hidden.element_size()
-    narrowed = weight.dtype == hidden.dtype and accumulate_dtype(hidden.dtype) != hidden.dtype
-    return weight.numel() * hidden.element_size() if cast_shared or narrowed else 0
 
 
 def _hidden_loss_forward(
@@ -164,7 +108,7 @@ def _hidden_loss_forward(
     kept = kept.reshape(rows)
     plan = plan_rows(kept, _GATHER_KEPT_ROWS, MAX_SEGMENTS)
     kept_rows = sum(end - start for start, end in plan.segments)
-    if 0 < kept_rows <= one_chunk:  # the default's one chunk, on the rows kept (one_chunk_rows)
+    if 0 < kept_rows <= one_chunk:  # the default's one chunk, on the rows kept (lm_head.head_chunking)
         chunk_size = kept_rows
     chunks = chunk_segments(plan.segments, chunk_size)
     logps = torch.empty(rows, dtype=acc, device=hidden.device)
@@ -400,11 +344,12 @@ def grpo_loss_from_hidden(
             (docs/math.md section 5, "Entropy bonus"). Finite; 0: none.
         entropy_weights: ``[B, T]`` weights of the kept tokens in the bonus' mean, as
             :func:`grpo_loss_from_logits` takes them.
-        chunk_size: kept token rows per chunk (default :func:`default_chunk_size`, the same rule on CPU and CUDA:
-            the largest power of two whose logits fit in the float32 ``[V, H]`` weight gradient's size, which the op
-            holds anyway, and at least in 256 MiB; e.g. 8192 rows at H=4096, V=151936 in bf16; and every kept row
-            in one chunk up to :func:`one_chunk_rows`, where one chunk peaks no higher; under torch.compile, on the
-            B x T rows).
+        chunk_size: kept token rows per chunk (default :func:`~grpo_ext.ops.lm_head.default_chunk_size`, the same
+            rule on CPU and CUDA: the largest power of two whose logits fit in the float32 ``[V, H]`` weight
+            gradient's size, which the op holds anyway, and at least in 256 MiB; e.g. 8192 rows at H=4096,
+            V=151936 in bf16; and every kept row
+            in one chunk up to :func:`~grpo_ext.ops.lm_head.one_chunk_rows`, where one chunk peaks no higher; under
+            torch.compile, on the B x T rows).
         compute_dtype: the dtype of the GEMMs and the pass (bf16 autocast's ``torch.bfloat16``, say), or None:
             ``hidden``'s, and the weight must have it. Given, ``hidden``, ``lm_head_weight`` and ``lm_head_bias`` may
             each have any floating dtype (a float32 master weight, say): the op casts them, and each gradient comes
@@ -522,8 +467,7 @@ def hidden_loss(
     rows = flat_hidden.shape[0]
     one_chunk = 0  # a chunk_size given is kept as given
     if chunk_size is None:
-        chunk_size = default_chunk_size(flat_hidden, lm_head_weight)
-        one_chunk = one_chunk_rows(flat_hidden, lm_head_weight)
+        chunk_size, one_chunk = head_chunking(flat_hidden, lm_head_weight)
     else:
         chunk_size = check_int("chunk_size", chunk_size, 1)
     flat_hidden = flat_hidden.contiguous()

@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._common import accumulate_dtype
+
 #: Bytes of logits one chunk may hold: GEMMs stay large while the memory for logits stays bounded.
 LOGITS_CHUNK_BYTES = 256 << 20
 
@@ -36,9 +38,62 @@ def hidden_chunk_budget(vocab: int, size: int) -> int:
     70.4 ms with 256 MiB chunks, 48.6 ms with this rule's 8192 rows, against 41.3 ms for the three GEMMs). The peak
     stays flat in N: the weight gradient, a chunk of logits at most its size, and a master weight's cast; where one
     chunk covers every row it is lower (the weight gradient is then written in the weight's dtype, with no float32
-    accumulator: 3.87 GB against 3.96 GB there), which ``default_chunk_size`` takes up to chunk + H rows.
+    accumulator: 3.87 GB against 3.96 GB there), which ``head_chunking`` takes up to chunk + H rows.
     """
     return max(LOGITS_CHUNK_BYTES, vocab * size * 4)
+
+
+def head_chunking(hidden: Tensor, lm_head_weight: Tensor, weight_grad: bool | None = None) -> tuple[int, int]:
+    """grpo_loss_from_hidden's default chunking, in one place: ``(default_chunk_size, one_chunk_rows)``.
+
+    The rule's chunk is the largest power of two of rows whose logits fit in :func:`hidden_chunk_budget` (the float32
+    ``[V, H]`` weight gradient's size, at least 256 MiB), on any device. With a weight gradient, more than one chunk
+    costs a ``[V, H]`` buffer in the compute dtype that one chunk does without (:func:`_one_chunk_saving`): a master
+    weight's cast, which one chunk makes inside its gradient's buffer, or the float32 accumulator's narrowed copy,
+    where one chunk's product is the gradient. So up to ``chunk + H`` rows (``one_chunk_rows``) one chunk peaks no
+    higher, and it is faster (no accumulator traffic, one longer GEMM): 1024 + 896 rows at Qwen2.5-0.5B's head in
+    bf16, where the rule alone stopped at 1024 (benchmarks/NOTES.md, "The head at H 896"). ``default_chunk_size``
+    applies that limit to the B x T rows; the op, once it has counted them, to the rows its masks keep (a padded
+    batch often fits where its B x T does not).
+
+    A pure function of the shapes, dtypes and grad flags (no data is read; fake or meta tensors do).
+
+    Args:
+        hidden: ``[B, T, H]`` or ``[N, H]``, in the compute dtype.
+        lm_head_weight: ``[V, H]``, in its own dtype (a float32 master weight under bf16 GEMMs, say).
+        weight_grad: whether the op computes the weight's gradient (None: grad mode and ``requires_grad``).
+    """
+    size, vocab = hidden.shape[-1], lm_head_weight.shape[0]
+    rows = hidden.numel() // size if size else 0
+    chunk = chunk_rows(rows, vocab, hidden.element_size(), hidden_chunk_budget(vocab, size))
+    if weight_grad is None:
+        weight_grad = torch.is_grad_enabled() and lm_head_weight.requires_grad
+    saving = _one_chunk_saving(hidden, lm_head_weight) if weight_grad else 0
+    one_chunk = chunk + saving // max(1, vocab * hidden.element_size())
+    return (rows if rows <= one_chunk else chunk), one_chunk
+
+
+def default_chunk_size(hidden: Tensor, lm_head_weight: Tensor, weight_grad: bool | None = None) -> int:
+    """grpo_loss_from_hidden's ``chunk_size`` when None (:func:`head_chunking`): the rule's chunk, or every row in
+    one chunk up to :func:`one_chunk_rows`. Args as :func:`head_chunking`."""
+    return head_chunking(hidden, lm_head_weight, weight_grad)[0]
+
+
+def one_chunk_rows(hidden: Tensor, lm_head_weight: Tensor, weight_grad: bool | None = None) -> int:
+    """Rows up to which one chunk peaks no higher than the rule's chunks (:func:`head_chunking`): the rule's chunk,
+    plus H where the chunked path holds an extra ``[V, H]``. Args as :func:`head_chunking`."""
+    return head_chunking(hidden, lm_head_weight, weight_grad)[1]
+
+
+def _one_chunk_saving(hidden: Tensor, weight: Tensor) -> int:
+    """Bytes the chunked path holds, beside its float32 accumulator and a chunk of logits, that one chunk does not
+    (grpo_loss_from_hidden's forward): a master weight of twice the compute width is cast into one chunk's gradient
+    buffer (:class:`SharedWeightGradient`) but into a buffer of its own beside the accumulator; a half-precision
+    weight's gradient is one chunk's product, but the accumulator narrowed into a new buffer after several. Either is
+    ``[V, H]`` in the compute dtype. 0 otherwise (float32 weights and GEMMs: the accumulator is the gradient)."""
+    cast_shared = weight.element_size() == 2 * hidden.element_size()
+    narrowed = weight.dtype == hidden.dtype and accumulate_dtype(hidden.dtype) != hidden.dtype
+    return weight.numel() * hidden.element_size() if cast_shared or narrowed else 0
 
 
 def project(
