@@ -49,7 +49,6 @@ Usage::
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +66,7 @@ from grpo_ext import reference
 from grpo_ext.ops.grpo_loss_from_hidden import default_chunk_size
 from harness import checks, cli, environment, peers, reporting, timing
 from logits_inputs import TEMPERATURE, first_rows, policy_logps
-from trl_style import trl_style_loss
+from trl_peers import trl_fused_head_step, trl_loss, trl_triton_kernel
 
 BETA = 0.04
 ENTROPY_COEF = 0.01
@@ -259,31 +258,6 @@ def logits_case(rows_n: int, vocab: int, dtype: torch.dtype, device: torch.devic
     return time_rows(case, steps, notes, {name: "copy" for name in steps}, device, args.target_s)
 
 
-TRL_INSTALL = "pip install trl==1.16.0"
-
-
-def trl_triton_kernel(device: torch.device) -> tuple[Callable[..., tuple[Tensor, Tensor]] | None, str | None]:
-    """TRL 1.16's Triton log-prob + entropy kernel (``trl.kernels.selective_log_softmax_and_entropy``), or
-    ``(None, why)``: it needs a CUDA device (TRL's own entry point falls back to eager PyTorch elsewhere)."""
-    if device.type != "cuda":
-        return None, "TRL's Triton log-prob + entropy kernel needs a CUDA device"
-    try:
-        from trl.kernels import selective_log_softmax_and_entropy
-    except Exception as exc:  # TRL missing, or its kernels without Triton
-        return None, f"trl's Triton kernel unavailable ({peers.short_reason(exc)}); {TRL_INSTALL}"
-    return selective_log_softmax_and_entropy, None
-
-
-def trl_loss(logps: Tensor, entropy: Tensor, inputs: dict[str, Any]) -> tuple[Tensor, Tensor]:
-    """The loss TRL 1.16's ``GRPOTrainer`` computes from its per-token log-probs at this benchmark's settings (dapo,
-    beta 0.04 against the ref log-probs: ``trl_style.trl_style_loss``, its metrics included), and its entropy
-    metric (the kept tokens' mean, not differentiated): ``(loss, mean_entropy)``, both 0-dim float32."""
-    mask = inputs["mask"]
-    loss, _ = trl_style_loss(logps, inputs["old_logps"], inputs["ref_logps"], inputs["advantages"], mask,
-                             loss_type=fused_loss.LOSS_TYPE, beta=BETA)  # fmt: skip
-    return loss, (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
-
-
 def selective_steps(inputs: dict[str, Any], upstream: Tensor,
                     device: torch.device) -> tuple[dict[str, Step | None], dict[str, str]]:  # fmt: skip
     """The selective case's peers on ``inputs``, in the order of their rows.
@@ -328,7 +302,7 @@ def selective_steps(inputs: dict[str, Any], upstream: Tensor,
         def trl_loss_forward():  # the kernel skips the masked rows, as the fused pass does
             with torch.no_grad():
                 logps, entropy = kernel(leaf, ids, temperature=TEMPERATURE, row_mask=mask)
-                return trl_loss(logps, entropy, inputs)[0], logps, entropy
+                return trl_loss(logps, entropy, inputs, BETA)[0], logps, entropy
 
         def trl_backward():
             return (torch.autograd.grad(trl_saved, leaf, upstream, retain_graph=True)[0],)
@@ -378,64 +352,6 @@ def selective_case(rows_n: int, vocab: int, dtype: torch.dtype, device: torch.de
     return [rows[0], read, *rows[1:]]
 
 
-@functools.cache
-def trl_head_class() -> type:
-    """A ``transformers`` causal LM whose backbone hands back the hidden states it is given, and whose LM head is
-    ``weight``: what TRL's ``add_fused_lm_head`` patches, so that its path runs from given hidden states."""
-    from transformers import PretrainedConfig, PreTrainedModel
-    from transformers.modeling_outputs import BaseModelOutput
-
-    class Backbone(torch.nn.Module):
-        def forward(self, hidden_states: Tensor, **_: Any) -> BaseModelOutput:
-            return BaseModelOutput(last_hidden_state=hidden_states)
-
-    class HiddenStatesLM(PreTrainedModel):
-        config_class = PretrainedConfig
-        base_model_prefix = "backbone"  # add_fused_lm_head runs `model.base_model`, this module
-
-        def __init__(self, weight: Tensor):
-            super().__init__(PretrainedConfig())
-            self.backbone = Backbone()
-            self.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-            self.lm_head.weight = torch.nn.Parameter(weight)  # shares weight's storage
-
-        def get_output_embeddings(self) -> torch.nn.Module:
-            return self.lm_head
-
-        def forward(self, hidden_states: Tensor, **_: Any) -> Any:  # replaced by add_fused_lm_head's forward
-            raise NotImplementedError("call with fused_lm_head=True")
-
-    return HiddenStatesLM
-
-
-def trl_fused_head_step(hidden: Tensor, weight: Tensor, inputs: dict[str, Any]) -> tuple[Step | None, str | None]:
-    """TRL 1.16's ``add_fused_lm_head`` path from ``hidden`` (a leaf), or ``(None, why)``.
-
-    The model is patched as ``GRPOTrainer`` patches it (``outputs=("log_probs", "entropy")``, the temperature) and
-    called with ``fused_lm_head=True`` and the completion ids as pre-shifted labels (``shift_labels``; -100 where
-    masked: the hidden states are already aligned with the ids). TRL's forward projects the kept positions only on
-    a Triton device, every position elsewhere, in tiles of 4096 tokens x 32768 vocabulary entries
-    (``trl.kernels.ChunkedLogProbFunction``); then :func:`trl_loss`. The step returns the loss, its gradients w.r.t.
-    hidden and weight, and the per-token entropies.
-    """
-    try:
-        from trl.trainer.utils import add_fused_lm_head
-
-        model = trl_head_class()(weight.detach())
-        add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
-    except Exception as exc:  # TRL or transformers missing, or an add_fused_lm_head of another shape
-        return None, f"trl's add_fused_lm_head unavailable ({peers.short_reason(exc)}); {TRL_INSTALL}"
-    leaves = (hidden, model.lm_head.weight)
-    labels = inputs["ids"].masked_fill(inputs["mask"] == 0, -100)
-
-    def step():
-        out = model(hidden_states=hidden, shift_labels=labels, fused_lm_head=True)
-        loss, _ = trl_loss(out.log_probs, out.entropy, inputs)
-        return (loss, *torch.autograd.grad(loss, leaves), out.entropy.detach())
-
-    return step, None
-
-
 def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: torch.device,
                 args) -> list[dict[str, Any]]:  # fmt: skip
     case = f"hidden N={rows_n} V={vocab} H={size} {cli.dtype_name(dtype)}"
@@ -462,7 +378,7 @@ def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: 
         return flat_h @ inputs["weight"].t(), g @ inputs["weight"], g.t() @ flat_h
 
     notes: dict[str, str] = {}
-    trl_step, reason = trl_fused_head_step(hidden, inputs["weight"], inputs)
+    trl_step, reason = trl_fused_head_step(hidden, inputs["weight"], inputs, BETA)
     if reason:
         notes["trl-chunked"] = reason
     default_rows = default_chunk_size(flat_h, weight)  # the leaf the op differentiates
@@ -486,7 +402,7 @@ def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: 
     small_steps = {"grpo_ext": fused(sh, weight, small)}
     truths = {"grpo_ext": truth_all}
     if trl_step is not None:
-        small_steps["trl-chunked"], _ = trl_fused_head_step(sh, inputs["weight"], small)
+        small_steps["trl-chunked"], _ = trl_fused_head_step(sh, inputs["weight"], small, BETA)
         with torch.no_grad():
             entropy = reference.selective_log_softmax(h64 @ w64.t(), small["ids"], temperature=TEMPERATURE,
                                                       return_entropy=True).entropy  # fmt: skip
