@@ -292,7 +292,7 @@ def test_opcheck_with_the_bonus(device):
     g = torch.Generator().manual_seed(4)
     flat = torch.randn(6, 5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
     w = torch.randn(11, 5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
-    hidden_args = (flat, w, None, flat_ids, adv, mask, *options.op_args(), 0.9, 1.0, 0.0, 4, COEF, weights)
+    hidden_args = (flat, w, None, flat_ids, adv, mask, *options.op_args(), 0.9, 1.0, 0.0, 4, COEF, weights, 0)
     torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_hidden.default, hidden_args)
 
 

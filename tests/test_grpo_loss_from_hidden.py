@@ -124,7 +124,7 @@ def test_opcheck_and_compile(device):
     options = LossOptions(old_logps=old, epsilon_high=0.2, importance_sampling_level="sequence",
                           max_completion_length=3)  # fmt: skip
     for logit_args in ((0.9, 1.0, 0.0), (0.9, 0.7, 2.5)):  # (temperature, logit_scale, logit_softcap)
-        op_args = (flat, w, bias, ids.reshape(-1), adv, mask, *options.op_args(), *logit_args, 4, 0.0, None)
+        op_args = (flat, w, bias, ids.reshape(-1), adv, mask, *options.op_args(), *logit_args, 4, 0.0, None, 0)
         torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_hidden.default, op_args)
 
     def fn(h, weight):
@@ -256,7 +256,7 @@ def test_masked_rows_get_zero_grad_hidden_with_a_non_finite_weight(device, bad, 
     options = validate_grpo_loss_args(old, adv, mask, LossOptions(**kwargs))
     _, _, _, grad_hidden, grad_weight, grad_bias, *_ = torch.ops.grpo_ext.grpo_loss_from_hidden(
         hidden.flatten(0, 1), weight, bias, ids.flatten(), adv, mask, *options.op_args(), 1.0, 1.0, 0.0,
-        chunk_size or hidden.shape[0] * hidden.shape[1], 0.0, None,
+        chunk_size or hidden.shape[0] * hidden.shape[1], 0.0, None, 0,
     )  # fmt: skip
     for name, a, b in zip(("hidden", "weight", "bias"), (grad_hidden.view_as(hidden), grad_weight, grad_bias),
                           expected_grads, strict=True):  # fmt: skip

@@ -158,12 +158,13 @@ def test_compute_dtype_errors():
 
 
 def test_opcheck_with_a_master_weight():
-    """The composite op (torch.compile's path) takes a weight of another dtype than the hidden states'."""
+    """The composite op (torch.compile's path) takes a weight of another dtype than the hidden states', with a
+    chunk size and the one-chunk limit on the kept rows (6 here: every row in one chunk despite chunk_size 4)."""
     hidden, weight, bias, ids, adv, mask, old = make_problem(2, 3, 8, 11, seed=8)
     flat = hidden.reshape(6, 8).bfloat16().requires_grad_(True)
     w = weight.clone().requires_grad_(True)  # float32
     options = LossOptions(old_logps=old, epsilon_high=0.2, max_completion_length=3)
-    for chunk_size in (6, 4):
+    for chunk_size, one_chunk in ((6, 0), (4, 0), (4, 6)):
         op_args = (flat, w, bias.bfloat16(), ids.reshape(-1), adv, mask, *options.op_args(), 0.9, 1.0, 0.0,
-                   chunk_size, 0.0, None)  # fmt: skip
+                   chunk_size, 0.0, None, one_chunk)  # fmt: skip
         torch.library.opcheck(torch.ops.grpo_ext.grpo_loss_from_hidden.default, op_args)

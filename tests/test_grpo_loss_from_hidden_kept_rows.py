@@ -125,9 +125,11 @@ def test_one_chunk_peak_is_no_higher_than_the_chunked_one(device, weight_dtype, 
 
 
 @pytest.mark.parametrize(("kept", "projections"), [(176, 1), (192, 1), (200, 2)])
-def test_one_chunk_counts_the_kept_rows(kept, projections, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_chunk_counts_the_kept_rows(kept, projections, compiled, monkeypatch):
     """Without chunk_size, the one-chunk limit (the rule's chunk + H: 128 + 64 here) applies to the rows the masks
-    keep, not to B x T (352): a padded batch whose kept rows fit goes in one chunk; a chunk_size given is kept."""
+    keep, not to B x T (352): a padded batch whose kept rows fit goes in one chunk; a chunk_size given is kept. The
+    same under torch.compile (the opaque op counts the kept rows as the eager path does)."""
     monkeypatch.setattr(grpo_ext.ops.lm_head, "hidden_chunk_budget", lambda vocab, size: vocab * size * 4)
     calls = []
     project = hidden_module().project
@@ -142,8 +144,15 @@ def test_one_chunk_counts_the_kept_rows(kept, projections, monkeypatch):
     losses = []
     for chunk_size in (None, 128):
         calls.clear()
-        out = grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, compute_dtype=torch.bfloat16,
-                                             chunk_size=chunk_size)  # fmt: skip
+
+        def loss(hidden, weight, chunk_size=chunk_size):
+            return grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, compute_dtype=torch.bfloat16,
+                                                  chunk_size=chunk_size)  # fmt: skip
+
+        if compiled:
+            torch._dynamo.reset()
+            loss = torch.compile(loss, backend="aot_eager", fullgraph=False)
+        out = loss(hidden, weight)
         out.loss.backward()
         losses.append(out.loss.detach())
         assert sum(calls) == kept and len(calls) == (projections if chunk_size is None else -(-kept // 128))

@@ -241,18 +241,18 @@ torch.library.define(
     "grpo_ext::grpo_loss_from_hidden",
     f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor ids, Tensor advantages, Tensor completion_mask, "
     f"{_native.LOSS_OPTIONS_SCHEMA}float temperature, float logit_scale, float logit_softcap, int chunk_size, "
-    "float entropy_coef, Tensor? entropy_weights) -> "
+    "float entropy_coef, Tensor? entropy_weights, int one_chunk) -> "
     "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.impl("grpo_ext::grpo_loss_from_hidden", "CompositeExplicitAutograd")
 def _grpo_loss_from_hidden_impl(hidden, weight, bias, ids, advantages, completion_mask, *rest):
-    *options, temperature, logit_scale, logit_softcap, chunk_size, entropy_coef, entropy_weights = rest
+    *options, temperature, logit_scale, logit_softcap, chunk_size, entropy_coef, entropy_weights, one_chunk = rest
     logit = logit_options_from_op_args(temperature, logit_scale, logit_softcap)
     loss, metrics, entropy, grad_hidden, grad_weight, grad_bias, token_logps, token_entropy = _hidden_loss_forward(
         hidden, weight, bias, ids, advantages, completion_mask, LossOptions.from_op_args(tuple(options)), logit,
-        chunk_size, (True, True, bias is not None), None, entropy_coef, entropy_weights,
+        chunk_size, (True, True, bias is not None), None, entropy_coef, entropy_weights, one_chunk,
     )  # fmt: skip
     if grad_bias is None:
         grad_bias = weight.new_empty((0,))
@@ -347,9 +347,8 @@ def grpo_loss_from_hidden(
         chunk_size: kept token rows per chunk (default :func:`~grpo_ext.ops.lm_head.default_chunk_size`, the same
             rule on CPU and CUDA: the largest power of two whose logits fit in the float32 ``[V, H]`` weight
             gradient's size, which the op holds anyway, and at least in 256 MiB; e.g. 8192 rows at H=4096,
-            V=151936 in bf16; and every kept row
-            in one chunk up to :func:`~grpo_ext.ops.lm_head.one_chunk_rows`, where one chunk peaks no higher; under
-            torch.compile, on the B x T rows).
+            V=151936 in bf16; and every kept row in one chunk up to :func:`~grpo_ext.ops.lm_head.one_chunk_rows`,
+            where one chunk peaks no higher; under torch.compile too).
         compute_dtype: the dtype of the GEMMs and the pass (bf16 autocast's ``torch.bfloat16``, say), or None:
             ``hidden``'s, and the weight must have it. Given, ``hidden``, ``lm_head_weight`` and ``lm_head_bias`` may
             each have any floating dtype (a float32 master weight, say): the op casts them, and each gradient comes
@@ -489,7 +488,7 @@ def hidden_loss(
                 _write_ref_logps(ref_head, [(start, end)], flat_ids[start:end], logit, resolved.ref_logps.view(-1))
         loss, metrics, entropy, *_, token_logps, token_entropy = torch.ops.grpo_ext.grpo_loss_from_hidden(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, *resolved.op_args(),
-            *logit.op_args(), chunk_size, entropy_coef, entropy_weights,
+            *logit.op_args(), chunk_size, entropy_coef, entropy_weights, one_chunk,
         )
     else:
         loss, metrics, entropy, token_logps, token_entropy = _HiddenLossFunction.apply(
