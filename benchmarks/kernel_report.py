@@ -381,13 +381,14 @@ def small_block_section(kernels: list[Kernel]) -> str:
         by_threads = limits["threads"] // threads
         by_smem = limits["smem"] // (dynamic + k.smem + SMEM_RESERVED_PER_BLOCK)
         resident = min(by_regs, by_threads, by_smem, limits["blocks"])
-        per_block = threads * VECTORS_IN_FLIGHT * 16
+        staging = slice_ * element  # cp.async: the block's whole part in flight at once (stage_row)
+        storing = threads * VECTORS_IN_FLIGHT * 16  # the gradient loop's stores, through registers
         rows.append(
             f"| {vocab} | {dtype} | {blocks} | {slice_ * element / 1024:.1f} | {k.registers} | "
             f"{k.spill_stores}/{k.spill_loads} B | {by_regs}, {by_threads}, {by_smem} -> {resident} "
-            f"(layout: {per_sm}) | {resident * per_block / 1024:.0f} KiB, "
-            f"{(resident - 1) * per_block / 1024:.0f} KiB | "
-            f"{per_block / 1024:.0f} KiB |"
+            f"(layout: {per_sm}) | {resident * staging / 1024:.0f} KiB, "
+            f"{(resident - 1) * staging / 1024:.0f} KiB | "
+            f"{storing / 1024:.0f} KiB |"
         )
     head = (
         f"## The small-block layout on {DETAIL_ARCH}: blocks per SM and bytes in flight\n\n"
@@ -395,9 +396,10 @@ def small_block_section(kernels: list[Kernel]) -> str:
         "part size `small_block_layout` picks on an H100 (228 KiB of shared memory per SM, 1 KiB reserved per "
         f"block, clusters of up to {SMALL_MAX_CLUSTER}). Blocks per SM: what the registers (at "
         f"{SMALL_BLOCK_THREADS} threads), the threads and the shared memory (part + alignment vector + static + 1 KiB) "
-        "each allow, and the least of them. Bytes in flight: each block's threads keep "
-        f"{VECTORS_IN_FLIGHT} 16-byte loads outstanding while it stages its part, none while it merges the cluster's "
-        "states and finishes the row, and their 16-byte stores while it writes the gradient from shared memory; "
+        "each allow, and the least of them. Bytes in flight: a block stages its whole part at once (cp.async, "
+        "`stage_row`), has none outstanding while it merges the cluster's states (pushed into each block's inbox, "
+        f"counted on its mbarrier) and finishes the row, and its threads keep {VECTORS_IN_FLIGHT} 16-byte stores "
+        "each while it writes the gradient from shared memory; "
         f"against the {H100_IN_FLIGHT_NEEDED / 1024:.0f} KiB per SM that 3 TB/s at about 1 us of latency needs.\n\n"
     )
     return head + "\n".join(rows) + "\n"

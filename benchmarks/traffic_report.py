@@ -112,7 +112,7 @@ def markdown(cases: list[tuple[str, float, float]]) -> str:
         "and the whole advantage shape; bytes scaled per row. `floor`: each input byte read once, each output "
         "written once. `all loads`: every thread's loads (the two-read fused pass' second read of each row; the "
         "single-read pass stages each row in shared memory, split over a cluster of blocks when it does not fit one, "
-        "and reads only its chosen logit again, once per block; per-row scalars "
+        "and takes its chosen logit from there; per-row scalars "
         "that all threads of a block load, one broadcast on a GPU) plus the writes. "
         "`tests/cuda_emu/test_traffic.py` pins these per op.\n\n" + "\n".join(rows) + "\n"
     )

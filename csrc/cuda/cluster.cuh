@@ -1,7 +1,7 @@
-// Thread-block clusters (sm_90), dynamic shared memory and asynchronous copies into it, as the kernel headers use
-// them. A cluster is
-// `cluster_num_blocks()` consecutive blocks along x that run at the same time on one GPC and can read and write each
-// other's shared memory (distributed shared memory). Below sm_90 a cluster is a single block.
+// Thread-block clusters (sm_90), dynamic shared memory, asynchronous copies into it, and mbarriers with pushes into a
+// peer's shared memory, as the kernel headers use them. A cluster is `cluster_num_blocks()` consecutive blocks along
+// x that run at the same time on one GPC and can read and write each other's shared memory (distributed shared
+// memory). Below sm_90 a cluster is a single block.
 //
 // tests/cuda_emu (runtime.h) defines GRPO_CLUSTER_API and its own versions of these functions, which run the blocks
 // of a cluster together on the CPU and check what the hardware requires.
@@ -12,6 +12,8 @@
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace grpo_ext {
 
@@ -69,6 +71,105 @@ __device__ __forceinline__ void async_copy_16(void* shared, const void* global) 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global) : "memory");
 #else
   *static_cast<uint4*>(shared) = *static_cast<const uint4*>(global);
+#endif
+}
+
+// A transaction barrier (sm_90's mbarrier) in this block's shared memory. Each phase completes when its `arrivals`
+// threads have arrived (mbarrier_arrive_expect_tx) and every byte they announced has landed (cluster_push), then the
+// next phase starts; phases alternate parity 0, 1, 0, ... Before sm_90 a cluster is one block: cluster_push is a
+// plain store and mbarrier_wait a __syncwarp, so there the pushing and waiting threads must be one warp's.
+using Mbarrier = uint64_t;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// The address of shared address `address` in the shared memory of the cluster's block `rank` (mapa).
+__device__ __forceinline__ unsigned cluster_shared_address(unsigned address, unsigned rank) {
+  unsigned mapped;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(mapped) : "r"(address), "r"(rank));
+  return mapped;
+}
+#endif
+
+// One thread: `bar` starts at phase 0, each phase awaiting `arrivals` threads.
+__device__ __forceinline__ void mbarrier_init(Mbarrier* bar, unsigned arrivals) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
+#else
+  (void)bar;
+  (void)arrivals;
+#endif
+}
+
+// Every thread of every block of the cluster, once, after its block's mbarrier_init calls: the cluster's blocks
+// may push to those mbarriers afterwards. A cluster barrier with no release of other memory (fence.mbarrier_init and
+// a relaxed arrive): cluster_sync's release/acquire compiles to a GPU-scope MEMBAR that waits for the thread's
+// outstanding global stores (benchmarks/NOTES.md, "The cluster handshake without a GPU-scope fence").
+__device__ __forceinline__ void cluster_sync_mbarrier_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+
+// This thread arrives at `bar` (one of its phase's arrivals) and announces `bytes` more to land in the phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(Mbarrier* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
+               "r"(bytes)
+               : "memory");
+#else
+  (void)bar;
+  (void)bytes;
+#endif
+}
+
+// Writes `value` at `slot`'s offset in the shared memory of the cluster's block `rank` and counts its bytes on the
+// mbarrier at `bar`'s offset there (st.async, 16 bytes at a time: no fence, no wait for it to land). `slot` and
+// `bar` point into this block's shared memory; V is 16-byte aligned, its size a multiple of 16.
+template <typename V>
+__device__ __forceinline__ void cluster_push(V* slot, unsigned rank, const V& value, Mbarrier* bar) {
+  static_assert(sizeof(V) % 16 == 0 && alignof(V) >= 16, "cluster_push moves 16-byte aligned pieces");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned to = cluster_shared_address(shared_address(slot), rank);
+  const unsigned at = cluster_shared_address(shared_address(bar), rank);
+  const uint4* words = reinterpret_cast<const uint4*>(&value);
+#pragma unroll
+  for (unsigned i = 0; i < sizeof(V) / 16; ++i) {
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(to + 16 * i),
+        "r"(words[i].x), "r"(words[i].y), "r"(words[i].z), "r"(words[i].w), "r"(at)
+        : "memory");
+  }
+#else
+  (void)rank;
+  (void)bar;
+  *slot = value;
+#endif
+}
+
+// Waits until the phase of `bar` with parity `parity` has completed; what was pushed in it is then visible to this
+// thread.
+__device__ __forceinline__ void mbarrier_wait(Mbarrier* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned address = shared_address(bar);
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, "
+        "0, p;\n}\n"
+        : "=r"(done)
+        : "r"(address), "r"(parity)
+        : "memory");
+  } while (done == 0);
+#else
+  (void)bar;
+  (void)parity;
+  __syncwarp();
 #endif
 }
 

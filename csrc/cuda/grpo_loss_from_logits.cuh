@@ -82,11 +82,10 @@ struct LogitsPassArgs {
   StridedMatrix entropy_weights;  // [B, T] weights of the tokens in the bonus' mean, or absent (every kept token)
 };
 
-// The shared memory of both pass kernels (one declaration, so that the host knows its size: split_row).
+// The shared memory of both pass kernels' per-row work.
 template <typename T>
 struct PassShared {
   SoftmaxState<T> warp_states[32];
-  SoftmaxState<T> block_state[2];  // the single-read kernel: this block's part of the row, by row parity
   T row_max, row_log_sum, row_logp, row_g;
   T row_entropy_weight, row_mean_shift;  // the entropy bonus' e * m and E_p[z] - max
   int64_t row_id;
@@ -243,24 +242,54 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
+// What each block of a row's cluster pushes to every block of it (the single-read pass): its part's softmax state,
+// and from the block whose part holds the row's chosen token, that token's transformed logit (0 from the others).
+template <typename T>
+struct alignas(16) PartState {
+  SoftmaxState<T> state;
+  T chosen_z;
+};
+
+constexpr unsigned kMaxClusterBlocks = 16;  // CUDA's largest (non-portable) cluster
+
+// The single-read kernel's shared memory (one declaration, so that the host knows its size: split_row): the per-row
+// work's, and the inbox the cluster's blocks push their parts' states into, by row parity and sender rank, with
+// the mbarrier of each parity's slot (its phase completes when every block's state has landed).
+template <typename T>
+struct SingleReadShared {
+  PassShared<T> pass;
+  PartState<T> inbox[2][kMaxClusterBlocks];
+  Mbarrier inbox_full[2];
+};
+
 // The single-read pass, for rows that fit on chip: a row is split into `slice`-element parts (a multiple of the
 // vector width, so that each part starts at the row's offset from a 16-byte boundary), one per block of a cluster
 // (cluster_num_blocks() blocks, one cluster per row; a single block where the row fits one block's shared memory).
 // Each block copies its part into dynamic shared memory (cp.async: the whole part in flight at once) and accumulates
-// the part's softmax state from there, the blocks exchange their states through distributed shared memory (every
-// block merges them in the same fixed order: the same bits everywhere), and each block writes its part's gradient
-// from shared memory. HBM sees each row once. The small-block kernel runs it (256 threads, clusters of up to 16,
-// several blocks per SM: small_block_layout).
+// the part's softmax state from there; warp 0 of each block pushes that state into every block's inbox
+// (cluster_push: st.async into distributed shared memory, counted on the receiver's mbarrier), waits for the
+// cluster's states to land in its own inbox, and merges them in the same fixed order in every block (the same bits
+// everywhere); each block then writes its part's gradient from shared memory. HBM sees each row once, and the
+// chosen token's logit comes from the staged part that holds it. No cluster barrier per row and none at exit: a
+// block receives pushes only for rows it waits on, so nothing lands after it exits, and no block reads a peer's
+// shared memory. The small-block kernel runs it (256 threads, clusters of up to 16, several blocks per SM:
+// small_block_layout).
 template <typename T, typename In>
 __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const LogitTransform<T>& f,
                                                  const T* __restrict__ row_weight, In* grad, T* __restrict__ logps,
-                                                 T* __restrict__ entropy, int64_t slice, PassShared<T>& sh) {
+                                                 T* __restrict__ entropy, int64_t slice, SingleReadShared<T>& sh) {
   In* const staged_base = dynamic_shared<In>();  // slice + one vector of elements
   const unsigned rank = cluster_block_rank(), blocks = cluster_num_blocks();
-  CUDA_KERNEL_ASSERT(blocks <= 32);  // warp 0's merge: a lane per block
+  CUDA_KERNEL_ASSERT(blocks <= kMaxClusterBlocks);  // the inbox's slots
   const int64_t vocab = a.logits.vocab, lo = rank * slice;
   const int64_t n = lo < vocab ? (vocab - lo < slice ? vocab - lo : slice) : 0;
-  int parity = 0;  // which block_state the row uses: a peer may still read the previous row's
+  if (threadIdx.x == 0) {
+    mbarrier_init(&sh.inbox_full[0], 1);  // one arrival a phase: this block's thread 0 announcing the bytes
+    mbarrier_init(&sh.inbox_full[1], 1);
+  }
+  cluster_sync_mbarrier_init();  // no peer pushes before this block's mbarriers exist
+  // The row's inbox slot: a fast peer may push the next row's state before this block has read this row's.
+  unsigned parity = 0, phases = 0;  // phases: each slot's mbarrier phase parity, bit `parity`
   for (int64_t r = blockIdx.x / blocks; r < a.logits.rows; r += gridDim.x / blocks) {
     const PassRow<T> row = pass_row<T>(a, r);
     const In* x = static_cast<const In*>(a.logits.data) + a.logits.offset(r);
@@ -277,31 +306,39 @@ __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const 
     In* staged = staged_base + (reinterpret_cast<uintptr_t>(x + lo) % kVectorBytes) / sizeof(In);
     SoftmaxState<T> s;
     with_soft_cap(f, [&](auto cap) { s = staged_row_state<decltype(cap)::value>(f, x + lo, staged, n); });
-    s = block_merge(s, sh.warp_states);
-    // Before the barrier: past it, the block that holds the chosen token may be writing its gradient over it.
-    ChosenToken<T> chosen{};
-    if (threadIdx.x == 0) {
-      sh.block_state[parity] = s;
-      chosen = chosen_token(a, f, x, r);
-    }
-    cluster_sync();  // every block's state (and this block's staged part) is visible
+    s = block_merge(s, sh.pass.warp_states);  // the block's state in thread 0; every thread's copy has landed
     if (threadIdx.x < 32) {
-      // Warp 0: lane k reads rank k's state (the cluster's distributed shared memory reads in flight together, not
-      // one after another), then warp_merge's fixed shuffle tree, the same in every block: the same bits everywhere.
+      // Warp 0: lane k pushes the block's state (and the chosen token's logit, from the staged part holding it)
+      // into block k's inbox, all at once; then every lane waits for the cluster's states to land here.
       const unsigned lane = threadIdx.x;
-      SoftmaxState<T> part{T(0), T(0), T(0)};
-      if (lane < blocks) part = *cluster_map_shared(&sh.block_state[parity], lane);
+      const int64_t id = a.ids.load<int64_t>(r, 0);
+      CUDA_KERNEL_ASSERT(id >= 0 && id < vocab);
+      PartState<T> mine{
+          {__shfl_sync(kFullWarp, s.max, 0), __shfl_sync(kFullWarp, s.sum, 0), __shfl_sync(kFullWarp, s.weighted, 0)},
+          T(0)};
+      if (id >= lo && id < lo + n) mine.chosen_z = f(load_as<T>(staged + (id - lo)));
+      Mbarrier* const full = &sh.inbox_full[parity];
+      if (lane == 0) mbarrier_arrive_expect_tx(full, blocks * unsigned(sizeof(PartState<T>)));
+      if (lane < blocks) cluster_push(&sh.inbox[parity][rank], lane, mine, full);
+      mbarrier_wait(full, (phases >> parity) & 1u);
+      // Lane k merges rank k's state by warp_merge's fixed shuffle tree, the same in every block: the same bits
+      // everywhere.
+      const SoftmaxState<T> part = lane < blocks ? sh.inbox[parity][lane].state : SoftmaxState<T>{T(0), T(0), T(0)};
       const SoftmaxState<T> total = warp_merge(part);
-      if (lane == 0) finish_row(a, row_weight, chosen, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh);
+      if (lane == 0) {
+        const ChosenToken<T> chosen{id, sh.inbox[parity][id / slice].chosen_z};
+        finish_row(a, row_weight, chosen, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh.pass);
+      }
     }
-    parity ^= 1;
+    phases ^= 1u << parity;
+    parity ^= 1u;
     __syncthreads();
     if (grad_row) {
-      with_soft_cap(f, [&](auto cap) { write_row_grad<decltype(cap)::value>(f, sh, staged, grad_row + lo, lo, n); });
+      with_soft_cap(f,
+                    [&](auto cap) { write_row_grad<decltype(cap)::value>(f, sh.pass, staged, grad_row + lo, lo, n); });
     }
     __syncthreads();  // the staged part and the shared row values are reused by the next row
   }
-  cluster_sync();  // no block exits (its shared memory gone) while a peer may still read its block_state
 }
 
 // The single-read pass's kernel (GRPO_EXT_LOGITS_SINGLE_READ=1): blocks of at most kSmallBlockThreads threads,
@@ -315,7 +352,7 @@ template <typename T, typename In>
 __global__ void __launch_bounds__(256, 4)  // kSmallBlockThreads, kSmallBlocksPerSm (tests/cuda_emu reads numbers)
     grpo_loss_from_logits_small_block_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight,
                                              In* grad, T* __restrict__ logps, T* __restrict__ entropy, int64_t slice) {
-  __shared__ PassShared<T> sh;
+  __shared__ SingleReadShared<T> sh;
   single_read_pass(a, f, row_weight, grad, logps, entropy, slice, sh);
 }
 
@@ -379,11 +416,11 @@ struct RowSplit {
 };
 
 // A row of `vocab` elements in the fewest parts of at most `share` bytes of shared memory each (the kernel's static
-// PassShared included), at most max_blocks of them; cluster_blocks == 0 when it does not fit.
+// SingleReadShared included), at most max_blocks of them; cluster_blocks == 0 when it does not fit.
 template <typename T, typename In>
 inline RowSplit split_row(int64_t vocab, int64_t share, unsigned max_blocks) {
   constexpr int64_t width = Vector<In>::kWidth, element = sizeof(In);
-  const int64_t free_bytes = share - int64_t(sizeof(PassShared<T>));
+  const int64_t free_bytes = share - int64_t(sizeof(SingleReadShared<T>));
   // Elements a block can stage, a multiple of the vector width, leaving room for the alignment pad (one vector).
   const int64_t per_block = (free_bytes / element - width) / width * width;
   if (vocab <= 0 || per_block < width || max_blocks == 0) return {};
@@ -401,7 +438,7 @@ inline RowSplit split_row(int64_t vocab, int64_t share, unsigned max_blocks) {
 // - registers: 64 a thread at most (the kernel's launch bounds: 256 threads, 4 blocks), so an SM runs 4 blocks of
 //   256 threads;
 // - shared memory: an SM's (228 KiB on an H100) over blocks_per_sm blocks, 1 KiB of it reserved per block, less the
-//   kernel's static PassShared, and at most the per-block maximum;
+//   kernel's static SingleReadShared, and at most the per-block maximum;
 // - bytes in flight: a block stages its whole part with cp.async (stage_row), up to ~56 KiB outstanding, so one block
 //   alone covers the ~25-50 KiB per SM that Little's law asks (3.0-4.3 TB/s x 1-1.5 us / 132 SMs). Loads through
 //   registers (2 vectors a thread: 8 KiB a block, 32 KiB an SM) ran at 1.42-1.63x the copy on an H200, most likely
@@ -479,7 +516,7 @@ bool launch_small_blocks(const LogitsPassArgs& a, const LogitTransform<T>& f, co
   const unsigned grid = unsigned(clusters * layout.cluster_blocks);
   constexpr size_t kDefaultShared = 48 * 1024;
   cudaError_t status = cudaSuccess;
-  if (layout.shared_bytes + sizeof(PassShared<T>) > kDefaultShared) {
+  if (layout.shared_bytes + sizeof(SingleReadShared<T>) > kDefaultShared) {
     status = GRPO_ALLOW_DYNAMIC_SHARED(layout.shared_bytes, grpo_loss_from_logits_small_block_kernel<T, In>);
   }
   if (status == cudaSuccess && layout.cluster_blocks > 8) {  // over the portable size

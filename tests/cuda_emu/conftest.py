@@ -22,12 +22,13 @@ from .client import SCHEDULES, EmuDevice
 
 CSRC = Path(os.environ.get("GRPO_EMU_CSRC") or Path(__file__).resolve().parents[2] / "csrc")
 HERE = Path(__file__).resolve().parent
-SMALL_SHARED_PER_BLOCK = 2048  # bytes: emu_small_shared's device
+# bytes: emu_small_shared's device; SingleReadShared<float> (944) leaves a block 1608 bytes of row part
+SMALL_SHARED_PER_BLOCK = 2552
 SMALL_MAX_CLUSTER = 8
-# emu_small_blocks' shared memory per SM: 4 blocks, each with 1 KiB reserved, PassShared<float> (448: 8 bytes of slack
-# over its 440), the alignment pad and 256 bytes of row part, so that parts are 64 float32 or 128 bf16 entries
-# whether PassShared<float> takes 440 or 448 bytes (test_logits_small_blocks.py counts the clusters again).
-SMALL_BLOCK_SHARED_PER_SM = 4 * (1024 + 448 + 16 + 256)
+# emu_small_blocks' shared memory per SM: 4 blocks, each with 1 KiB reserved, SingleReadShared<float> (944 bytes: its
+# 16-byte aligned inbox fixes the size), the alignment pad and 256 bytes of row part, so that parts are 64 float32 or
+# 128 bf16 entries (test_logits_small_blocks.py counts the clusters again).
+SMALL_BLOCK_SHARED_PER_SM = 4 * (1024 + 944 + 16 + 256)
 # Every device the session opened (launch counts outlive close), and those still open.
 _state: dict = {"devices": [], "open": 0, "deselected": False, "complete": False}
 

@@ -80,15 +80,15 @@ MUTATIONS = [
     Mutation("wrong grid stride", "scale_rows: the row loop strides by 1 instead of gridDim.x (rows scaled twice)",
              "cuda/grpo_loss_from_logits.cuh", "r < rows.rows; r += gridDim.x) {\n    Out* row",
              "r < rows.rows; r += 1) {\n    Out* row"),
-    Mutation("missing cluster barrier", "single-read pass: no cluster_sync before exit (a block's shared memory may be "
-             "gone while a peer reads it)", "cuda/grpo_loss_from_logits.cuh",
-             "  cluster_sync();  // no block exits", "  // no block exits"),
-    Mutation("shared state reused too early", "single-read pass: one block_state for every row (a block may overwrite "
-             "it while a peer still reads the previous row's)", "cuda/grpo_loss_from_logits.cuh",
-             "    parity ^= 1;\n", ""),
-    Mutation("missing cluster barrier", "single-read pass: peers' states read before every block has written its own",
-             "cuda/grpo_loss_from_logits.cuh", "    cluster_sync();  // every block's state",
-             "    // every block's state"),
+    Mutation("missing cluster barrier", "single-read pass: no cluster barrier after the mbarriers' initialization (a "
+             "peer may push into a block whose mbarrier does not exist yet)", "cuda/grpo_loss_from_logits.cuh",
+             "  cluster_sync_mbarrier_init();  // no peer pushes", "  // no peer pushes"),
+    Mutation("shared state reused too early", "single-read pass: one inbox slot for every row (a fast peer may push "
+             "the next row's state over one not read yet)", "cuda/grpo_loss_from_logits.cuh",
+             "    parity ^= 1u;\n", ""),
+    Mutation("missing mbarrier wait", "single-read pass: the inbox read without waiting on its mbarrier (the peers' "
+             "states not landed yet)", "cuda/grpo_loss_from_logits.cuh",
+             "      mbarrier_wait(full, (phases >> parity) & 1u);\n", ""),
     Mutation("redundant barrier removed", "logits pass: no barrier at the end of the row loop (the next row's "
              "block_merge barrier already orders every shared access)", "cuda/grpo_loss_from_logits.cuh",
              "    __syncthreads();  // the shared row values are reused by the next row\n", "", expect_caught=False),
@@ -146,18 +146,18 @@ MUTATIONS = [
     # The single-read pass's cluster merge and handshake (clusters of up to 16 blocks, test_logits_small_blocks.py),
     # and its part bounds.
     Mutation("skipped rank", "single-read merge: the cluster's last block's state left out of the row's",
-             "cuda/grpo_loss_from_logits.cuh", "if (lane < blocks) part = *cluster_map_shared",
-             "if (lane + 1 < blocks) part = *cluster_map_shared"),
+             "cuda/grpo_loss_from_logits.cuh", "lane < blocks ? sh.inbox[parity][lane].state",
+             "lane + 1 < blocks ? sh.inbox[parity][lane].state"),
     Mutation("order differing per block", "single-read merge: each block merges the states in an order rotated by "
              "its rank (the blocks' row statistics differ in their last bits)", "cuda/grpo_loss_from_logits.cuh",
-             "part = *cluster_map_shared(&sh.block_state[parity], lane);",
-             "part = *cluster_map_shared(&sh.block_state[parity], (lane + rank) % blocks);"),
+             "blocks ? sh.inbox[parity][lane].state :", "blocks ? sh.inbox[parity][(lane + rank) % blocks].state :"),
     Mutation("wrong parity", "single-read merge: the peers' states read from the other row's slot",
-             "cuda/grpo_loss_from_logits.cuh", "part = *cluster_map_shared(&sh.block_state[parity], lane);",
-             "part = *cluster_map_shared(&sh.block_state[parity ^ 1], lane);"),
-    Mutation("missing cluster wait", "single-read pass: a block barrier where the cluster's arrive/wait belongs (the "
-             "peers' states read before they are written)", "cuda/grpo_loss_from_logits.cuh",
-             "    cluster_sync();  // every block's state", "    __syncthreads();  // every block's state"),
+             "cuda/grpo_loss_from_logits.cuh", "blocks ? sh.inbox[parity][lane].state :",
+             "blocks ? sh.inbox[parity ^ 1u][lane].state :"),
+    Mutation("bytes miscounted", "mbarrier handshake: each block announces one state too few (its phase may complete "
+             "before the last state lands, which then lands in the next phase)", "cuda/grpo_loss_from_logits.cuh",
+             "mbarrier_arrive_expect_tx(full, blocks * unsigned(sizeof(PartState<T>)));",
+             "mbarrier_arrive_expect_tx(full, (blocks - 1) * unsigned(sizeof(PartState<T>)));"),
     Mutation("off-by-one", "single-read pass: each block's part one element longer than its slice (parts overlap)",
              "cuda/grpo_loss_from_logits.cuh", "(vocab - lo < slice ? vocab - lo : slice) : 0;",
              "(vocab - lo < slice ? vocab - lo : slice + 1) : 0;"),
@@ -180,6 +180,16 @@ MUTATIONS = [
     Mutation("wrong index", "softmax backward: the chosen token's onehot on the element after it",
              "cuda/selective_log_softmax.cuh", "select_computed(v.is(id), gl, T(0))",
              "select_computed(v.is(id + 1), gl, T(0))"),
+    # The single-read pass's mbarrier handshake (cluster_push into each block's inbox; test_logits_small_blocks.py).
+    Mutation("wrong phase", "mbarrier handshake: every wait on an inbox slot's first phase (a slot's third use passes "
+             "before its states land)", "cuda/grpo_loss_from_logits.cuh",
+             "mbarrier_wait(full, (phases >> parity) & 1u);", "mbarrier_wait(full, 0u);"),
+    Mutation("wrong sender slot", "mbarrier handshake: each block pushes its state into the receiver's own slot, not "
+             "its sender's (the states overwrite each other)", "cuda/grpo_loss_from_logits.cuh",
+             "cluster_push(&sh.inbox[parity][rank], lane,", "cluster_push(&sh.inbox[parity][lane], lane,"),
+    Mutation("wrong part", "single-read pass: the chosen token's logit taken from this block's push, not from the "
+             "part that holds it", "cuda/grpo_loss_from_logits.cuh",
+             "sh.inbox[parity][id / slice].chosen_z", "sh.inbox[parity][rank].chosen_z"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).
@@ -190,6 +200,9 @@ _EVIDENCE = [
     (r"exited while other threads of its block wait", "thread exited while its block waits at a barrier"),
     (r"divergent warp intrinsics", "divergent warp intrinsics"),
     (r"deadlock", "deadlock"),
+    (r"before a cluster barrier followed its initialization", "push before the cluster saw the mbarrier"),
+    (r"exited with phase \d+ of its mbarrier begun", "block exited mid-phase of its mbarrier"),
+    (r"landed in block rank \d+ after all of its threads exited", "push landed in an exited block"),
     (r"reads lane \d+, which is (outside|not participating)", "shuffle reads a lane {0} its mask"),
     (r"does not name it", "lane calls a shuffle whose mask excludes it"),
     (r"__launch_bounds__\((\d+)\)", "launch over __launch_bounds__({0})"),

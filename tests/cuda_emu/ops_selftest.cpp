@@ -151,6 +151,19 @@ std::vector<Tensor> selftest_cluster(Args& a) {
   return {codes, out, info, sums};
 }
 
+// selftest_mbarrier(cluster_blocks, clusters, rounds, bug): mbarrier_exchange_kernel over `clusters` clusters of
+// 64 threads a block (clusters over 8 blocks allowed); its out, [rounds, clusters * cluster_blocks].
+std::vector<Tensor> selftest_mbarrier(Args& a) {
+  const int64_t n = a.integer(), clusters = a.integer(), rounds = a.integer(), bug = a.integer();
+  a.done();
+  Tensor out = empty({rounds, clusters * n}, DType::kFloat32);
+  (void)GRPO_ALLOW_NONPORTABLE_CLUSTER(selftest::mbarrier_exchange_kernel);
+  const cudaError_t code = GRPO_LAUNCH_CLUSTER(clusters * n, 64, n, 0, nullptr, selftest::mbarrier_exchange_kernel)(
+      out.data_as<float>(), unsigned(clusters), unsigned(rounds), int(bug));
+  if (code != cudaSuccess) bad_args(std::string("the launch was refused: ") + cudaGetErrorString(cudaGetLastError()));
+  return {out};
+}
+
 // selftest_active_clusters(cluster_blocks, threads, shared_bytes, nonportable): GRPO_MAX_ACTIVE_CLUSTERS of a launch
 // of cluster_exchange_kernel (nonportable: cluster_exchange_nonportable_kernel, allowed first); {error, clusters}.
 std::vector<Tensor> selftest_active_clusters(Args& a) {
@@ -182,6 +195,7 @@ std::vector<Tensor> selftest_device_limits(Args& a) {
 const RegisterOp kBug("selftest_bug", selftest_bug);
 const RegisterOp kClusterBug("selftest_cluster_bug", selftest_cluster_bug);
 const RegisterOp kCluster("selftest_cluster", selftest_cluster);
+const RegisterOp kMbarrier("selftest_mbarrier", selftest_mbarrier);
 const RegisterOp kLimits("selftest_device_limits", selftest_device_limits);
 const RegisterOp kActiveClusters("selftest_active_clusters", selftest_active_clusters);
 const RegisterOp kWarp("selftest_warp_intrinsics", selftest_warp_intrinsics);

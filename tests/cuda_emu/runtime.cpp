@@ -97,7 +97,7 @@ Site site_of(const std::source_location& s) {
   return {s.file_name(), static_cast<unsigned>(s.line()), static_cast<unsigned>(s.column())};
 }
 
-enum class State { kReady, kBarrier, kClusterBarrier, kWarp, kDone };
+enum class State { kReady, kBarrier, kClusterBarrier, kWarp, kMbarrier, kDone };
 
 // A saved execution context: a stack pointer (x86-64), or a ucontext elsewhere.
 #if CUDA_EMU_ASM_SWITCH
@@ -122,6 +122,29 @@ struct Fiber {
   unsigned mask = 0;
   int lane_arg = 0, width = 32;
   uint64_t value = 0, result = 0;
+  // The mbarrier it waits on, and the parity of the phase it waits for.
+  const void* bar = nullptr;
+  unsigned parity = 0;
+};
+
+// An mbarrier of a block of the running cluster (cluster.cuh's), by address.
+struct MbarrierState {
+  int block = 0;         // the rank whose shared memory holds it
+  unsigned phase = 0;    // the current phase (its parity: phase & 1)
+  int arrivals = 0;      // per phase
+  int pending = 0;       // arrivals the current phase still awaits
+  long long bytes = 0;   // announced minus landed, in the current phase
+  int initializer = 0;   // the fiber that initialized it
+  bool fenced = false;   // its initializer has reached cluster_sync_mbarrier_init since
+  bool visible = false;  // a cluster barrier followed: the cluster's blocks may push to it
+};
+
+// A cluster_push in flight: its bytes land at `to` (in block `block`'s shared memory) and count on `bar`.
+struct Push {
+  int from = 0, block = 0;
+  void* to = nullptr;
+  const void* bar = nullptr;
+  std::vector<unsigned char> value;
 };
 
 // A warp-level intrinsic some lanes of a warp wait in.
@@ -172,6 +195,8 @@ struct Runtime {
   int cluster_count = 0;
   std::vector<std::vector<PendingWarpOp>> warp_ops;  // per warp
   std::vector<unsigned> live_lanes;                  // per warp: its lanes not done
+  std::map<const void*, MbarrierState> mbarriers;
+  std::deque<Push> pushes;  // in flight, oldest first
   std::string error;
   bool aborting = false;  // the launch failed: every fiber unwinds
   void (*run_thread)(void*) = nullptr;
@@ -263,6 +288,7 @@ std::string fiber_state(const Fiber& f) {
     case State::kDone: return "exited";
     case State::kBarrier: return "at __syncthreads " + f.site.str();
     case State::kClusterBarrier: return "at cluster_sync " + f.site.str();
+    case State::kMbarrier: return "at mbarrier_wait " + f.site.str() + " (parity " + std::to_string(f.parity) + ")";
     case State::kWarp: {
       std::ostringstream s;
       s << "at a warp intrinsic " << f.site.str() << " (mask 0x" << std::hex << f.mask << ")";
@@ -286,6 +312,7 @@ void try_release_barriers(int rank) {
     make_ready(ids.data(), static_cast<int>(ids.size()));
   }
   if (rt.cluster_count > 0 && rt.cluster_count >= rt.live) {
+    for (auto& [address, m] : rt.mbarriers) m.visible = m.visible || m.fenced;
     ids.clear();
     for (Fiber& f : rt.fibers) {
       if (f.state == State::kClusterBarrier) ids.push_back(f.id);
@@ -362,6 +389,88 @@ void check_warp_ops(int warp) {
   }
 }
 
+bool greedy() {
+  return rt.schedule.order == Order::kGreedyHigh || rt.schedule.order == Order::kGreedyLow;
+}
+
+// Ends the current phase of mbarrier `bar` when its arrivals are made and its announced bytes have landed (and no
+// more): the threads that wait for it run.
+void try_complete_phase(const void* bar, MbarrierState& m) {
+  if (m.pending > 0 || m.bytes != 0) return;
+  const unsigned done = m.phase & 1u;
+  ++m.phase;
+  m.pending = m.arrivals;
+  std::vector<int> ids;
+  for (const Fiber& f : rt.fibers) {
+    if (f.state == State::kMbarrier && f.bar == bar && f.parity == done) ids.push_back(f.id);
+  }
+  make_ready(ids.data(), static_cast<int>(ids.size()));
+}
+
+// The mbarrier at `bar` in block `block`'s shared memory; fails unless one was initialized there.
+MbarrierState& mbarrier_at(const void* bar, int block, const char* what) {
+  auto it = rt.mbarriers.find(bar);
+  if (it == rt.mbarriers.end() || it->second.block != block) {
+    fail_in_fiber(describe(rt.current->coords) + ": " + what + " on " +
+                  (it == rt.mbarriers.end() ? "no" : "another block's") +
+                  " mbarrier (mbarrier_init first, in the block's own shared memory)");
+  }
+  return it->second;
+}
+
+// Push `p` lands: its bytes at their place, counted on their mbarrier.
+void land(const Push& p) {
+  if (rt.blocks[p.block].live == 0) {
+    std::ostringstream s;
+    s << describe(rt.fibers[p.from].coords) << ": a cluster_push landed in block rank " << p.block
+      << " after all of its threads exited (on a GPU its shared memory is gone)";
+    if (rt.error.empty()) rt.error = s.str();
+    return;
+  }
+  memcpy(p.to, p.value.data(), p.value.size());
+  MbarrierState& m = rt.mbarriers.at(p.bar);
+  m.bytes -= static_cast<long long>(p.value.size());
+  try_complete_phase(p.bar, m);
+}
+
+// Lands the pushes of fiber `from` (every fiber's when from < 0), oldest first.
+void land_pushes(int from) {
+  std::deque<Push> keep;
+  while (!rt.pushes.empty()) {
+    Push p = std::move(rt.pushes.front());
+    rt.pushes.pop_front();
+    if (from < 0 || p.from == from) {
+      land(p);
+    } else {
+      keep.push_back(std::move(p));
+    }
+  }
+  rt.pushes = std::move(keep);
+}
+
+// Before fiber f waits or exits: under the greedy orders its pushes land now (the block that runs ahead overwrites
+// what a slow one has not read yet); under the forward and reverse ones only when no thread can run (run_cluster: a
+// read before the wait sees stale bytes).
+void land_before_waiting(const Fiber& f) {
+  if (greedy()) land_pushes(f.id);
+}
+
+// Block `rank` has exited: nothing may be in flight to it, and no phase of its mbarriers may have begun.
+void check_exited_mbarriers(int rank) {
+  for (const Push& p : rt.pushes) {
+    if (p.block == rank) land(p);  // reports it
+  }
+  for (const auto& [bar, m] : rt.mbarriers) {
+    if (m.block != rank || (m.pending == m.arrivals && m.bytes == 0)) continue;
+    std::ostringstream s;
+    s << "block rank " << rank << " exited with phase " << m.phase
+      << " of its mbarrier begun: " << m.arrivals - m.pending << " of " << m.arrivals << " arrivals, "
+      << (m.bytes >= 0 ? std::to_string(m.bytes) + " announced bytes not landed"
+                       : std::to_string(-m.bytes) + " bytes landed that no arrival announced");
+    if (rt.error.empty()) rt.error = s.str();
+  }
+}
+
 void fiber_entry() {
   Fiber& f = *rt.current;
 #if CUDA_EMU_ASAN
@@ -370,6 +479,7 @@ void fiber_entry() {
   try {
     f.async_copies.clear();
     if (!rt.aborting) rt.run_thread(rt.context);
+    if (!rt.aborting) land_before_waiting(f);
     if (!f.async_copies.empty()) {
       fail_in_fiber(describe(f.coords) + ": ended with " + std::to_string(f.async_copies.size()) +
                     " async_copy_16 not waited for (async_copy_wait_all)");
@@ -398,8 +508,11 @@ void fiber_entry() {
     if (rt.error.empty()) rt.error = s.str();
   }
   check_warp_ops(f.warp);  // an exited lane no longer holds back its warp's intrinsics
-  if (block.live == 0) block_exited(static_cast<unsigned>(f.block));  // its shared memory is gone
-  park(f);                                                            // never resumed
+  if (block.live == 0) {
+    check_exited_mbarriers(f.block);
+    block_exited(static_cast<unsigned>(f.block));  // its shared memory is gone
+  }
+  park(f);  // never resumed
   __builtin_unreachable();
 }
 
@@ -443,6 +556,8 @@ void run_cluster(const LaunchSpec& spec, const Coords& first, int blocks) {
   rt.ready.clear();
   rt.live = total;
   rt.cluster_count = 0;
+  rt.mbarriers.clear();
+  rt.pushes.clear();
   begin_cluster(spec, first.block_idx, static_cast<unsigned>(blocks));
   std::vector<int> ids(total);
   for (int rank = 0; rank < blocks; ++rank) {
@@ -464,7 +579,12 @@ void run_cluster(const LaunchSpec& spec, const Coords& first, int blocks) {
     }
   }
   make_ready(ids.data(), total);
-  while (!rt.ready.empty() && rt.error.empty()) {
+  while (rt.error.empty()) {
+    if (rt.ready.empty()) {  // no thread can run: what is in flight lands now (the forward and reverse orders' only)
+      if (rt.pushes.empty()) break;
+      land_pushes(-1);
+      continue;
+    }
     const int id = rt.ready.front();
     rt.ready.pop_front();
     resume(rt.fibers[id]);
@@ -620,13 +740,73 @@ void device_assert_fail(const char* condition, const char* file, int line) {
 }
 
 void syncthreads(const std::source_location& where) {
+  land_before_waiting(*rt.current);
   Block& b = rt.blocks[rt.current->block];
   arrive(where, State::kBarrier, "__syncthreads", "block", b.barrier_site, b.barrier_count);
 }
 
 void cluster_sync(const std::source_location& where) {
   if (rt.current == nullptr) throw LaunchError("cluster_sync outside a kernel");
+  for (auto& [bar, m] : rt.mbarriers) m.fenced = m.fenced || m.initializer == rt.current->id;  // a release
+  land_before_waiting(*rt.current);
   arrive(where, State::kClusterBarrier, "cluster_sync", "cluster", rt.cluster_site, rt.cluster_count);
+}
+
+void mbarrier_init(void* bar, unsigned arrivals) {
+  if (rt.current == nullptr) throw LaunchError("mbarrier_init outside a kernel");
+  map_shared(bar, cluster_block_rank());  // fails unless `bar` is in this block's shared memory
+  if (reinterpret_cast<uintptr_t>(bar) % 8 != 0) fail("mbarrier_init at an address not 8-byte aligned");
+  if (arrivals == 0) fail("mbarrier_init with 0 arrivals a phase");
+  if (rt.mbarriers.count(bar) > 0) fail("mbarrier_init twice on one mbarrier");
+  MbarrierState m;
+  m.block = rt.current->block;
+  m.arrivals = m.pending = static_cast<int>(arrivals);
+  m.initializer = rt.current->id;
+  rt.mbarriers.emplace(bar, m);
+}
+
+void cluster_sync_mbarrier_init(const std::source_location& where) {
+  if (rt.current == nullptr) throw LaunchError("cluster_sync_mbarrier_init outside a kernel");
+  for (auto& [bar, m] : rt.mbarriers) m.fenced = m.fenced || m.initializer == rt.current->id;
+  land_before_waiting(*rt.current);
+  arrive(where, State::kClusterBarrier, "cluster_sync_mbarrier_init", "cluster", rt.cluster_site, rt.cluster_count);
+}
+
+void mbarrier_arrive_expect_tx(void* bar, unsigned bytes) {
+  if (rt.current == nullptr) throw LaunchError("mbarrier_arrive_expect_tx outside a kernel");
+  MbarrierState& m = mbarrier_at(bar, rt.current->block, "mbarrier_arrive_expect_tx");
+  if (m.pending == 0) fail("mbarrier_arrive_expect_tx on a phase that has all of its arrivals");
+  --m.pending;
+  m.bytes += bytes;
+  try_complete_phase(bar, m);
+}
+
+void cluster_push(void* slot, unsigned rank, const void* value, size_t bytes, void* bar) {
+  if (rt.current == nullptr) throw LaunchError("cluster_push outside a kernel");
+  void* to = map_shared(slot, rank);  // fails unless slot is this block's shared memory and block `rank` is live
+  const void* at = map_shared(bar, rank);
+  if (reinterpret_cast<uintptr_t>(to) % 16 != 0) fail("cluster_push to an address not 16-byte aligned");
+  const MbarrierState& m = mbarrier_at(at, static_cast<int>(rank), "cluster_push");
+  if (static_cast<int>(rank) != rt.current->block && !m.visible) {
+    fail("cluster_push to the mbarrier of block rank " + std::to_string(rank) +
+         " before a cluster barrier followed its initialization (cluster_sync_mbarrier_init): on a GPU it may not "
+         "be initialized yet");
+  }
+  const auto* bytes_of = static_cast<const unsigned char*>(value);
+  rt.pushes.push_back({rt.current->id, static_cast<int>(rank), to, at, {bytes_of, bytes_of + bytes}});
+}
+
+void mbarrier_wait(void* bar, unsigned parity, const std::source_location& where) {
+  if (rt.current == nullptr) throw LaunchError("mbarrier_wait outside a kernel");
+  Fiber& f = *rt.current;
+  mbarrier_at(bar, f.block, "mbarrier_wait");
+  land_before_waiting(f);
+  if ((rt.mbarriers.at(bar).phase & 1u) != (parity & 1u)) return;  // that phase has completed
+  f.state = State::kMbarrier;
+  f.site = site_of(where);
+  f.bar = bar;
+  f.parity = parity & 1u;
+  park(f);
 }
 
 unsigned cluster_block_rank() {
@@ -650,6 +830,7 @@ const Coords* running_coords() {
 uint64_t warp_op(WarpKind kind, unsigned mask, uint64_t value, int lane_arg, int width,
                  const std::source_location& where) {
   Fiber& f = *rt.current;
+  land_before_waiting(f);
   const Site site = site_of(where);
   if (!(mask & (1u << f.lane))) {
     fail("lane " + std::to_string(f.lane) + " calls a warp intrinsic at " + site.str() + " with a mask (" + hex(mask) +

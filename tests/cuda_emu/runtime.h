@@ -30,6 +30,17 @@
 //   missing cluster_sync before exit) is reported, and so is cluster_map_shared onto an exited block.
 //   An ordinary launch is a cluster of one block: cluster_block_rank() 0, cluster_num_blocks() 1, cluster_sync() a
 //   barrier of the block.
+// - mbarriers and pushes (cluster.cuh): mbarrier_init (in the calling block's shared memory, 8-byte aligned, once),
+//   mbarrier_arrive_expect_tx (an arrival of the current phase, and the bytes it announces), cluster_push (st.async:
+//   a copy of the value is queued, to land at the same offset in block `rank` and count its bytes on that block's
+//   mbarrier), mbarrier_wait (parks until the phase of that parity completes: every arrival made and the announced
+//   bytes landed, none more). Under the forward and reverse orders a push lands only when no thread can run, so that
+//   a read of the slot before the wait sees what was there before; under the greedy orders it lands when its thread
+//   next waits or exits, so that the block that runs ahead overwrites what a slow peer has not read yet. Reported: a
+//   push to a peer's mbarrier before a cluster barrier followed that mbarrier's initialization
+//   (cluster_sync_mbarrier_init, or cluster_sync), an arrival at a phase that has all of its, a push into a block that
+//   has exited, and a block that exits with a phase of one of its mbarriers begun (arrivals or bytes outstanding, or
+//   bytes landed that no arrival announced).
 // - __syncthreads() parks a thread until every thread of the block has arrived at the same call site (file, line,
 //   column). Arriving at another site, or exiting while others wait, is reported as a divergent barrier.
 // - __shfl_sync/_up/_down/_xor, __syncwarp, __ballot_sync, __any_sync, __all_sync wait for every live lane named
@@ -230,6 +241,12 @@ cudaError_t allow_nonportable_cluster(const void* kernel);
 
 void syncthreads(const std::source_location& site);
 void cluster_sync(const std::source_location& site);
+// csrc/cuda/cluster.cuh's mbarriers and pushes (runtime.h's top comment says what they check).
+void mbarrier_init(void* bar, unsigned arrivals);
+void cluster_sync_mbarrier_init(const std::source_location& site);
+void mbarrier_arrive_expect_tx(void* bar, unsigned bytes);
+void cluster_push(void* slot, unsigned rank, const void* value, size_t bytes, void* bar);
+void mbarrier_wait(void* bar, unsigned parity, const std::source_location& site);
 unsigned cluster_block_rank();
 unsigned cluster_num_blocks();
 
@@ -361,6 +378,26 @@ T* cluster_map_shared(T* p, unsigned rank) {
 template <typename T>
 T* dynamic_shared() {
   return static_cast<T*>(::cuda_emu::dynamic_shared_storage());
+}
+using Mbarrier = uint64_t;
+inline void mbarrier_init(Mbarrier* bar, unsigned arrivals) {
+  ::cuda_emu::mbarrier_init(bar, arrivals);
+}
+inline void cluster_sync_mbarrier_init(const std::source_location& site = std::source_location::current()) {
+  ::cuda_emu::cluster_sync_mbarrier_init(site);
+}
+inline void mbarrier_arrive_expect_tx(Mbarrier* bar, unsigned bytes) {
+  ::cuda_emu::mbarrier_arrive_expect_tx(bar, bytes);
+}
+template <typename V>
+void cluster_push(V* slot, unsigned rank, const V& value, Mbarrier* bar) {
+  static_assert(sizeof(V) % 16 == 0 && alignof(V) >= 16, "cluster_push moves 16-byte aligned pieces");
+  static_assert(std::is_trivially_copyable_v<V>, "cluster_push copies bytes");
+  ::cuda_emu::cluster_push(slot, rank, &value, sizeof(V), bar);
+}
+inline void mbarrier_wait(Mbarrier* bar, unsigned parity,
+                          const std::source_location& site = std::source_location::current()) {
+  ::cuda_emu::mbarrier_wait(bar, parity, site);
 }
 inline void async_copy_16(void* shared, const void* global) {
   ::cuda_emu::async_copy_push(shared, global);

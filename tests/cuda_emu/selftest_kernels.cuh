@@ -144,6 +144,52 @@ __global__ void cluster_exchange_kernel(int* out, int* info, int* sums, unsigned
   }
 }
 
+// mbarriers and pushes (cluster.cuh), in a grid-stride loop over `clusters` clusters: in each of `rounds` rounds,
+// warp 0 of every block pushes the value block * 1000 + round into its slot (its rank) of every block's inbox of
+// that round's parity, and thread 0 writes the sum of what landed once the slot set's mbarrier phase completes:
+// out[round][block] = the sum over the blocks b of its cluster of b * 1000 + round. `bug` plants one mistake: 1 no
+// cluster barrier after the mbarriers' initialization (a __syncthreads instead), 2 one value too few announced, 3 the
+// inbox read without the wait.
+struct alignas(16) MbarrierSlot {
+  float value, pad[3];
+};
+
+__global__ void mbarrier_exchange_kernel(float* out, unsigned clusters, unsigned rounds, int bug) {
+  __shared__ MbarrierSlot inbox[2][16];
+  __shared__ grpo_ext::Mbarrier full[2];
+  const unsigned n = grpo_ext::cluster_num_blocks(), rank = grpo_ext::cluster_block_rank();
+  if (threadIdx.x == 0) {
+    grpo_ext::mbarrier_init(&full[0], 1);
+    grpo_ext::mbarrier_init(&full[1], 1);
+  }
+  if (bug == 1) {
+    __syncthreads();
+  } else {
+    grpo_ext::cluster_sync_mbarrier_init();
+  }
+  unsigned p = 0, phases = 0;  // the slot set a round uses, and each set's mbarrier phase parity
+  for (unsigned c = blockIdx.x / n; c < clusters; c += gridDim.x / n) {
+    const unsigned block = c * n + rank;
+    for (unsigned round = 0; round < rounds; ++round) {
+      if (threadIdx.x < 32) {
+        const unsigned announced = bug == 2 ? n - 1 : n;
+        if (threadIdx.x == 0) grpo_ext::mbarrier_arrive_expect_tx(&full[p], announced * unsigned(sizeof(MbarrierSlot)));
+        const MbarrierSlot mine{static_cast<float>(block * 1000 + round), {0.0f, 0.0f, 0.0f}};
+        if (threadIdx.x < n) grpo_ext::cluster_push(&inbox[p][rank], threadIdx.x, mine, &full[p]);
+        if (bug != 3) grpo_ext::mbarrier_wait(&full[p], (phases >> p) & 1u);
+        if (threadIdx.x == 0) {
+          float sum = 0.0f;
+          for (unsigned k = 0; k < n; ++k) sum += inbox[p][k].value;
+          out[size_t(round) * clusters * n + block] = sum;
+        }
+      }
+      phases ^= 1u << p;
+      p ^= 1u;
+      __syncthreads();
+    }
+  }
+}
+
 // Fills its dynamic shared memory (`blockDim.x` floats at least) and a static shared flag; never allowed more than
 // 48 KiB (GRPO_ALLOW_DYNAMIC_SHARED is not called for it anywhere).
 __global__ void dynamic_fill_kernel(float* out) {

@@ -15,10 +15,10 @@ from .client import EmuDevice, kernels_launched, launch_dims
 from .conftest import CSRC
 from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 
-# The single-read pass on a device with 2 KiB of shared memory per block (emu_small_shared), so that small rows take
-# every path: which kernel the launcher picks for each (dtype, V), from csrc/cuda/grpo_loss_from_logits.cuh's
-# small_block_layout: a block stages (2048 - sizeof(PassShared)) / element size - one vector of elements (396
-# float32, 792 bf16/fp16, 146 float64), a cluster holds up to 16 blocks (over 8: the non-portable size); a larger
+# The single-read pass on a device with 2552 bytes of shared memory per block (emu_small_shared), so that small rows
+# take every path: which kernel the launcher picks for each (dtype, V), from csrc/cuda/grpo_loss_from_logits.cuh's
+# small_block_layout: a block stages (2552 - sizeof(SingleReadShared)) / element size - one vector of elements (396
+# float32, 792 bf16/fp16, 82 float64), a cluster holds up to 16 blocks (over 8: the non-portable size); a larger
 # row takes the two-read kernel.
 CLUSTER_CASES = [
     (torch.float32, 33, "single-read"),  # one block
@@ -29,8 +29,8 @@ CLUSTER_CASES = [
     (torch.bfloat16, 1000, "single-read"),  # 2
     (torch.bfloat16, 4099, "single-read"),  # 6
     (torch.float16, 7001, "single-read"),  # 9
-    (torch.float64, 1000, "single-read"),  # 7
-    (torch.float64, 2501, "two-read"),  # 18
+    (torch.float64, 1000, "single-read"),  # 13
+    (torch.float64, 2501, "two-read"),  # 31
 ]
 PASS_KERNELS = {"single-read": "grpo_loss_from_logits_small_block_kernel", "two-read": "grpo_loss_from_logits_kernel"}
 

@@ -24,7 +24,7 @@ PASS_KERNELS = {
     "small-blocks": "grpo_loss_from_logits_small_block_kernel",
     "two-read": "grpo_loss_from_logits_kernel",
 }
-PASS_SHARED = {4: 440, 8: 872}  # sizeof(PassShared<T>) by accumulation bytes (float, double), within 8 bytes
+SINGLE_READ_SHARED = {4: 944, 8: 1872}  # sizeof(SingleReadShared<T>) by accumulation bytes (float, double)
 SHARED_PER_SM = SMALL_BLOCK_SHARED_PER_SM
 
 
@@ -32,7 +32,7 @@ def small_block_cluster(vocab: int, itemsize: int, shared_per_sm: int = SHARED_P
                         shared_per_block: int = 232448, max_cluster: int = 16) -> int | None:  # fmt: skip
     """The cluster size small_block_layout picks for a row (None: the row takes the two-read pass), counted again
     here from the rule its comment states: the most blocks per SM (4, 3, 2) whose parts keep the cluster within 16."""
-    width, static = 16 // itemsize, PASS_SHARED[8 if itemsize == 8 else 4]
+    width, static = 16 // itemsize, SINGLE_READ_SHARED[8 if itemsize == 8 else 4]
     for per_sm in (4, 3, 2):
         free = min(shared_per_sm // per_sm - 1024, shared_per_block) - static
         per_block = (free // itemsize - width) // width * width
@@ -41,7 +41,7 @@ def small_block_cluster(vocab: int, itemsize: int, shared_per_sm: int = SHARED_P
     return None
 
 
-# (dtype, V, cluster size): 16 blocks, every odd size between, one block, and a cluster taken at 3 blocks per SM.
+# (dtype, V, cluster size): 16 blocks, every odd size between, one block, and clusters taken at 3 and 2 blocks per SM.
 CLUSTER_CASES = [
     (torch.float32, 1000, 16),
     (torch.float32, 33, 1),
@@ -55,8 +55,8 @@ CLUSTER_CASES = [
     (torch.bfloat16, 2001, 16),
     (torch.bfloat16, 1300, 11),
     (torch.float16, 1601, 13),
-    (torch.float64, 300, 6),  # 3 blocks per SM: float64's PassShared leaves 4 no room
-    (torch.float32, 1100, 6),  # over 16 at 4 blocks per SM: 3 blocks per SM, bigger parts
+    (torch.float64, 1100, 6),  # 2 blocks per SM: float64's SingleReadShared (1872 bytes) leaves 3 or 4 no room
+    (torch.float32, 1400, 6),  # over 16 at 4 blocks per SM: 3 blocks per SM, bigger parts
 ]
 
 
@@ -128,10 +128,10 @@ def small_block_launch(env: dict[str, str], batch: int, group: int, vocab: int, 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_small_block_pass_persistent_clusters(persistent):
     """GRPO_EXT_LOGITS_PERSISTENT=1: no more clusters than the occupancy query says run at once, each walking rows.
-    V=520 float32 takes clusters of 9; on a device whose GPCs hold 3 SMs, one cluster a GPC, 8 at once, so 24 rows
+    V=520 float32 takes clusters of 9; on a device whose GPCs hold 2 SMs, one cluster a GPC, 8 at once, so 24 rows
     take 8 clusters (72 blocks) instead of 24 (216); the same outputs as the CPU kernel either way."""
     env = dict(SMALL_BLOCKS, GRPO_EXT_LOGITS_PERSISTENT="1" if persistent else "0")
-    blocks, _ = small_block_launch(env, 4, 6, 520, seed=44, shared_per_sm=SHARED_PER_SM, gpc_sms=3)
+    blocks, _ = small_block_launch(env, 4, 6, 520, seed=44, shared_per_sm=SHARED_PER_SM, gpc_sms=2)
     assert blocks == (72 if persistent else 24 * 9)
 
 
@@ -186,9 +186,9 @@ def test_every_block_of_a_cluster_uses_the_same_row_statistics(emu_small_blocks,
         (SMALL_BLOCKS, {}, 1000, "small-blocks"),
         ({}, {}, 1000, "small-blocks"),  # the emulated devices' default: GRPO_EXT_LOGITS_SINGLE_READ=1
         ({"GRPO_EXT_LOGITS_SINGLE_READ": "0"}, {}, 1000, "two-read"),
-        (SMALL_BLOCKS, {}, 8200, "two-read"),  # over 16 blocks even at 2 blocks per SM
-        (SMALL_BLOCKS, {"gpc_sms": 3}, 1000, "two-read"),  # 16 blocks, 4 per SM: no GPC holds the cluster
-        (SMALL_BLOCKS, {"gpc_sms": 3}, 520, "small-blocks"),  # 9 blocks fit 3 SMs
+        (SMALL_BLOCKS, {}, 10001, "two-read"),  # over 16 blocks even at 2 blocks per SM
+        (SMALL_BLOCKS, {"gpc_sms": 2}, 1000, "two-read"),  # 16 blocks: no GPC of 2 SMs holds the cluster
+        (SMALL_BLOCKS, {"gpc_sms": 2}, 520, "small-blocks"),  # 9 blocks fit 2 SMs
         (SMALL_BLOCKS, {"max_cluster": 4}, 1000, "two-read"),  # the device refuses the cluster (no fallback to 4)
         (SMALL_BLOCKS, {"max_cluster": 4}, 150, "small-blocks"),  # 3 blocks
         (SMALL_BLOCKS, {"max_nonportable_cluster": 8}, 1000, "two-read"),  # a device that takes 8 at most

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from .client import SCHEDULES, EmuDevice, EmuError
-from .conftest import CSRC
+from .conftest import CSRC, SMALL_SHARED_PER_BLOCK
 
 
 @pytest.mark.parametrize(
@@ -163,7 +163,7 @@ def test_cluster_launch_returns_what_the_device_refuses(emu, n, words, allow, co
 
 def test_device_limits_come_from_the_device(emu, emu_small_shared):
     assert emu.selftest_device_limits().tolist() == [H100_SHARED, 8]
-    assert emu_small_shared.selftest_device_limits().tolist() == [2048, 8]
+    assert emu_small_shared.selftest_device_limits().tolist() == [SMALL_SHARED_PER_BLOCK, 8]
 
 
 def test_small_shared_device_refuses_what_an_h100_runs(emu, emu_small_shared):
@@ -173,9 +173,10 @@ def test_small_shared_device_refuses_what_an_h100_runs(emu, emu_small_shared):
     assert codes.tolist() == [0, 0, 0]
     for got, want in zip((out, info, sums), cluster_expected(8, 1, 32, 500), strict=True):
         assert torch.equal(got, want)
-    # its static tag on top of 2048 bytes of dynamic shared memory: over the device, known only in the kernel
-    with pytest.raises(EmuError, match="exceed the device's 2048 bytes per block"):
-        run_cluster(emu_small_shared, 2, 1, 32, 512)
+    # its static tag on top of all the device's bytes as dynamic shared memory: over the device, known only in the
+    # kernel
+    with pytest.raises(EmuError, match=f"exceed the device's {SMALL_SHARED_PER_BLOCK} bytes per block"):
+        run_cluster(emu_small_shared, 2, 1, 32, SMALL_SHARED_PER_BLOCK // 4)
 
 
 @pytest.mark.parametrize(
@@ -196,6 +197,33 @@ def test_small_shared_device_refuses_what_an_h100_runs(emu, emu_small_shared):
 def test_each_cluster_bug_is_reported(emu, kernel, blocks, message):
     with pytest.raises(EmuError, match=message):
         emu.selftest_cluster_bug(kernel, blocks, 32)
+
+
+@pytest.mark.parametrize(("n", "clusters", "rounds"), [(1, 2, 3), (2, 3, 5), (6, 2, 4), (16, 1, 3)])
+def test_mbarrier_pushes_land_before_the_phase_completes(emu, n, clusters, rounds):
+    """Every block of a cluster pushes into every block's inbox for several rounds (both parities' slots, each
+    mbarrier over several phases) and sums what landed once its phase completes: the same sums under every schedule,
+    including the forward and reverse ones, where a push lands only when no thread can run."""
+    out = emu.selftest_mbarrier(n, clusters, rounds, 0)
+    block = torch.arange(clusters * n)
+    first = block - block % n  # each cluster's first block
+    cluster_sum = (first * n + n * (n - 1) // 2) * 1000  # sum of b * 1000 over the cluster's blocks b
+    want = cluster_sum[None, :] + n * torch.arange(rounds)[:, None]
+    assert torch.equal(out, want.float())
+
+
+@pytest.mark.parametrize(
+    ("bug", "message"),
+    [
+        (1, "cluster_push on no mbarrier|before a cluster barrier followed its initialization"),
+        (2, r"exited with phase \d+ of its mbarrier begun: .* bytes landed that no arrival announced"),
+        # a read before the pushes landed (stale bytes), or the next arrival while the phase still awaits its bytes
+        (3, "differs between the|mbarrier_arrive_expect_tx on a phase that has all of its arrivals"),
+    ],
+)
+def test_each_mbarrier_bug_is_reported(emu, bug, message):
+    with pytest.raises(EmuError, match=message):
+        emu.selftest_mbarrier(4, 2, 3, bug)
 
 
 def test_a_cluster_of_zero_blocks_or_over_8_without_the_attribute_or_over_16_is_a_bug(emu):

@@ -17,7 +17,7 @@ from test_process_advantages import random_steps
 from test_selective_log_softmax import make_logits
 
 from .client import SCHEDULES, Access, EmuDevice
-from .conftest import CSRC
+from .conftest import CSRC, SMALL_SHARED_PER_BLOCK
 from .test_advantages import group_args
 from .test_logits import pass_args
 from .test_logits_small_blocks import SHARED_PER_SM as SMALL_BLOCK_SHARED_PER_SM
@@ -35,13 +35,14 @@ def counted():
     assert not device.close()
 
 
-# The logits pass on three emulated devices: an H100 (a row of V = 1003 fits one block's shared memory), 2 KiB of
+# The logits pass on three emulated devices: an H100 (a row of V = 1003 fits one block's shared memory), 2552 bytes of
 # shared memory per block (the row split over a cluster of `blocks[dtype]` blocks,
 # test_logits_layouts.CLUSTER_CASES), and no cluster launch (the two-read kernel); and the small-block layout with
 # clusters of up to 16 blocks.
 PASS_DEVICES = {
     "one block": ({}, {torch.float32: 1, torch.bfloat16: 1, torch.float16: 1, torch.float64: 1}),
-    "cluster": ({"shared_per_block": 2048}, {torch.float32: 3, torch.bfloat16: 2, torch.float16: 2, torch.float64: 7}),
+    "cluster": ({"shared_per_block": SMALL_SHARED_PER_BLOCK},
+                {torch.float32: 3, torch.bfloat16: 2, torch.float16: 2, torch.float64: 13}),
     "two-read": ({"max_cluster": 0}, None),
     # the small-block layout (test_logits_small_blocks.py's device): clusters of up to 16 small blocks
     "small blocks": (
@@ -122,8 +123,8 @@ def test_logits_pass_reads_unmasked_rows_once_or_twice_and_writes_each_gradient_
         assert x.distinct == unmasked * vocab * es, name  # no masked row is read
         if blocks is None:  # an unmasked row twice (statistics, then gradient), plus its chosen logit
             assert x.read == 2 * unmasked * vocab * es + unmasked * es, name
-        else:  # once (staged in shared memory), plus its chosen logit in each block of the row's cluster
-            assert x.read == unmasked * vocab * es + unmasked * blocks[dtype] * es, name
+        else:  # once (staged in shared memory: the chosen logit too, from the part that holds it)
+            assert x.read == unmasked * vocab * es, name
         grad = x if in_place else t["new2"]
         assert grad.written == rows * vocab * es, name  # every row once (masked rows get zeros, not read)
 
