@@ -294,7 +294,7 @@ __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const 
     const PassRow<T> row = pass_row<T>(a, r);
     const In* x = static_cast<const In*>(a.logits.data) + a.logits.offset(r);
     In* grad_row = a.compute_grad ? (a.grad_in_logits ? grad + a.logits.offset(r) : grad + r * vocab) : nullptr;
-    if (row.m == T(0)) {  // the same branch in every block of the cluster: no cluster barrier is skipped by some
+    if (row.m == T(0)) {  // the same branch in every block of the cluster: no block awaits a push that never comes
       if (grad_row) fill_row(grad_row + lo, n, to_out<In, T>(T(0)));
       if (rank == 0 && threadIdx.x == 0) {
         logps[r] = T(0);
