@@ -124,7 +124,8 @@ def draw_inputs(rows: int, vocab: int, size: int | None, dtype: torch.dtype, dev
     return inputs
 
 
-# The fused pass's layout candidates (csrc/cuda/grpo_loss_from_logits.cuh, with_layout_from_env), timed side by side.
+# The fused pass's layout candidates (csrc/cuda/grpo_loss_from_logits_row.cuh, with_layout_from_env), timed side
+# by side.
 LAYOUTS = {
     "grpo_ext/two-read 1024": {"GRPO_EXT_LOGITS_THREADS": "1024"},
     "grpo_ext/two-read 512": {"GRPO_EXT_LOGITS_THREADS": "512"},

@@ -335,8 +335,9 @@ def row_loop_section(kernels: list[Kernel]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-# The small-block layout (csrc/cuda/grpo_loss_from_logits.cuh, small_block_layout) on an H100: its shared memory per
-# SM and per block (opt-in), the kernel's launch bounds, and the shapes of benchmarks/NOTES.md's layout table.
+# The small-block layout (csrc/cuda/grpo_loss_from_logits_single_read.cuh, small_block_layout) on an H100: its
+# shared memory per SM and per block (opt-in), the kernel's launch bounds, and the shapes of benchmarks/NOTES.md's
+# layout table.
 H100_SHARED_PER_SM, H100_SHARED_PER_BLOCK = 233472, 232448
 SMALL_BLOCK_THREADS, SMALL_BLOCKS_PER_SM, SMALL_MAX_CLUSTER = 256, 4, 16
 SMALL_BLOCK_SHAPES = [(vocab, dtype) for vocab in (32000, 128256, 151936, 262144) for dtype in ("bf16", "float")]

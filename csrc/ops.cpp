@@ -35,7 +35,7 @@ STABLE_TORCH_LIBRARY(grpo_ext, m) {
       "selective_log_softmax_backward(Tensor grad_logps, Tensor? grad_entropy, Tensor logits, Tensor ids, "
       "Tensor row_stats, float temperature, float logit_scale, float logit_softcap) -> Tensor");
   // grpo_loss_from_logits' fused pass over rows of logits (token-level gradient in the same pass; see
-  // cuda/grpo_loss_from_logits.cuh). The `_` op writes the gradient over the logits instead of a new tensor.
+  // cuda/grpo_loss_from_logits*.cuh). The `_` op writes the gradient over the logits instead of a new tensor.
   m.def("grpo_loss_from_logits_pass(Tensor logits, " GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA
         ") -> (Tensor logps, Tensor entropy, Tensor grad_logits)");
   m.def("grpo_loss_from_logits_pass_(Tensor(a!) logits, " GRPO_LOSS_FROM_LOGITS_PASS_SCHEMA

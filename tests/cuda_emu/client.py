@@ -42,8 +42,8 @@ _DTYPES = {
 _NAMES = {name: dtype for dtype, name in _DTYPES.items()}
 # Sanitizer options: stop at the first report, with a stack; leaks are reported when the driver exits.
 # Defaults the environment may override: the emulated devices take the single-read logits pass where a row fits (the
-# GPU default is the two-read pass, csrc/cuda/grpo_loss_from_logits.cuh with_layout_from_env), so that the suite runs
-# both kernels: the two-read one on devices without clusters (max_cluster=0), rows too large, or
+# GPU default is the two-read pass: with_layout_from_env, csrc/cuda/grpo_loss_from_logits_row.cuh), so that the
+# suite runs both kernels: the two-read one on devices without clusters (max_cluster=0), rows too large, or
 # GRPO_EXT_LOGITS_SINGLE_READ=0.
 _ENV_DEFAULTS = {"GRPO_EXT_LOGITS_SINGLE_READ": "1"}
 _ENV = {

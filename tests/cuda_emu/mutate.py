@@ -70,7 +70,7 @@ MUTATIONS = [
              "cuda/grpo_loss.cuh", "__shared__ double scratch[(kNumRowSlots + 1) * 32];",
              "__shared__ double scratch[kNumRowSlots * 32];"),
     Mutation("wrong row offset", "logits pass: logits row r scores token r, not row_offset + r",
-             "cuda/grpo_loss_from_logits.cuh", "const int64_t n = a.row_offset + r,", "const int64_t n = r,"),
+             "cuda/grpo_loss_from_logits_row.cuh", "const int64_t n = a.row_offset + r,", "const int64_t n = r,"),
     Mutation("dropped mask factor", "row weights: tokens counted without the sample mask",
              "cuda/grpo_loss_from_logits.cuh", "T m = in.mask_at<T>(b, t);", "T m = in.mask.load<T>(b, t);"),
     Mutation("over-sized launch", "loss rows: up to 1024 threads per row, over __launch_bounds__(256)",
@@ -81,13 +81,14 @@ MUTATIONS = [
              "cuda/grpo_loss_from_logits.cuh", "r < rows.rows; r += gridDim.x) {\n    Out* row",
              "r < rows.rows; r += 1) {\n    Out* row"),
     Mutation("missing cluster barrier", "single-read pass: no cluster barrier after the mbarriers' initialization (a "
-             "peer may push into a block whose mbarrier does not exist yet)", "cuda/grpo_loss_from_logits.cuh",
+             "peer may push into a block whose mbarrier does not exist yet)",
+             "cuda/grpo_loss_from_logits_single_read.cuh",
              "  cluster_sync_mbarrier_init();  // no peer pushes", "  // no peer pushes"),
     Mutation("shared state reused too early", "single-read pass: one inbox slot for every row (a fast peer may push "
-             "the next row's state over one not read yet)", "cuda/grpo_loss_from_logits.cuh",
+             "the next row's state over one not read yet)", "cuda/grpo_loss_from_logits_single_read.cuh",
              "    parity ^= 1u;\n", ""),
     Mutation("missing mbarrier wait", "single-read pass: the inbox read without waiting on its mbarrier (the peers' "
-             "states not landed yet)", "cuda/grpo_loss_from_logits.cuh",
+             "states not landed yet)", "cuda/grpo_loss_from_logits_single_read.cuh",
              "      mbarrier_wait(full, (phases >> parity) & 1u);\n", ""),
     Mutation("redundant barrier removed", "logits pass: no barrier at the end of the row loop (the next row's "
              "block_merge barrier already orders every shared access)", "cuda/grpo_loss_from_logits.cuh",
@@ -105,7 +106,7 @@ MUTATIONS = [
              "  for (int64_t base = 0; base < num_groups; base += int64_t(kScanBatch) * blockDim.x) {\n"
              "  int carry = 0;\n"),
     Mutation("0 * -inf", "logits pass: the entropy bonus's term takes a -inf logit's d as is (0 * -inf = NaN)",
-             "cuda/grpo_loss_from_logits.cuh", "(fmax(d, std::numeric_limits<T>::lowest()) - mean_shift)",
+             "cuda/grpo_loss_from_logits_row.cuh", "(fmax(d, std::numeric_limits<T>::lowest()) - mean_shift)",
              "(d - mean_shift)"),
     Mutation("lost rows", "kept entropy mean: each warp's second row skipped (a batch of more rows than warps)",
              "cuda/kept_entropy.cuh", "b += num_warps", "b += 2 * num_warps"),
@@ -130,7 +131,7 @@ MUTATIONS = [
              "the thread that writes it).\n    In* grad_row = a.compute_grad ? (a.grad_in_logits ? grad + "
              "a.logits.offset(r) : grad + a.logits.offset(r))"),
     Mutation("wrong row stride", "single-read pass: a new gradient's row written at the logits' row offset",
-             "cuda/grpo_loss_from_logits.cuh",
+             "cuda/grpo_loss_from_logits_single_read.cuh",
              "grad + r * vocab) : nullptr;\n    if (row.m == T(0)) {  // the same branch",
              "grad + a.logits.offset(r)) : nullptr;\n    if (row.m == T(0)) {  // the same branch"),
     # The host plan of the whole op (plan/logits_loss.h), which the driver runs as it is.
@@ -146,20 +147,22 @@ MUTATIONS = [
     # The single-read pass's cluster merge and handshake (clusters of up to 16 blocks, test_logits_small_blocks.py),
     # and its part bounds.
     Mutation("skipped rank", "single-read merge: the cluster's last block's state left out of the row's",
-             "cuda/grpo_loss_from_logits.cuh", "lane < blocks ? sh.inbox[parity][lane].state",
+             "cuda/grpo_loss_from_logits_single_read.cuh", "lane < blocks ? sh.inbox[parity][lane].state",
              "lane + 1 < blocks ? sh.inbox[parity][lane].state"),
     Mutation("order differing per block", "single-read merge: each block merges the states in an order rotated by "
-             "its rank (the blocks' row statistics differ in their last bits)", "cuda/grpo_loss_from_logits.cuh",
+             "its rank (the blocks' row statistics differ in their last bits)",
+             "cuda/grpo_loss_from_logits_single_read.cuh",
              "blocks ? sh.inbox[parity][lane].state :", "blocks ? sh.inbox[parity][(lane + rank) % blocks].state :"),
     Mutation("wrong parity", "single-read merge: the peers' states read from the other row's slot",
-             "cuda/grpo_loss_from_logits.cuh", "blocks ? sh.inbox[parity][lane].state :",
+             "cuda/grpo_loss_from_logits_single_read.cuh", "blocks ? sh.inbox[parity][lane].state :",
              "blocks ? sh.inbox[parity ^ 1u][lane].state :"),
     Mutation("bytes miscounted", "mbarrier handshake: each block announces one state too few (its phase may complete "
-             "before the last state lands, which then lands in the next phase)", "cuda/grpo_loss_from_logits.cuh",
+             "before the last state lands, which then lands in the next phase)",
+             "cuda/grpo_loss_from_logits_single_read.cuh",
              "mbarrier_arrive_expect_tx(full, blocks * unsigned(sizeof(PartState<T>)));",
              "mbarrier_arrive_expect_tx(full, (blocks - 1) * unsigned(sizeof(PartState<T>)));"),
     Mutation("off-by-one", "single-read pass: each block's part one element longer than its slice (parts overlap)",
-             "cuda/grpo_loss_from_logits.cuh", "(vocab - lo < slice ? vocab - lo : slice) : 0;",
+             "cuda/grpo_loss_from_logits_single_read.cuh", "(vocab - lo < slice ? vocab - lo : slice) : 0;",
              "(vocab - lo < slice ? vocab - lo : slice + 1) : 0;"),
     Mutation("read before the copy lands", "single-read staging: the part's statistics read from shared memory "
              "before async_copy_wait_all (a row's stale or unwritten bytes)", "cuda/vector_io.cuh",
@@ -182,13 +185,13 @@ MUTATIONS = [
              "select_computed(v.is(id + 1), gl, T(0))"),
     # The single-read pass's mbarrier handshake (cluster_push into each block's inbox; test_logits_small_blocks.py).
     Mutation("wrong phase", "mbarrier handshake: every wait on an inbox slot's first phase (a slot's third use passes "
-             "before its states land)", "cuda/grpo_loss_from_logits.cuh",
+             "before its states land)", "cuda/grpo_loss_from_logits_single_read.cuh",
              "mbarrier_wait(full, (phases >> parity) & 1u);", "mbarrier_wait(full, 0u);"),
     Mutation("wrong sender slot", "mbarrier handshake: each block pushes its state into the receiver's own slot, not "
-             "its sender's (the states overwrite each other)", "cuda/grpo_loss_from_logits.cuh",
+             "its sender's (the states overwrite each other)", "cuda/grpo_loss_from_logits_single_read.cuh",
              "cluster_push(&sh.inbox[parity][rank], lane,", "cluster_push(&sh.inbox[parity][lane], lane,"),
     Mutation("wrong part", "single-read pass: the chosen token's logit taken from this block's push, not from the "
-             "part that holds it", "cuda/grpo_loss_from_logits.cuh",
+             "part that holds it", "cuda/grpo_loss_from_logits_single_read.cuh",
              "sh.inbox[parity][id / slice].chosen_z", "sh.inbox[parity][rank].chosen_z"),
 ]  # fmt: skip
 

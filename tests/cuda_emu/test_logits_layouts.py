@@ -16,10 +16,10 @@ from .conftest import CSRC
 from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 
 # The single-read pass on a device with 2552 bytes of shared memory per block (emu_small_shared), so that small rows
-# take every path: which kernel the launcher picks for each (dtype, V), from csrc/cuda/grpo_loss_from_logits.cuh's
-# small_block_layout: a block stages (2552 - sizeof(SingleReadShared)) / element size - one vector of elements (396
-# float32, 792 bf16/fp16, 82 float64), a cluster holds up to 16 blocks (over 8: the non-portable size); a larger
-# row takes the two-read kernel.
+# take every path: which kernel the launcher picks for each (dtype, V), from small_block_layout
+# (csrc/cuda/grpo_loss_from_logits_single_read.cuh): a block stages (2552 - sizeof(SingleReadShared)) / element size
+# - one vector of elements (396 float32, 792 bf16/fp16, 82 float64), a cluster holds up to 16 blocks (over 8: the
+# non-portable size); a larger row takes the two-read kernel.
 CLUSTER_CASES = [
     (torch.float32, 33, "single-read"),  # one block
     (torch.float32, 1000, "single-read"),  # a cluster of 3
@@ -84,9 +84,9 @@ def test_logits_pass_single_read_grid_stride_and_sequence_gradients(emu_small_sh
     ],
 )
 def test_logits_pass_layout_candidates(monkeypatch, layout, path):
-    """Issues 32 and 38's layouts, chosen at run time by the binding's environment variables (with_layout_from_env in
-    csrc/cuda/grpo_loss_from_logits.cuh): the same outputs as the CPU kernel under every schedule, on a device with 4
-    KiB of shared memory per block (V=1000 float32: a cluster of 2 blocks)."""
+    """Issues 32 and 38's layouts, chosen at run time by the binding's environment variables (with_layout_from_env
+    in csrc/cuda/grpo_loss_from_logits_row.cuh): the same outputs as the CPU kernel under every schedule, on a device
+    with 4 KiB of shared memory per block (V=1000 float32: a cluster of 2 blocks)."""
     for name, value in layout.items():
         monkeypatch.setenv(name, value)  # the drivers start on the first call, with these set
     device = EmuDevice(CSRC, shared_per_block=4096, max_cluster=8)

@@ -1,5 +1,5 @@
 """The single-read logits pass in its small-block layout (GRPO_EXT_LOGITS_SINGLE_READ=small-blocks): a row split over a
-thread-block cluster of up to 16 small blocks (csrc/cuda/grpo_loss_from_logits.cuh, small_block_layout and
+thread-block cluster of up to 16 small blocks (csrc/cuda/grpo_loss_from_logits_single_read.cuh, small_block_layout and
 grpo_loss_from_logits_small_block_kernel), on emulated devices whose SM shared memory is small enough that rows of a
 few hundred entries take clusters of every size from 1 to 16; the launcher's choice and its fallbacks (a row too long
 for 16 blocks, a device on which no such cluster fits). Outputs against the CPU kernel in float64 (checks.check_op),

@@ -3,7 +3,7 @@
 One pass per logits row computes the log-prob, the entropy and d loss / d logp and writes the row's gradient during
 the forward. The op ``torch.ops.grpo_ext.grpo_loss_from_logits`` (and ``grpo_loss_from_logits_``, in place) is the
 whole forward in one call: composed in csrc/plan/logits_loss.h from the pass (kernels in
-csrc/cuda/grpo_loss_from_logits.cuh and csrc/cpu/grpo_loss_from_logits.cpp, planning in
+csrc/cuda/grpo_loss_from_logits*.cuh and csrc/cpu/grpo_loss_from_logits.cpp, planning in
 csrc/plan/grpo_loss_from_logits.h), grpo_loss' forward and the mean entropy (csrc/cuda/kept_entropy.cuh). The pass
 alone is ``grpo_loss_from_logits_pass`` (and ``_pass_``), which grpo_loss_from_hidden runs over chunks of rows;
 ``scale_grad_`` is the backward. Here: the typed wrapper, the fakes, the eager autograd and the autograd that
