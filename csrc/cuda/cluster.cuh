@@ -61,14 +61,20 @@ __device__ __forceinline__ T* dynamic_shared() {
   return reinterpret_cast<T*>(grpo_dynamic_shared);
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// `p`'s address in the shared state space (cp.async, mbarriers, st.async take it).
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+#endif
+
 // Starts a copy of 16 bytes from global to shared memory that holds no register (cp.async.cg, sm_80 and newer): a
 // thread can have all of its part of a row in flight at once, where loads through registers keep only kRowUnroll
 // vectors (vector_io.cuh). Both addresses 16-byte aligned. The bytes are there, for this thread, after
 // async_copy_wait_all(); for the block's other threads, after that and a barrier. Before sm_80: a plain copy.
 __device__ __forceinline__ void async_copy_16(void* shared, const void* global) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)), "l"(global) : "memory");
 #else
   *static_cast<uint4*>(shared) = *static_cast<const uint4*>(global);
 #endif
@@ -81,9 +87,6 @@ __device__ __forceinline__ void async_copy_16(void* shared, const void* global) 
 using Mbarrier = uint64_t;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 // The address of shared address `address` in the shared memory of the cluster's block `rank` (mapa).
 __device__ __forceinline__ unsigned cluster_shared_address(unsigned address, unsigned rank) {
   unsigned mapped;

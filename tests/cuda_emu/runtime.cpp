@@ -680,6 +680,7 @@ std::string check_launch(const LaunchSpec& spec, bool* refused) {
 void arrive(const std::source_location& where, State state, const char* name, const char* scope, Site& barrier_site,
             int& count) {
   Fiber& f = *rt.current;
+  land_before_waiting(f);
   const Site site = site_of(where);
   if (count == 0) {
     barrier_site = site;
@@ -740,15 +741,19 @@ void device_assert_fail(const char* condition, const char* file, int line) {
 }
 
 void syncthreads(const std::source_location& where) {
-  land_before_waiting(*rt.current);
   Block& b = rt.blocks[rt.current->block];
   arrive(where, State::kBarrier, "__syncthreads", "block", b.barrier_site, b.barrier_count);
 }
 
+// The mbarriers the running thread initialized become the cluster's at the next cluster barrier (cluster_sync's
+// release, or cluster_sync_mbarrier_init's fence.mbarrier_init).
+void fence_mbarrier_inits() {
+  for (auto& [bar, m] : rt.mbarriers) m.fenced = m.fenced || m.initializer == rt.current->id;
+}
+
 void cluster_sync(const std::source_location& where) {
   if (rt.current == nullptr) throw LaunchError("cluster_sync outside a kernel");
-  for (auto& [bar, m] : rt.mbarriers) m.fenced = m.fenced || m.initializer == rt.current->id;  // a release
-  land_before_waiting(*rt.current);
+  fence_mbarrier_inits();
   arrive(where, State::kClusterBarrier, "cluster_sync", "cluster", rt.cluster_site, rt.cluster_count);
 }
 
@@ -767,8 +772,7 @@ void mbarrier_init(void* bar, unsigned arrivals) {
 
 void cluster_sync_mbarrier_init(const std::source_location& where) {
   if (rt.current == nullptr) throw LaunchError("cluster_sync_mbarrier_init outside a kernel");
-  for (auto& [bar, m] : rt.mbarriers) m.fenced = m.fenced || m.initializer == rt.current->id;
-  land_before_waiting(*rt.current);
+  fence_mbarrier_inits();
   arrive(where, State::kClusterBarrier, "cluster_sync_mbarrier_init", "cluster", rt.cluster_site, rt.cluster_count);
 }
 
