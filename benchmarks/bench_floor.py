@@ -13,7 +13,9 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
   with and without the entropy bonus, with blocks of 128 threads, and with persistent clusters,
   ``GRPO_EXT_LOGITS_PERSISTENT=1``), ``grpo_ext+entropy``
   (``entropy_coef=0.01``), ``liger`` (``triton_grpo_loss``, CUDA only), ``compile`` (``torch.compile`` of the float
-  reference, with ``--compile``).
+  reference, with ``--compile``). Then the same shape ``every row kept`` (``copy``, ``grpo_ext``, the small blocks,
+  ``liger``) and ``every row masked`` (``copy``, ``grpo_ext``, the small blocks: no layout reads a masked row, so
+  each should take about half a copy, its writes).
 * ``selective N=.. V=.. dtype`` (the logits case's inputs): the ``fwd`` rows (no autograd) against ``read`` (half a
   copy: one read of the logits), the ``bwd`` rows (the log-probs' gradient for a random upstream one) against
   ``copy``. ``grpo_ext fwd`` (``selective_log_softmax``: log-probs and entropy) beside ``trl-triton fwd`` (TRL
@@ -33,9 +35,12 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
   masked: its GEMMs should take about half the time); on CUDA also one chunk with the single-read pass
   (``small-blocks``), the head's floor at small H if that pass reaches its own.
 
-``x floor`` is a row's time over its yardstick (copy, read or gemm). Before timing, every peer of a case but
-compile (it would compile again) is run on the case's first sequences (``--check-rows`` tokens) and compared with
-``grpo_ext.reference`` in float64; a peer that disagrees is an n/a row with the reason, never a stopped run.
+``x floor`` is a row's time over its yardstick (copy, read or gemm). Last, issue 38 item 2's targets for the logits
+pass, judged from these rows (``floor_targets.py``: met, missed or n/a per shape, the fastest layout named beside
+the default; the issue sets them for an H100), also written to the JSON as ``targets``. Before timing, every peer of
+a case but compile (it would compile again) is run on the case's first sequences (``--check-rows`` tokens) and
+compared with ``grpo_ext.reference`` in float64; a peer that disagrees is an n/a row with the reason, never a
+stopped run.
 Timing: ``triton.testing.do_bench`` medians on CUDA (L2 flushed between calls), :func:`harness.timing.time_call` on
 the CPU. Peak memory: the allocator's peak above what was allocated before one call.
 
@@ -59,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `harness` and th
 import torch
 from torch import Tensor
 
+import floor_targets
 import fused_loss
 import grpo_ext
 from bench_grpo_loss_from_logits import liger_step
@@ -244,13 +250,34 @@ def time_rows(case: str, steps: dict[str, Step | None], notes: dict[str, str], f
     return rows
 
 
+# Issue 38 item 2's other masks (floor_targets.py), each timed with fewer peers: every row kept (the single-read
+# pass's bytes are then a copy's), and every row masked (no layout may read a masked row: writes only, half a copy).
+MASK_VARIANTS: dict[str, tuple[Callable[[Tensor], Tensor], tuple[str, ...]]] = {
+    floor_targets.ALL_KEPT: (torch.ones_like, ("grpo_ext", "grpo_ext/small-blocks", "liger")),
+    floor_targets.ALL_MASKED: (torch.zeros_like, ("grpo_ext", "grpo_ext/small-blocks")),
+}
+
+
 def logits_case(rows_n: int, vocab: int, dtype: torch.dtype, device: torch.device, args) -> list[dict[str, Any]]:
+    """The logits shape with bench_floor's prefix masks (every peer), then with each of ``MASK_VARIANTS``."""
     case = f"logits N={rows_n} V={vocab} {cli.dtype_name(dtype)}"
     inputs = draw_inputs(rows_n, vocab, None, dtype, device, args.seed)
-    steps, notes = logits_steps(inputs, device, args.compile)
+    rows = logits_rows(case, inputs, dtype, device, args, None)
+    for variant, (mask_like, peers_kept) in MASK_VARIANTS.items():
+        varied = inputs | {"mask": mask_like(inputs["mask"])}
+        rows += logits_rows(f"{case} {variant}", varied, dtype, device, args, peers_kept)
+    return rows
+
+
+def logits_rows(case: str, inputs: dict[str, Any], dtype: torch.dtype, device: torch.device, args,
+                only: tuple[str, ...] | None) -> list[dict[str, Any]]:  # fmt: skip
+    """One logits case's rows: its peers (those in ``only`` when given) checked against float64, then timed."""
+    steps, notes = logits_steps(inputs, device, args.compile and only is None)
     small = first_rows(inputs, args.check_rows)
     small_steps, _ = logits_steps(small, device, False)
     small_steps.pop("compile", None)
+    if only is not None:
+        steps, small_steps = ({k: v for k, v in d.items() if k in only} for d in (steps, small_steps))
     plain, entropy = logits_truth(small, False), logits_truth(small, True)
     check(case, steps, notes, small_steps, lambda name: entropy if name.endswith("+entropy") else plain, dtype,
           small["batch"] * small["length"])  # fmt: skip
@@ -449,13 +476,19 @@ def main() -> None:
         rows += hidden_case(n, v, h, dtype, device, args)
     settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     path = reporting.output_path(__file__, device, args.quick, args.out)
+    verdicts = floor_targets.judge(rows)
     reporting.write_json(path, {"benchmark": "streaming ops against their floors", "environment": env,
                                 "settings": {**settings, "timer": "do_bench_median" if device.type == "cuda"
-                                             else "perf_counter_loop"}, "rows": rows})  # fmt: skip
+                                             else "perf_counter_loop"}, "rows": rows,
+                                "targets": verdicts})  # fmt: skip
     print(f"wrote {path}")
     print()
     print("median ms per call (forward + backward unless marked); x floor = time / its yardstick (copy, read, gemm)")
     print_table(rows)
+    if verdicts:
+        print()
+        print(f"issue 38 item 2's targets (set for an H100; this run: {env['device_name']})")
+        print(floor_targets.format_verdicts(verdicts))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 # cannot eat the next. Logs and JSON go to $OUT (./gpu-out); the short table (bench_floor.py) and the summary are
 # printed last.
 #   usage: [GRPO_EXT_WHEEL=dist/grpo_ext-....whl] [WHEELS=.whl] bash benchmarks/gpu_session.sh
-#          [all|test|sanitize|bench|floor|trainer|compile|profile][,...]   (floor: bench_floor.py alone; trainer:
+#          [all|test|sanitize|bench|floor|micro|trainer|compile|profile][,...]   (floor: bench_floor.py alone;
+#          micro: bench_group_advantages.py and bench_overhead.py; bench: floor, micro and one trainer row; trainer:
 #          issue 39's other step rows; compile: the torch.compile peer; profile: Nsight Compute over the logits layouts;
 #          the last three are not part of all)
 # WHEELS: a folder of wheels the machine lacks (liger-kernel, trl and its few missing needs; bench_floor.py times
@@ -15,8 +16,11 @@
 # here (the H100 machine of 2026-11-26 had the rest), then carry .whl and dist.
 # Two calls fit the 15 minutes of a lease (2026-11-27, fifth session, an H200): `test,floor,profile` then `sanitize`
 # in one (347 s), then `trainer` with TRAINER_CASES="qwen2.5-0.5b:1024:0 qwen2.5-1.5b:1024:0" (274 s); give it back.
-# What they decide (NOTES.md's predictions, written before): `floor` the logits layouts on the card and the head's
-# chunk sweep at Qwen2.5-0.5B's H 896 ("The head at H 896"); `profile` where the small blocks' instructions go;
+# Since then `micro` (about 40 s) belongs in the first call, and `floor` times two more masks per shape (about
+# 40 s more): `timeout -k 5 440 ... test,floor,micro,profile`, then `timeout -k 5 170 ... sanitize`.
+# What they decide (NOTES.md's predictions, written before): `floor` the logits layouts on the card, issue 38 item
+# 2's verdicts (its last table: floor_targets.py) and the head's chunk sweep at Qwen2.5-0.5B's H 896 ("The head at H
+# 896"); `micro` issue 38 item 4's group_ids and per-call rows; `profile` where the small blocks' instructions go;
 # `trainer` the step's peak after the tied lookup and the one-chunk-of-logits fix ("Two chunks of logits alive").
 # The device tool returns at most 8 files from its $OUT, and this writes about 16: point OUT elsewhere and pack it,
 # under a limit that leaves time to pack (2026-11-27): D=$OUT; export OUT=/tmp/g; WHEELS=.whl GRPO_EXT_WHEEL=$(ls
@@ -98,7 +102,8 @@ if has all || has bench || has floor; then
   # ~4 s per added candidate (benchmarks/NOTES.md, "The single-read pass in clusters of up to 16 small blocks")
   timeout 200 python3 benchmarks/bench_floor.py --out "$OUT/bench_floor.json" 2>&1 | tee "$OUT/bench_floor.txt"
 fi
-if has all || has bench; then
+if has all || has bench || has micro; then
+  # issue 38 item 4: group_ids within 2x of group_size at 524k rewards, the per-call overhead's prediction
   stage "bench_group_advantages"
   timeout 60 python3 benchmarks/bench_group_advantages.py --no-compile --out "$OUT/bench_group_advantages.json" \
     2>&1 | tee "$OUT/bench_group_advantages.txt"
@@ -106,6 +111,8 @@ if has all || has bench; then
   timeout 60 python3 benchmarks/bench_overhead.py --device cuda --sizes 64x1024x64 --host-profile \
     --out "$OUT/bench_overhead.json" \
     2>&1 | tee "$OUT/bench_overhead.txt"
+fi
+if has all || has bench; then
   stage "bench_trainer (Qwen2.5-0.5B's shape, random weights, as TRL ships the step: bf16, checkpointing)"
   # issue 39's first row, with where the time goes (--profile: the head + loss against its 3 GEMMs): TRL and TRL +
   # grpo_ext, ~45 s each on the H200 of 2026-11-27 (a third contender did not fit 150 s); grpo_ext's trainer and the

@@ -113,7 +113,8 @@ def markdown(cases: list[tuple[str, float, float]]) -> str:
         "written once. `all loads`: every thread's loads (the two-read fused pass' second read of each row; the "
         "single-read pass stages each row in shared memory, split over a cluster of blocks when it does not fit one, "
         "and takes its chosen logit from there; per-row scalars "
-        "that all threads of a block load, one broadcast on a GPU) plus the writes. "
+        "that all threads of a block load, one broadcast on a GPU) plus the writes (the fused pass writes a kept "
+        "row's chosen entry twice: its loop's value, then the entry itself). "
         "`tests/cuda_emu/test_traffic.py` pins these per op.\n\n" + "\n".join(rows) + "\n"
     )
 

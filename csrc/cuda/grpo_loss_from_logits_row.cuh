@@ -33,8 +33,9 @@ struct LogitsPassArgs {
 template <typename T>
 struct PassShared {
   SoftmaxState<T> warp_states[32];
-  T row_max, row_log_sum, row_logp, row_g;
+  T row_max, row_log_sum, row_g;
   T row_entropy_weight, row_mean_shift;  // the entropy bonus' e * m and E_p[z] - max
+  T row_chosen_grad;                     // the chosen token's entry of the gradient
   int64_t row_id;
 };
 
@@ -68,11 +69,12 @@ __device__ __forceinline__ ChosenToken<T> chosen_token(const LogitsPassArgs& a, 
 }
 
 // Thread 0 of a block, once the row's softmax state `s` is known: the log-prob, the entropy (written when
-// `write_outputs`) and d loss / d logp, shared with the block for the gradient.
+// `write_outputs`) and d loss / d logp, shared with the block for the gradient, with the chosen token's entry of it.
 template <typename T>
-__device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const T* row_weight, const ChosenToken<T>& chosen,
-                                           const SoftmaxState<T>& s, const PassRow<T>& row, bool with_grad,
-                                           bool write_outputs, T* logps, T* entropy, PassShared<T>& sh) {
+__device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight,
+                                           const ChosenToken<T>& chosen, const SoftmaxState<T>& s,
+                                           const PassRow<T>& row, bool with_grad, bool write_outputs, T* logps,
+                                           T* entropy, PassShared<T>& sh) {
   const LossParams& p = a.params;
   const LossInputs& in = a.inputs;
   // Relative to the max (see selective_log_softmax_forward_kernel): exact for confident tokens.
@@ -98,37 +100,50 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const T* row
   }
   sh.row_max = s.max;
   sh.row_log_sum = log_sum;
-  sh.row_logp = logp;
   sh.row_g = g;
   T entropy_weight = T(0);
   if (with_grad && a.entropy_bonus) {
     entropy_weight = row_weight[in.batch] * row.m;
     if (a.entropy_weights.present()) entropy_weight *= a.entropy_weights.load<T>(row.b, row.t);
   }
+  const T mean_shift = s.weighted / s.sum;
   sh.row_entropy_weight = entropy_weight;
-  sh.row_mean_shift = s.weighted / s.sum;
+  sh.row_mean_shift = mean_shift;
+  // g * (1 - p) * dz/dx as -g * expm1(logp) (exact where p -> 1), with the bonus's term as every entry has it
+  T chosen_grad = -g * expm1(logp);
+  if (entropy_weight != T(0)) {
+    const T d = chosen.z - s.max;
+    chosen_grad += entropy_weight * softmax_exp(logp) * (fmax(d, std::numeric_limits<T>::lowest()) - mean_shift);
+  }
+  sh.row_chosen_grad = chosen_grad * f.slope_at(chosen.z);
   sh.row_id = chosen.id;
 }
 
 // out[v] = d/dx_v of g * logp for the row's elements [lo, lo + n) read from `x` (the row at `x - lo`):
-// g * (onehot - p_v) * dz/dx, the chosen entry as -g * expm1(logp) (exact where p -> 1); with the entropy bonus, plus
-// e * p_v * (z_v - E_p[z]) (0 where p_v = 0, a -inf logit included).
+// g * (onehot - p_v) * dz/dx, with the entropy bonus plus e * p_v * (z_v - E_p[z]) (0 where p_v = 0, a -inf logit
+// included). The loop writes -g * p_v (and the bonus's term) for every element, the chosen one included: no compare
+// and select an element. Then the thread that wrote the chosen entry writes it again, as finish_row computed it
+// (row_chosen_grad). Without a cap dz/dx is a constant, folded into the row's factors: a multiply an element fewer.
 template <SoftCap kCap, bool kEntropy, typename T, typename In>
 __device__ __forceinline__ void write_row_grad_with(const LogitTransform<T>& f, const PassShared<T>& sh, const In* x,
                                                     In* out, int64_t lo, int64_t n) {
-  const T z_max = sh.row_max, log_sum = sh.row_log_sum, g = sh.row_g;
-  const T e = sh.row_entropy_weight, mean_shift = sh.row_mean_shift;
-  const int64_t id = sh.row_id - lo;
-  const T chosen = -g * expm1(sh.row_logp);
-  transform_row<T>(x, out, n, [&](RowIndex v, T logit) {
+  const T z_max = sh.row_max, g = sh.row_g, e = sh.row_entropy_weight, mean_shift = sh.row_mean_shift;
+  const ShiftedExp<T> p_of(sh.row_log_sum);  // p = exp(d - log_sum)
+  constexpr bool kConstantSlope = kCap == SoftCap::kOff;
+  const T slope = kConstantSlope ? f.template slope_with<kCap>(T(0)) : T(1);
+  const T minus_g = -g * slope, e_slope = e * slope;
+  transform_row<T>(x, out, n, [&](int64_t, T logit) {
     const T z = f.template z_with<kCap>(logit), d = z - z_max;
-    const T p = softmax_exp(d - log_sum);
-    T value = select_computed(v.is(id), chosen, -g * p);
+    const T p = p_of(d);
+    T value = p * minus_g;
     // p * (d - E_p[z] + max) with no branch: where p = 0 (a -inf logit, d = -inf) d is taken as the lowest float,
     // so the term is 0 * finite = 0, never 0 * -inf; a NaN p stays NaN.
-    if constexpr (kEntropy) value += e * p * (fmax(d, std::numeric_limits<T>::lowest()) - mean_shift);
-    return value * f.template slope_with<kCap>(z);
+    if constexpr (kEntropy) value = fma(e_slope * p, (fmax(d, std::numeric_limits<T>::lowest()) - mean_shift), value);
+    if constexpr (!kConstantSlope) value *= f.template slope_with<kCap>(z);
+    return value;
   });
+  const int64_t id = sh.row_id - lo;
+  if (id >= 0 && id < n && writes_element(x, n, id)) out[id] = to_out<In, T>(sh.row_chosen_grad);
 }
 // The row's gradient loop with the entropy bonus' term compiled in only where the row has one (a uniform branch).
 template <SoftCap kCap, typename T, typename In>

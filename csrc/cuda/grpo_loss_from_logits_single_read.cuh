@@ -109,7 +109,7 @@ __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const 
       const SoftmaxState<T> total = warp_merge(part);
       if (lane == 0) {
         const ChosenToken<T> chosen{id, sh.inbox[parity][id / slice].chosen_z};
-        finish_row(a, row_weight, chosen, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh.pass);
+        finish_row(a, f, row_weight, chosen, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh.pass);
       }
     }
     phases ^= 1u << parity;

@@ -49,6 +49,27 @@ __device__ __forceinline__ float softmax_exp<float>(float d) {
 #endif
 }
 
+// exp(d - shift) for d - shift <= 0 (or NaN), `shift` the same for a whole row (the gradient loop's log of the row's
+// sum): float as the SFU's exp2 of one FFMA, d * log2(e) + c with c = -shift * log2(e) rounded once a row, where
+// softmax_exp(d - shift) took a subtraction and a multiply an element. c's rounding is at most half an ulp of
+// shift * log2(e) (shift <= log V, so about 1e-6), the size of the subtraction's rounding it replaces. In the CPU
+// emulation, softmax_exp(d - shift).
+template <typename T>
+struct ShiftedExp {
+  T shift, offset;
+  __device__ __forceinline__ explicit ShiftedExp(T s) : shift(s), offset(-s * T(1.44269504088896341)) {}
+  __device__ __forceinline__ T operator()(T d) const {
+#if GRPO_NVCC_DEVICE_PASS
+    if constexpr (std::is_same_v<T, float>) {
+      float e;
+      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(d, 1.44269504088896341f, offset)));
+      return e;
+    }
+#endif
+    return softmax_exp(d - shift);
+  }
+};
+
 template <typename T>
 __device__ __forceinline__ SoftmaxState<T> merge_states(SoftmaxState<T> a, SoftmaxState<T> b) {
   if (b.sum == T(0)) return a;  // an empty state (no finite logit yet)

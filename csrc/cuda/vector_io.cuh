@@ -205,6 +205,17 @@ __device__ __forceinline__ void transform_row(const In* x, Out* out, int64_t n, 
   }
 }
 
+// Whether this thread is the one transform_row(x, out, n, ...) gives element `index` of [0, n) to: the head's and
+// tail's elements go round the block's threads one by one, the body's 16-byte vectors likewise (for_each_vector). A
+// value written after the loop by that thread lands after the loop's own write of the element (program order).
+template <typename In>
+__device__ __forceinline__ bool writes_element(const In* x, int64_t n, int64_t index) {
+  constexpr int W = Vector<In>::kWidth;
+  const int64_t head = vector_head(x, n), body_end = head + (n - head) / W * W;
+  const int64_t turn = index < head ? index : index < body_end ? (index - head) / W : index - body_end;
+  return turn % blockDim.x == threadIdx.x;
+}
+
 // staged[0, n) = x[0, n) as stored (no conversion), and each element to one (head and tail, as T) or chunk (a
 // vector, as stored), in for_each_in_row's order per thread. `staged` (shared memory) must have x's offset from a
 // 16-byte boundary. The body's vectors go global -> shared by async_copy_16 (cluster.cuh), every vector of the thread

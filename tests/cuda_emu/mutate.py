@@ -106,8 +106,9 @@ MUTATIONS = [
              "  for (int64_t base = 0; base < num_groups; base += int64_t(kScanBatch) * blockDim.x) {\n"
              "  int carry = 0;\n"),
     Mutation("0 * -inf", "logits pass: the entropy bonus's term takes a -inf logit's d as is (0 * -inf = NaN)",
-             "cuda/grpo_loss_from_logits_row.cuh", "(fmax(d, std::numeric_limits<T>::lowest()) - mean_shift)",
-             "(d - mean_shift)"),
+             "cuda/grpo_loss_from_logits_row.cuh",
+             "fma(e_slope * p, (fmax(d, std::numeric_limits<T>::lowest()) - mean_shift), value)",
+             "fma(e_slope * p, (d - mean_shift), value)"),
     Mutation("lost rows", "kept entropy mean: each warp's second row skipped (a batch of more rows than warps)",
              "cuda/kept_entropy.cuh", "b += num_warps", "b += 2 * num_warps"),
     Mutation("weights ignored", "kept entropy mean: the bonus takes the plain mean where entropy_weights were given",
@@ -173,7 +174,7 @@ MUTATIONS = [
     Mutation("off-by-one", "single-read staging: the asynchronous copies stop one vector short of the body",
              "cuda/vector_io.cuh", "for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) async_copy_16",
              "for (int64_t i = threadIdx.x; i + 1 < vectors; i += blockDim.x) async_copy_16"),
-    Mutation("wrong index", "logits gradient: the chosen-token test ignores the element's place in its vector",
+    Mutation("wrong index", "softmax backward: the chosen-token test ignores the element's place in its vector",
              "cuda/vector_io.cuh",
              "return static_cast<uint64_t>(offset) < 16 && static_cast<int>(offset) == k;", "return offset == 0;"),
     Mutation("lost prefix", "group_ids offsets: each thread's run placed after the batches before, not after the "
@@ -193,6 +194,16 @@ MUTATIONS = [
     Mutation("wrong part", "single-read pass: the chosen token's logit taken from this block's push, not from the "
              "part that holds it", "cuda/grpo_loss_from_logits_single_read.cuh",
              "sh.inbox[parity][id / slice].chosen_z", "sh.inbox[parity][rank].chosen_z"),
+    # The logits gradient's chosen entry, written after the loop by the thread that wrote it (write_row_grad_with).
+    Mutation("wrong writer", "logits gradient: thread 0 writes the chosen entry, racing with the thread whose loop "
+             "wrote it", "cuda/vector_io.cuh", "return turn % blockDim.x == threadIdx.x;",
+             "return turn * 0 == threadIdx.x;"),
+    Mutation("wrong writer", "logits gradient: the chosen entry's writer counted by elements, not by vectors, in the "
+             "row's body", "cuda/vector_io.cuh", "index < body_end ? (index - head) / W :",
+             "index < body_end ? (index - head) :"),
+    Mutation("lost entry", "logits gradient: the chosen entry left at the loop's -g * p",
+             "cuda/grpo_loss_from_logits_row.cuh", "if (id >= 0 && id < n && writes_element(x, n, id)) out[id]",
+             "if (id >= n && writes_element(x, n, id)) out[id]"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

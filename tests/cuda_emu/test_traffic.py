@@ -109,7 +109,7 @@ def test_selective_log_softmax_reads_each_logit_once(counted, dtype, vocab):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_place", [False, True])
-def test_logits_pass_reads_unmasked_rows_once_or_twice_and_writes_each_gradient_once(counted_pass, dtype, in_place):
+def test_logits_pass_reads_unmasked_rows_once_or_twice_and_writes_each_row(counted_pass, dtype, in_place):
     counted, blocks = counted_pass
     batch, seq_len, vocab = 2, 3, 1003
     cases, ids = logits_cases(batch * seq_len, vocab, dtype, seed=7)
@@ -126,7 +126,8 @@ def test_logits_pass_reads_unmasked_rows_once_or_twice_and_writes_each_gradient_
         else:  # once (staged in shared memory: the chosen logit too, from the part that holds it)
             assert x.read == unmasked * vocab * es, name
         grad = x if in_place else t["new2"]
-        assert grad.written == rows * vocab * es, name  # every row once (masked rows get zeros, not read)
+        # every row once (masked rows get zeros, not read), and a kept row's chosen entry again after its loop
+        assert grad.written == rows * vocab * es + unmasked * es, name
 
 
 def test_loss_reads_each_input_once(counted):
