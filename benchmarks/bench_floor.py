@@ -145,9 +145,9 @@ LAYOUTS = {
 }
 
 
-def logits_steps(inputs: dict[str, Any], device: torch.device, compile_: bool) -> tuple[dict[str, Step | None],
-                                                                                         dict[str, str]]:  # fmt: skip
-    """The logits case's peers on ``inputs``; each returns ``(loss, grad_logits)``."""
+def logits_steps(inputs: dict[str, Any], device: torch.device, compile_: bool,
+                 only: tuple[str, ...] | None = None) -> tuple[dict[str, Step | None], dict[str, str]]:  # fmt: skip
+    """The logits case's peers on ``inputs`` (those in ``only`` when given); each returns ``(loss, grad_logits)``."""
     leaf = inputs["logits"].detach().requires_grad_(True)
     ids, adv, mask, kwargs = inputs["ids"], inputs["advantages"], inputs["mask"], fused_loss.loss_kwargs(inputs, BETA)
 
@@ -158,17 +158,23 @@ def logits_steps(inputs: dict[str, Any], device: torch.device, compile_: bool) -
 
         return step
 
+    def wanted(name: str) -> bool:  # a peer left out is never built (Liger's copies its logits)
+        return only is None or name in only
+
     steps: dict[str, Step | None] = {"grpo_ext": fused()}
     notes: dict[str, str] = {}
     if device.type == "cuda":
-        steps.update({name: peers.with_env(variables, fused()) for name, variables in LAYOUTS.items()})
+        steps.update({name: peers.with_env(env, fused()) for name, env in LAYOUTS.items() if wanted(name)})
         # the bonus's cost in the new layout (issue 38: within 2% of the pass without it)
-        small_blocks = LAYOUTS["grpo_ext/small-blocks"]
-        steps["grpo_ext/small-blocks+entropy"] = peers.with_env(small_blocks, fused(entropy_coef=ENTROPY_COEF))
-    steps["grpo_ext+entropy"] = fused(entropy_coef=ENTROPY_COEF)
-    steps["liger"], reason = liger_step(inputs, leaf, BETA, device)
-    if reason:
-        notes["liger"] = reason
+        if wanted("grpo_ext/small-blocks+entropy"):
+            steps["grpo_ext/small-blocks+entropy"] = peers.with_env(LAYOUTS["grpo_ext/small-blocks"],
+                                                                    fused(entropy_coef=ENTROPY_COEF))  # fmt: skip
+    if wanted("grpo_ext+entropy"):
+        steps["grpo_ext+entropy"] = fused(entropy_coef=ENTROPY_COEF)
+    if wanted("liger"):
+        steps["liger"], reason = liger_step(inputs, leaf, BETA, device)
+        if reason:
+            notes["liger"] = reason
     if compile_:
         steps["compile"] = fused(torch.compile(reference.grpo_loss_from_logits, dynamic=False))
     return steps, notes
@@ -272,13 +278,11 @@ def logits_case(rows_n: int, vocab: int, dtype: torch.dtype, device: torch.devic
 def logits_rows(case: str, inputs: dict[str, Any], dtype: torch.dtype, device: torch.device, args,
                 only: tuple[str, ...] | None) -> list[dict[str, Any]]:  # fmt: skip
     """One logits case's rows: its peers (those in ``only`` when given) checked against float64, then timed."""
-    steps, notes = logits_steps(inputs, device, args.compile and only is None)
+    steps, notes = logits_steps(inputs, device, args.compile and only is None, only)
     small = first_rows(inputs, args.check_rows)
-    small_steps, _ = logits_steps(small, device, False)
-    small_steps.pop("compile", None)
-    if only is not None:
-        steps, small_steps = ({k: v for k, v in d.items() if k in only} for d in (steps, small_steps))
-    plain, entropy = logits_truth(small, False), logits_truth(small, True)
+    small_steps, _ = logits_steps(small, device, False, only)
+    plain = logits_truth(small, False)
+    entropy = logits_truth(small, True) if any(name.endswith("+entropy") for name in small_steps) else None
     check(case, steps, notes, small_steps, lambda name: entropy if name.endswith("+entropy") else plain, dtype,
           small["batch"] * small["length"])  # fmt: skip
     logits, out = inputs["logits"], torch.empty_like(inputs["logits"])

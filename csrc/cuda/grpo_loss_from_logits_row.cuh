@@ -130,7 +130,7 @@ __device__ __forceinline__ void write_row_grad_with(const LogitTransform<T>& f, 
   const T z_max = sh.row_max, g = sh.row_g, e = sh.row_entropy_weight, mean_shift = sh.row_mean_shift;
   const ShiftedExp<T> p_of(sh.row_log_sum);  // p = exp(d - log_sum)
   constexpr bool kConstantSlope = kCap == SoftCap::kOff;
-  const T slope = kConstantSlope ? f.template slope_with<kCap>(T(0)) : T(1);
+  const T slope = kConstantSlope ? f.slope : T(1);
   const T minus_g = -g * slope, e_slope = e * slope;
   transform_row<T>(x, out, n, [&](int64_t, T logit) {
     const T z = f.template z_with<kCap>(logit), d = z - z_max;

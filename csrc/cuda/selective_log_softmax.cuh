@@ -34,6 +34,8 @@ struct SoftmaxState {
 // multiplies to make the subnormal results of d in [-103, -87.3] (5 instructions an element, not 2; benchmarks/
 // NOTES.md, "The logits loops on the ncu counters"): values below 1.2e-38 that no row sum or gradient can tell.
 // In the CPU emulation (tests/cuda_emu), __expf.
+constexpr float kLog2e = 1.44269504088896341f;  // exp(d) = exp2(d * log2(e)): the SFU has exp2
+
 template <typename T>
 __device__ __forceinline__ T softmax_exp(T d) {
   return exp(d);
@@ -42,7 +44,7 @@ template <>
 __device__ __forceinline__ float softmax_exp<float>(float d) {
 #if GRPO_NVCC_DEVICE_PASS
   float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(d * 1.44269504088896341f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(d * kLog2e));
   return e;
 #else
   return __expf(d);
@@ -57,12 +59,12 @@ __device__ __forceinline__ float softmax_exp<float>(float d) {
 template <typename T>
 struct ShiftedExp {
   T shift, offset;
-  __device__ __forceinline__ explicit ShiftedExp(T s) : shift(s), offset(-s * T(1.44269504088896341)) {}
+  __device__ __forceinline__ explicit ShiftedExp(T s) : shift(s), offset(-s * T(kLog2e)) {}
   __device__ __forceinline__ T operator()(T d) const {
 #if GRPO_NVCC_DEVICE_PASS
     if constexpr (std::is_same_v<T, float>) {
       float e;
-      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(d, 1.44269504088896341f, offset)));
+      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(d, kLog2e, offset)));
       return e;
     }
 #endif
