@@ -46,6 +46,18 @@ struct LogitTransform {
     return kCapped ? mul_rounded(out_scale, T(tanh(in_scale * x))) : mul_rounded(x, in_scale);
   }
   GRPO_HD T operator()(T x) const { return capped ? z_of<true>(x) : z_of<false>(x); }
+
+  // d = z - max of a raw logit, for a max of z. Without a cap one FMA, x * in_scale - max rounded once, where z then
+  // a subtraction took two instructions and rounded z first: the CUDA kernels take every d of a row this way (its
+  // statistics, its chosen token, its gradient), so that they agree. At the max itself d is then the product's
+  // rounding error, not 0, and every term of the row sees the same max: the chosen token's logp = d - log(sum)
+  // stays exact for a confident token (mul_rounded's failure was the two forms mixed in one row).
+  template <bool kCapped>
+  GRPO_HD T d_of(T x, T max) const {
+    using std::fma;
+    return kCapped ? z_of<true>(x) - max : fma(x, in_scale, -max);
+  }
+  GRPO_HD T d_at(T x, T max) const { return capped ? d_of<true>(x, max) : d_of<false>(x, max); }
   // z = x exactly (no cap, a scale of 1): a row of the math type can be read where it lies.
   GRPO_HD bool is_identity() const { return !capped && in_scale == T(1); }
 
@@ -63,6 +75,11 @@ struct LogitTransform {
   GRPO_HD T z_with(T x) const {
     if constexpr (kCap == SoftCap::kRuntime) return (*this)(x);
     return z_of < kCap == SoftCap::kOn > (x);
+  }
+  template <SoftCap kCap>
+  GRPO_HD T d_with(T x, T max) const {
+    if constexpr (kCap == SoftCap::kRuntime) return d_at(x, max);
+    return d_of < kCap == SoftCap::kOn > (x, max);
   }
   template <SoftCap kCap>
   GRPO_HD T slope_with(T z) const {

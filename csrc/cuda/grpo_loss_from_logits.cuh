@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(1024)
     with_soft_cap(f, [&](auto cap) { s = row_state<decltype(cap)::value>(f, x, vocab); });
     s = block_merge(s, sh.warp_states);
     if (threadIdx.x == 0) {
-      finish_row(a, f, row_weight, chosen_token(a, f, x, r), s, row, grad_row != nullptr, true, logps, entropy, sh);
+      finish_row(a, f, row_weight, chosen_token<T>(a, x, r), s, row, grad_row != nullptr, true, logps, entropy, sh);
     }
     __syncthreads();
     // The second read of the row, from L2 if it is still there.

@@ -52,20 +52,19 @@ __device__ __forceinline__ PassRow<T> pass_row(const LogitsPassArgs& a, int64_t 
   return {r, b, t, a.inputs.mask_at<T>(b, t)};
 }
 
-// The row's chosen token and its transformed logit, read by thread 0 before any block writes over the row (the
-// in-place op).
+// The row's chosen token and its raw logit, read by thread 0 before any block writes over the row (the in-place
+// op).
 template <typename T>
 struct ChosenToken {
   int64_t id;
-  T z;
+  T logit;
 };
 
 template <typename T, typename In>
-__device__ __forceinline__ ChosenToken<T> chosen_token(const LogitsPassArgs& a, const LogitTransform<T>& f, const In* x,
-                                                       int64_t r) {
+__device__ __forceinline__ ChosenToken<T> chosen_token(const LogitsPassArgs& a, const In* x, int64_t r) {
   const int64_t id = a.ids.load<int64_t>(r, 0);
   CUDA_KERNEL_ASSERT(id >= 0 && id < a.logits.vocab);
-  return {id, f(load_as<T>(x + id))};
+  return {id, load_as<T>(x + id)};
 }
 
 // Thread 0 of a block, once the row's softmax state `s` is known: the log-prob, the entropy (written when
@@ -77,9 +76,10 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const LogitT
                                            T* entropy, PassShared<T>& sh) {
   const LossParams& p = a.params;
   const LossInputs& in = a.inputs;
-  // Relative to the max (see selective_log_softmax_forward_kernel): exact for confident tokens.
-  const T log_sum = log(s.sum);
-  const T logp = (chosen.z - s.max) - log_sum;
+  // Relative to the max (see selective_log_softmax_forward_kernel): exact for confident tokens. d as the row's
+  // statistics and gradient loop take it (LogitTransform::d_with).
+  const T log_sum = log(s.sum), d = f.d_at(chosen.logit, s.max);
+  const T logp = d - log_sum;
   if (write_outputs) {
     logps[row.r] = logp;
     entropy[row.r] = log_sum - s.weighted / s.sum;
@@ -112,10 +112,9 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const LogitT
   // g * (1 - p) * dz/dx as -g * expm1(logp) (exact where p -> 1), with the bonus's term as every entry has it
   T chosen_grad = -g * expm1(logp);
   if (entropy_weight != T(0)) {
-    const T d = chosen.z - s.max;
     chosen_grad += entropy_weight * softmax_exp(logp) * (fmax(d, std::numeric_limits<T>::lowest()) - mean_shift);
   }
-  sh.row_chosen_grad = chosen_grad * f.slope_at(chosen.z);
+  sh.row_chosen_grad = chosen_grad * f.slope_at(f(chosen.logit));
   sh.row_id = chosen.id;
 }
 
@@ -123,7 +122,8 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const LogitT
 // g * (onehot - p_v) * dz/dx, with the entropy bonus plus e * p_v * (z_v - E_p[z]) (0 where p_v = 0, a -inf logit
 // included). The loop writes -g * p_v (and the bonus's term) for every element, the chosen one included: no compare
 // and select an element. Then the thread that wrote the chosen entry writes it again, as finish_row computed it
-// (row_chosen_grad). Without a cap dz/dx is a constant, folded into the row's factors: a multiply an element fewer.
+// (row_chosen_grad). Without a cap dz/dx is a constant, folded into the row's factors, and d = z - max is one FMA
+// of the raw logit (d_with, as the statistics took it): two instructions an element fewer.
 template <SoftCap kCap, bool kEntropy, typename T, typename In>
 __device__ __forceinline__ void write_row_grad_with(const LogitTransform<T>& f, const PassShared<T>& sh, const In* x,
                                                     In* out, int64_t lo, int64_t n) {
@@ -133,13 +133,13 @@ __device__ __forceinline__ void write_row_grad_with(const LogitTransform<T>& f, 
   const T slope = kConstantSlope ? f.slope : T(1);
   const T minus_g = -g * slope, e_slope = e * slope;
   transform_row<T>(x, out, n, [&](int64_t, T logit) {
-    const T z = f.template z_with<kCap>(logit), d = z - z_max;
+    const T d = f.template d_with<kCap>(logit, z_max);  // as the statistics took it: one FMA without a cap
     const T p = p_of(d);
     T value = p * minus_g;
     // p * (d - E_p[z] + max) with no branch: where p = 0 (a -inf logit, d = -inf) d is taken as the lowest float,
     // so the term is 0 * finite = 0, never 0 * -inf; a NaN p stays NaN.
     if constexpr (kEntropy) value = fma(e_slope * p, (fmax(d, std::numeric_limits<T>::lowest()) - mean_shift), value);
-    if constexpr (!kConstantSlope) value *= f.template slope_with<kCap>(z);
+    if constexpr (!kConstantSlope) value *= f.template slope_with<kCap>(f.template z_with<kCap>(logit));  // d's z
     return value;
   });
   const int64_t id = sh.row_id - lo;

@@ -17,19 +17,18 @@ template <SoftCap kCap, typename T, typename In>
 __device__ __forceinline__ SoftmaxState<T> staged_row_state(const LogitTransform<T>& f, const In* x, In* staged,
                                                             int64_t n) {
   SoftmaxState<T> s{T(0), T(0), T(0)};
-  const auto z_of = [&](T logit) { return f.template z_with<kCap>(logit); };
   stage_row<T>(
-      x, staged, n, [&](T logit) { s = add_logit(s, z_of(logit)); },
-      [&](const auto& chunk) { s = add_logits(s, chunk, z_of); });
+      x, staged, n, [&](T logit) { s = add_raw_logit<kCap>(s, f, logit); },
+      [&](const auto& chunk) { s = add_logits<kCap>(s, chunk, f); });
   return s;
 }
 
 // What each block of a row's cluster pushes to every block of it (the single-read pass): its part's softmax state,
-// and from the block whose part holds the row's chosen token, that token's transformed logit (0 from the others).
+// and from the block whose part holds the row's chosen token, that token's raw logit (0 from the others).
 template <typename T>
 struct alignas(16) PartState {
   SoftmaxState<T> state;
-  T chosen_z;
+  T chosen_logit;
 };
 
 constexpr unsigned kMaxClusterBlocks = 16;  // CUDA's largest (non-portable) cluster
@@ -98,7 +97,7 @@ __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const 
       PartState<T> mine{
           {__shfl_sync(kFullWarp, s.max, 0), __shfl_sync(kFullWarp, s.sum, 0), __shfl_sync(kFullWarp, s.weighted, 0)},
           T(0)};
-      if (id >= lo && id < lo + n) mine.chosen_z = f(load_as<T>(staged + (id - lo)));
+      if (id >= lo && id < lo + n) mine.chosen_logit = load_as<T>(staged + (id - lo));
       Mbarrier* const full = &sh.inbox_full[parity];
       if (lane == 0) mbarrier_arrive_expect_tx(full, blocks * unsigned(sizeof(PartState<T>)));
       if (lane < blocks) cluster_push(&sh.inbox[parity][rank], lane, mine, full);
@@ -108,7 +107,7 @@ __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const 
       const SoftmaxState<T> part = lane < blocks ? sh.inbox[parity][lane].state : SoftmaxState<T>{T(0), T(0), T(0)};
       const SoftmaxState<T> total = warp_merge(part);
       if (lane == 0) {
-        const ChosenToken<T> chosen{id, sh.inbox[parity][id / slice].chosen_z};
+        const ChosenToken<T> chosen{id, sh.inbox[parity][id / slice].chosen_logit};
         finish_row(a, f, row_weight, chosen, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh.pass);
       }
     }

@@ -83,25 +83,35 @@ __device__ __forceinline__ SoftmaxState<T> merge_states(SoftmaxState<T> a, Softm
           (a.weighted + a.sum * (a.max - m)) * ea + (b.weighted + b.sum * (b.max - m)) * eb};
 }
 
-template <typename T>
-__device__ __forceinline__ SoftmaxState<T> add_logit(SoftmaxState<T> s, T z) {
-  if (z == -INFINITY) return s;  // exp(-inf) adds nothing (a NaN goes on and makes the row NaN)
-  if (s.sum == T(0)) return {z, T(1), T(0)};
-  if (z > s.max) {  // z becomes the max; the new term is exp(0) * 0
+// One logit into the state: z its transformed value, d_from(max) its z - max taken as LogitTransform::d_with takes it
+// (one FMA without a cap), also where z becomes the max (its own term is then exp of the product's rounding error,
+// as every later d of the row sees that max).
+template <typename T, typename D>
+__device__ __forceinline__ SoftmaxState<T> add_logit(SoftmaxState<T> s, T z, D&& d_from) {
+  if (z == -INFINITY) return s;      // exp(-inf) adds nothing (a NaN goes on and makes the row NaN)
+  if (s.sum == T(0) || z > s.max) {  // z becomes the max
+    const T d = d_from(z), e = softmax_exp(d);
+    if (s.sum == T(0)) return {z, e, e * d};
     const T scale = softmax_exp(s.max - z);
-    return {z, s.sum * scale + T(1), (s.weighted + s.sum * (s.max - z)) * scale};
+    return {z, s.sum * scale + e, (s.weighted + s.sum * (s.max - z)) * scale + e * d};
   }
-  const T d = z - s.max, e = softmax_exp(d);
+  const T d = d_from(s.max), e = softmax_exp(d);
   return {s.max, s.sum + e, s.weighted + e * d};
 }
+// add_logit of a raw logit under f with the cap code kCap.
+template <SoftCap kCap, typename T>
+__device__ __forceinline__ SoftmaxState<T> add_raw_logit(SoftmaxState<T> s, const LogitTransform<T>& f, T logit) {
+  return add_logit(s, f.template z_with<kCap>(logit), [&](T max) { return f.template d_with<kCap>(logit, max); });
+}
 
-// add_logit over a vector's logits z_of(in.v[k]) with one max update for the vector (its max first: z_of is
-// increasing, so that is z_of of the largest stored value), not one branch per element. The same state up to
-// rounding, and the same special values: a -inf adds nothing (its e * d is e * lowest = 0, never 0 * -inf), a NaN or
-// +inf reaches sum as NaN (d = NaN there) and so the row's results.
-template <typename T, typename In, typename Z>
-__device__ __forceinline__ SoftmaxState<T> add_logits(SoftmaxState<T> s, const Vector<In>& in, Z&& z_of) {
-  const T top = z_of(vector_max<T>(in));  // a NaN is passed over here, and caught by its d below
+// add_logit over a vector's raw logits under f with one max update for the vector (its max first: z is increasing
+// in the logit, so that is the z of the largest stored value), not one branch per element; each d as d_with takes
+// it. The same state up to rounding, and the same special values: a -inf adds nothing (its e * d is e * lowest = 0,
+// never 0 * -inf), a NaN or +inf reaches sum as NaN (d = NaN there) and so the row's results.
+template <SoftCap kCap, typename T, typename In>
+__device__ __forceinline__ SoftmaxState<T> add_logits(SoftmaxState<T> s, const Vector<In>& in,
+                                                      const LogitTransform<T>& f) {
+  const T top = f.template z_with<kCap>(vector_max<T>(in));  // a NaN is passed over here, and caught by its d below
   if (top > s.max || (s.sum == T(0) && top > -INFINITY)) {
     if (s.sum == T(0)) {  // the first finite values (the empty state's max 0 means nothing)
       s.max = top;
@@ -114,7 +124,7 @@ __device__ __forceinline__ SoftmaxState<T> add_logits(SoftmaxState<T> s, const V
   }
 #pragma unroll
   for (int k = 0; k < Vector<In>::kWidth; ++k) {
-    const T d = z_of(load_as<T>(&in.v[k])) - s.max, e = softmax_exp(d);
+    const T d = f.template d_with<kCap>(load_as<T>(&in.v[k]), s.max), e = softmax_exp(d);
     s.sum += e;
     s.weighted += e * fmax(d, std::numeric_limits<T>::lowest());
   }
@@ -126,10 +136,9 @@ __device__ __forceinline__ SoftmaxState<T> add_logits(SoftmaxState<T> s, const V
 template <SoftCap kCap, typename T, typename In>
 __device__ __forceinline__ SoftmaxState<T> row_state(const LogitTransform<T>& f, const In* x, int64_t n) {
   SoftmaxState<T> s{T(0), T(0), T(0)};
-  const auto z_of = [&](T logit) { return f.template z_with<kCap>(logit); };
   for_each_in_row<T>(
-      x, n, [&](T logit) { s = add_logit(s, z_of(logit)); },
-      [&](const auto& chunk) { s = add_logits(s, chunk, z_of); });
+      x, n, [&](T logit) { s = add_raw_logit<kCap>(s, f, logit); },
+      [&](const auto& chunk) { s = add_logits<kCap>(s, chunk, f); });
   return s;
 }
 
@@ -177,7 +186,7 @@ __global__ void __launch_bounds__(1024, 2)
       s = row_state<kCap>(f, static_cast<const In*>(logits.data) + row * logits.row_stride, vocab);
     } else {
       for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-        s = add_logit(s, f.template z_with<kCap>(logits.load<T>(row, v)));
+        s = add_raw_logit<kCap>(s, f, logits.load<T>(row, v));
       }
     }
     s = block_merge(s, warp_states);
@@ -187,7 +196,7 @@ __global__ void __launch_bounds__(1024, 2)
       // (z_id - max) - log(sum), not z_id - lse: rounding lse (~30) costs ~2e-6 absolute, all of a confident
       // token's log-prob (~-1e-6).
       const T log_sum = log(s.sum), mean_shift = s.weighted / s.sum;
-      logps[row] = (f.template z_with<kCap>(logits.load<T>(row, id)) - s.max) - log_sum;
+      logps[row] = f.template d_with<kCap>(logits.load<T>(row, id), s.max) - log_sum;
       if (entropy) entropy[row] = log_sum - mean_shift;
       row_stats[2 * row] = s.max + log_sum;         // lse
       row_stats[2 * row + 1] = s.max + mean_shift;  // E_p[z]

@@ -193,7 +193,7 @@ MUTATIONS = [
              "cluster_push(&sh.inbox[parity][rank], lane,", "cluster_push(&sh.inbox[parity][lane], lane,"),
     Mutation("wrong part", "single-read pass: the chosen token's logit taken from this block's push, not from the "
              "part that holds it", "cuda/grpo_loss_from_logits_single_read.cuh",
-             "sh.inbox[parity][id / slice].chosen_z", "sh.inbox[parity][rank].chosen_z"),
+             "sh.inbox[parity][id / slice].chosen_logit", "sh.inbox[parity][rank].chosen_logit"),
     # The logits gradient's chosen entry, written after the loop by the thread that wrote it (write_row_grad_with).
     Mutation("wrong writer", "logits gradient: thread 0 writes the chosen entry, racing with the thread whose loop "
              "wrote it", "cuda/vector_io.cuh", "return turn % blockDim.x == threadIdx.x;",
@@ -204,6 +204,14 @@ MUTATIONS = [
     Mutation("lost entry", "logits gradient: the chosen entry left at the loop's -g * p",
              "cuda/grpo_loss_from_logits_row.cuh", "if (id >= 0 && id < n && writes_element(x, n, id)) out[id]",
              "if (id >= n && writes_element(x, n, id)) out[id]"),
+    # d = z - max taken one way for a whole row (LogitTransform::d_with: one FMA without a cap), the H100's failure
+    # of 2026-11-26 when nvcc mixed the FMA and the rounded product in one row (RESULTS.md, "H100, second call").
+    Mutation("mixed d", "logits pass: the chosen token's d as the rounded z minus the max, its row's statistics by "
+             "the FMA", "cuda/grpo_loss_from_logits_row.cuh", "d = f.d_at(chosen.logit, s.max);",
+             "d = f(chosen.logit) - s.max;"),
+    Mutation("mixed d", "logits gradient: d as the rounded z minus the max, the statistics by the FMA",
+             "cuda/grpo_loss_from_logits_row.cuh", "const T d = f.template d_with<kCap>(logit, z_max);",
+             "const T d = f.template z_with<kCap>(logit) - z_max;"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).
