@@ -8,12 +8,14 @@ takes well under two minutes on an H100. Cases and peers, each timed as forward 
   ``copy`` (a device-to-device copy of the logits: the yardstick, one read and one write), ``grpo_ext`` (the
   default path: on CUDA the two-read pass, blocks of 256 threads for bf16 and 512 for float32), the other layouts of
   the pass on CUDA (``LAYOUTS``: the two-read pass with blocks of 1024 (the default before 2026-11-27) and of 512
-  threads (GRPO_EXT_LOGITS_THREADS caps either dtype); the single-read pass in its small-block layout,
+  threads (GRPO_EXT_LOGITS_THREADS caps either dtype), and its 32-register build for bf16/fp16, 8 blocks of 256 an SM
+  (``GRPO_EXT_LOGITS_FULL_OCCUPANCY=1``); the single-read pass in its small-block layout,
   ``GRPO_EXT_LOGITS_SINGLE_READ=1``: clusters of up to 16 blocks of 256 threads staging their parts with cp.async,
   with and without the entropy bonus, with blocks of 128 threads, and with persistent clusters,
   ``GRPO_EXT_LOGITS_PERSISTENT=1``), ``grpo_ext+entropy``
   (``entropy_coef=0.01``), ``liger`` (``triton_grpo_loss``, CUDA only), ``compile`` (``torch.compile`` of the float
-  reference, with ``--compile``). Then the same shape ``every row kept`` (``copy``, ``grpo_ext``, the small blocks,
+  reference, with ``--compile``). Then the same shape ``every row kept`` (``copy``, ``grpo_ext``, its full-occupancy
+  build, the small blocks,
   ``liger``) and ``every row masked`` (``copy``, ``grpo_ext``, the small blocks: no layout reads a masked row, so
   each should take about half a copy, its writes).
 * ``selective N=.. V=.. dtype`` (the logits case's inputs): the ``fwd`` rows (no autograd) against ``read`` (half a
@@ -135,6 +137,8 @@ def draw_inputs(rows: int, vocab: int, size: int | None, dtype: torch.dtype, dev
 LAYOUTS = {
     "grpo_ext/two-read 1024": {"GRPO_EXT_LOGITS_THREADS": "1024"},
     "grpo_ext/two-read 512": {"GRPO_EXT_LOGITS_THREADS": "512"},
+    # the two-read kernel's 32-register build for bf16/fp16: 8 blocks of 256 threads an SM, twice the loads in flight
+    "grpo_ext/two-read full occupancy": {"GRPO_EXT_LOGITS_FULL_OCCUPANCY": "1"},
     # issue 38: the single-read pass, clusters of up to 16 blocks of 256 threads, four blocks (of four rows) per SM
     "grpo_ext/small-blocks": {"GRPO_EXT_LOGITS_SINGLE_READ": "1"},
     # blocks of 128 threads: twice the elements a thread, so half the per-row work per element (NOTES.md, "The logits
@@ -259,7 +263,8 @@ def time_rows(case: str, steps: dict[str, Step | None], notes: dict[str, str], f
 # Issue 38 item 2's other masks (floor_targets.py), each timed with fewer peers: every row kept (the single-read
 # pass's bytes are then a copy's), and every row masked (no layout may read a masked row: writes only, half a copy).
 MASK_VARIANTS: dict[str, tuple[Callable[[Tensor], Tensor], tuple[str, ...]]] = {
-    floor_targets.ALL_KEPT: (torch.ones_like, ("grpo_ext", "grpo_ext/small-blocks", "liger")),
+    floor_targets.ALL_KEPT: (torch.ones_like, ("grpo_ext", "grpo_ext/two-read full occupancy", "grpo_ext/small-blocks",
+                                               "liger")),
     floor_targets.ALL_MASKED: (torch.zeros_like, ("grpo_ext", "grpo_ext/small-blocks")),
 }
 

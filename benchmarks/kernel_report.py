@@ -49,7 +49,8 @@ TOOLS = ("cuobjdump", "ptxas", "cu++filt")
 
 # Kernels whose loops stream a [rows, V] logits tensor (or a [B, T] one): their loads are the bandwidth.
 BANDWIDTH_BOUND = ("selective_log_softmax", "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_small_block_kernel",
-                   "scale_rows", "grpo_loss_rows", "grpo_loss_backward")  # fmt: skip
+                   "grpo_loss_from_logits_full_occupancy_kernel", "scale_rows", "grpo_loss_rows",
+                   "grpo_loss_backward")  # fmt: skip
 
 # Kernels whose occupancy the launcher's dynamic shared memory sets, not the static figures of the table.
 DYNAMIC_SHARED = {
@@ -263,7 +264,8 @@ def widths(table: dict[str, int]) -> str:
 
 # The row kernels of the logits ops (their loops stream [rows, V]), and what an H100 gives them.
 ROW_LOOP_KERNELS = ("selective_log_softmax_forward_kernel", "selective_log_softmax_backward_kernel",
-                    "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_small_block_kernel")  # fmt: skip
+                    "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_small_block_kernel",
+                    "grpo_loss_from_logits_full_occupancy_kernel")  # fmt: skip
 H100_ISSUE_RATE = 132 * 4 * 32 * 1.98e9  # lane-instructions per second: 132 SMs x 4 schedulers x 32 lanes x 1.98 GHz
 H100_IN_FLIGHT_NEEDED = 3.0e12 * 1e-6 / 132  # bytes each SM keeps in flight for 3 TB/s at about 1 us of latency
 VECTORS_IN_FLIGHT = 2  # vector_io.cuh kRowUnroll: 16-byte loads each thread issues before using the first

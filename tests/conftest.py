@@ -18,7 +18,17 @@ if os.environ.get("GRPO_EXT_WHEEL_TEST") == "1":
     assert grpo_ext.__file__.startswith(sys.prefix), f"grpo_ext imported from {grpo_ext.__file__}, not {sys.prefix}"
 
 # CUDA tests run wherever a GPU is visible and are skipped (only they) on machines without one.
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device"))]
+NO_CUDA = "no CUDA device"  # the one skip reason of a test that needs a GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA))]
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every test that needs a CUDA device (a skipif on one) carries the ``cuda`` marker, so that ``-k cuda``
+    (benchmarks/gpu_session.sh's CUDA stage and its sanitizer selection) takes it whatever its name: three such tests
+    had no "cuda" in their ids and never ran there."""
+    for item in items:
+        if any(m.kwargs.get("reason") == NO_CUDA for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
 
 
 def pytest_report_header(config) -> list[str]:

@@ -66,13 +66,12 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// The two-read pass, for any row: up to 1024 threads per block (row_threads); the bound keeps even the float64
-// instantiation within the SM's 64K registers, where it would otherwise fail to launch.
+// The two-read pass, for any row: each block over rows, a row's statistics from one read, its gradient from a second
+// (from L2 if the row is still there). Two kernels run it (below): the same code under two register budgets.
 template <typename T, typename In>
-__global__ void __launch_bounds__(1024)
-    grpo_loss_from_logits_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight, In* grad,
-                                 T* __restrict__ logps, T* __restrict__ entropy) {
-  __shared__ PassShared<T> sh;
+__device__ __forceinline__ void two_read_pass(const LogitsPassArgs& a, const LogitTransform<T>& f,
+                                              const T* __restrict__ row_weight, In* grad, T* __restrict__ logps,
+                                              T* __restrict__ entropy, PassShared<T>& sh) {
   const int64_t vocab = a.logits.vocab;
   for (int64_t r = blockIdx.x; r < a.logits.rows; r += gridDim.x) {
     const PassRow<T> row = pass_row<T>(a, r);
@@ -100,6 +99,30 @@ __global__ void __launch_bounds__(1024)
       with_soft_cap(f, [&](auto cap) { write_row_grad<decltype(cap)::value>(f, sh, x, grad_row, 0, vocab); });
     __syncthreads();  // the shared row values are reused by the next row
   }
+}
+
+// The two-read kernel: up to 1024 threads per block (row_threads); the bound keeps even the float64 instantiation
+// within the SM's 64K registers, where it would otherwise fail to launch. nvcc gives the bf16/fp16 one 64 registers
+// a thread: 4 blocks of 256 threads an SM, 50% occupancy.
+template <typename T, typename In>
+__global__ void __launch_bounds__(1024)
+    grpo_loss_from_logits_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight, In* grad,
+                                 T* __restrict__ logps, T* __restrict__ entropy) {
+  __shared__ PassShared<T> sh;
+  two_read_pass(a, f, row_weight, grad, logps, entropy, sh);
+}
+
+// The same pass in blocks of at most 256 threads, 8 of them resident per SM: 32 registers a thread, 100% occupancy
+// and twice the loads in flight (64 KiB an SM), without spills for bf16 and fp16 logits (ptxas on sm_90; float32
+// spills at 32 and is never launched here). A layout candidate (GRPO_EXT_LOGITS_FULL_OCCUPANCY=1,
+// with_layout_from_env): the fifth session's ncu run had the two-read kernel at 50% occupancy and 75% of the H200's
+// DRAM peak, where 3 TB/s at about 1 us of latency already needs 22 KiB in flight per SM and 4.8 TB/s 36 KiB.
+template <typename T, typename In>
+__global__ void __launch_bounds__(256, 8)
+    grpo_loss_from_logits_full_occupancy_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight,
+                                                In* grad, T* __restrict__ logps, T* __restrict__ entropy) {
+  __shared__ PassShared<T> sh;
+  two_read_pass(a, f, row_weight, grad, logps, entropy, sh);
 }
 
 // x *= factor[0] over the rows of a [R, V] (row-strided) gradient, unless the factor is exactly 1: every block
@@ -134,7 +157,8 @@ inline int pass_threads(int64_t vocab, int element_bytes, const RowResidency& de
 }
 
 // The pass over every row: the single-read (small-block) kernel where device.max_cluster_blocks > 0, a row fits 16
-// blocks and the device runs such a cluster, else (or if the device refuses that launch) the two-read kernel.
+// blocks and the device runs such a cluster, else (or if the device refuses that launch) the two-read kernel (its
+// full-occupancy build where device.full_occupancy asks for it and the logits are bf16/fp16 in blocks of <= 256).
 template <typename T, typename In>
 void launch_grpo_loss_from_logits(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight, In* grad,
                                   T* logps, T* entropy, const RowResidency& device, cudaStream_t stream) {
@@ -145,8 +169,16 @@ void launch_grpo_loss_from_logits(const LogitsPassArgs& a, const LogitTransform<
   }
   const int64_t max_rows = int64_t(1) << 27;  // grid-stride beyond that: any number of rows
   const int64_t rows = a.logits.rows < max_rows ? a.logits.rows : max_rows;
-  GRPO_LAUNCH(unsigned(rows), pass_threads(a.logits.vocab, sizeof(In), device), 0, stream,
-              grpo_loss_from_logits_kernel<T, In>)(a, f, row_weight, grad, logps, entropy);
+  const int threads = pass_threads(a.logits.vocab, sizeof(In), device);
+  if constexpr (std::is_same_v<T, float> && sizeof(In) == 2) {  // bf16/fp16 logits: the 32-register candidate
+    if (device.full_occupancy && threads <= 256) {
+      GRPO_LAUNCH(unsigned(rows), threads, 0, stream, grpo_loss_from_logits_full_occupancy_kernel<T, In>)(
+          a, f, row_weight, grad, logps, entropy);
+      return;
+    }
+  }
+  GRPO_LAUNCH(unsigned(rows), threads, 0, stream, grpo_loss_from_logits_kernel<T, In>)(a, f, row_weight, grad, logps,
+                                                                                       entropy);
 }
 
 template <typename T, typename Out>

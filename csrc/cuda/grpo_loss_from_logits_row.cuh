@@ -166,6 +166,7 @@ struct RowResidency {
   unsigned max_cluster_blocks = 0;
   int max_threads = 0;
   bool persistent_clusters = false;  // as many clusters as run at once, each over several rows
+  bool full_occupancy = false;       // the two-read kernel's 32-register build (bf16/fp16, blocks of <= 256)
 };
 
 // The layout candidates of issues 32 and 38, chosen at run time so that one GPU session compares them all (read at
@@ -185,6 +186,8 @@ struct RowResidency {
 // GRPO_EXT_LOGITS_PERSISTENT=1 launches the small-block layout with no more clusters than the device runs at once
 // (cudaOccupancyMaxActiveClusters), each over several rows: one cluster placed per row was one candidate cause of that
 // layout's time on an H200 (benchmarks/NOTES.md, "The small-block layout on an H200").
+// GRPO_EXT_LOGITS_FULL_OCCUPANCY=1 runs bf16/fp16 rows of the two-read pass in its 32-register build, 8 blocks of 256
+// threads an SM (grpo_loss_from_logits_full_occupancy_kernel), where its blocks are 256 threads or fewer.
 // The two-read kernel's default block size (above) for logits of `element_bytes`: 256 threads for bf16/fp16, 512 for
 // float32 and wider. max_threads == 0 (RowResidency) asks for it.
 constexpr int two_read_threads(int element_bytes) {
@@ -204,6 +207,8 @@ inline RowResidency with_layout_from_env(RowResidency device) {
   }
   const char* persistent = std::getenv("GRPO_EXT_LOGITS_PERSISTENT");
   device.persistent_clusters = persistent != nullptr && std::strcmp(persistent, "1") == 0;
+  const char* full = std::getenv("GRPO_EXT_LOGITS_FULL_OCCUPANCY");
+  device.full_occupancy = full != nullptr && std::strcmp(full, "1") == 0;
   return device;
 }
 

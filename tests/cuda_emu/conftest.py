@@ -93,6 +93,22 @@ def emu_small_blocks():
     yield from _device(shared_per_sm=SMALL_BLOCK_SHARED_PER_SM, env={"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks"})
 
 
+@pytest.fixture
+def emu_with_env():
+    """A factory: ``make(env)`` gives the emulated device (an H100's limits) under every schedule with the environment
+    ``env`` (a layout candidate's variables), counted in the session's kernel coverage; each is closed with its checks
+    at the test's end."""
+    devices = []
+
+    def make(env: dict[str, str]) -> EmuDevice:
+        devices.append(_device(env=env))
+        return next(devices[-1])
+
+    yield make
+    for device in devices:
+        next(device, None)  # _device's teardown: close, its checks, and the coverage check where it is the last
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     devices = _state["devices"]
     if not devices:

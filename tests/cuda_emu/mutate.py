@@ -212,6 +212,9 @@ MUTATIONS = [
     Mutation("mixed d", "logits gradient: d as the rounded z minus the max, the statistics by the FMA",
              "cuda/grpo_loss_from_logits_row.cuh", "const T d = f.template d_with<kCap>(logit, z_max);",
              "const T d = f.template z_with<kCap>(logit) - z_max;"),
+    Mutation("launch over the bound", "logits pass: the full-occupancy build (__launch_bounds__(256, 8)) launched with "
+             "blocks of more than 256 threads", "cuda/grpo_loss_from_logits.cuh",
+             "if (device.full_occupancy && threads <= 256) {", "if (device.full_occupancy) {"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

@@ -32,7 +32,8 @@ CLUSTER_CASES = [
     (torch.float64, 1000, "single-read"),  # 13
     (torch.float64, 2501, "two-read"),  # 31
 ]
-PASS_KERNELS = {"single-read": "grpo_loss_from_logits_small_block_kernel", "two-read": "grpo_loss_from_logits_kernel"}
+PASS_KERNELS = {"single-read": "grpo_loss_from_logits_small_block_kernel", "two-read": "grpo_loss_from_logits_kernel",
+                "two-read full occupancy": "grpo_loss_from_logits_full_occupancy_kernel"}
 
 
 @pytest.mark.parametrize(("dtype", "vocab", "path"), CLUSTER_CASES)
@@ -127,6 +128,32 @@ def test_two_read_kernel_block_size(monkeypatch, layout, dtype, threads):
         assert launched[PASS_KERNELS["two-read"]] == threads, launched
     finally:
         assert not device.close()
+
+
+FULL_OCCUPANCY = {"GRPO_EXT_LOGITS_FULL_OCCUPANCY": "1"}
+FULL_OCCUPANCY_CASES = [(FULL_OCCUPANCY, torch.bfloat16, "two-read full occupancy", 256),
+                        (FULL_OCCUPANCY, torch.float16, "two-read full occupancy", 256),
+                        (dict(FULL_OCCUPANCY, GRPO_EXT_LOGITS_THREADS="128"), torch.bfloat16, "two-read full occupancy",
+                         128),
+                        (dict(FULL_OCCUPANCY, GRPO_EXT_LOGITS_THREADS="512"), torch.bfloat16, "two-read", 512),
+                        (FULL_OCCUPANCY, torch.float32, "two-read", 512)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("layout", "dtype", "path", "threads"), FULL_OCCUPANCY_CASES)
+def test_two_read_full_occupancy_build(emu_with_env, layout, dtype, path, threads):
+    """GRPO_EXT_LOGITS_FULL_OCCUPANCY=1: bf16/fp16 rows of the two-read pass in its 32-register build (8 blocks of at
+    most 256 threads an SM), the same outputs as the CPU kernel under every schedule, with a temperature, without and
+    with the soft cap, and the entropy bonus; blocks of more than 256 threads (GRPO_EXT_LOGITS_THREADS=512) and
+    float32 logits (which would spill at 32 registers) keep the 1024-thread build."""
+    device = emu_with_env({"GRPO_EXT_LOGITS_SINGLE_READ": "0", **layout})
+    logits, ids, adv, mask, old, _ = make_problem(2, 2, 9000, seed=43, per_token_adv=True)
+    for logit in [(1.0, 0.0), (1.5, 20.0)]:  # uncapped, then capped
+        args = pass_args(logits.to(dtype).reshape(4, 9000), ids.reshape(-1), adv.float(), mask, temperature=0.7,
+                         logit=logit, entropy_coef=0.3, old_logps=old.float(), loss_type="dapo")  # fmt: skip
+        check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+    launched = {name: dims[1] for name, dims in launch_dims(device.launches).items()}
+    assert launched.get(PASS_KERNELS[path]) == threads, launched
+    assert not set(launched) & (set(PASS_KERNELS.values()) - {PASS_KERNELS[path]}), launched
 
 
 @pytest.mark.parametrize(("dtype", "vocab", "path"), [CLUSTER_CASES[1], CLUSTER_CASES[4], CLUSTER_CASES[6]])
