@@ -39,6 +39,15 @@ def run(impl, logits, ids, adv, mask, **kwargs):
     return out, x.grad
 
 
+def assert_error_at_most_twice_reference(got, reference_low, truth) -> None:
+    """flash-attention's rule on (loss, grad): each of ``got``'s errors against the float64 ``truth`` is at most twice
+    that of ``reference_low`` (the reference in the same low precision)."""
+    for name, a, r, t in zip(("loss", "grad"), got, reference_low, truth, strict=True):
+        err = (a.double().cpu() - t).abs().max().item()
+        ref_err = (r.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + 1e-7, (name, err, ref_err)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -111,10 +120,7 @@ def test_two_read_full_occupancy_build_error_at_most_twice_reference(monkeypatch
     ref_low, ref_low_grad = run(reference, low, ids, adv.float(), mask, **kwargs)
     got, grad = run(grpo_ext, low.cuda(), ids.cuda(), adv.float().cuda(), mask.cuda(),
                     **cast_kwargs("cuda", torch.float32, kwargs))  # fmt: skip
-    for name, a, r, t in (("loss", got.loss, ref_low.loss, truth.loss), ("grad", grad, ref_low_grad, truth_grad)):
-        err = (a.double().cpu() - t).abs().max().item()
-        ref_err = (r.double() - t).abs().max().item()
-        assert err <= 2 * ref_err + 1e-7, (name, err, ref_err)
+    assert_error_at_most_twice_reference((got.loss, grad), (ref_low.loss, ref_low_grad), (truth.loss, truth_grad))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -130,10 +136,7 @@ def test_low_precision_error_at_most_twice_reference(device, low_precision, leve
     got, grad = run(grpo_ext, low.to(device), ids.to(device), adv.float().to(device), mask.to(device),
                     **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
     assert grad.dtype == low_precision
-    for name, a, r, t in (("loss", got.loss, ref_low.loss, truth.loss), ("grad", grad, ref_low_grad, truth_grad)):
-        err = (a.double().cpu() - t).abs().max().item()
-        ref_err = (r.double() - t).abs().max().item()
-        assert err <= 2 * ref_err + 1e-7, (name, err, ref_err)
+    assert_error_at_most_twice_reference((got.loss, grad), (ref_low.loss, ref_low_grad), (truth.loss, truth_grad))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,7 +18,7 @@ __device__ __forceinline__ SoftmaxState<T> staged_row_state(const LogitTransform
                                                             int64_t n) {
   SoftmaxState<T> s{T(0), T(0), T(0)};
   stage_row<T>(
-      x, staged, n, [&](T logit) { s = add_raw_logit<kCap>(s, f, logit); },
+      x, staged, n, [&](T logit) { s = add_logit<kCap>(s, f, logit); },
       [&](const auto& chunk) { s = add_logits<kCap>(s, chunk, f); });
   return s;
 }

@@ -83,25 +83,21 @@ __device__ __forceinline__ SoftmaxState<T> merge_states(SoftmaxState<T> a, Softm
           (a.weighted + a.sum * (a.max - m)) * ea + (b.weighted + b.sum * (b.max - m)) * eb};
 }
 
-// One logit into the state: z its transformed value, d_from(max) its z - max taken as LogitTransform::d_with takes it
-// (one FMA without a cap), also where z becomes the max (its own term is then exp of the product's rounding error,
-// as every later d of the row sees that max).
-template <typename T, typename D>
-__device__ __forceinline__ SoftmaxState<T> add_logit(SoftmaxState<T> s, T z, D&& d_from) {
+// One raw logit into the state, under f with the cap code kCap: its d as LogitTransform::d_with takes it (one FMA
+// without a cap), also where its z becomes the max (its own term is then exp of the product's rounding error, as
+// every later d of the row sees that max).
+template <SoftCap kCap, typename T>
+__device__ __forceinline__ SoftmaxState<T> add_logit(SoftmaxState<T> s, const LogitTransform<T>& f, T logit) {
+  const T z = f.template z_with<kCap>(logit);
   if (z == -INFINITY) return s;      // exp(-inf) adds nothing (a NaN goes on and makes the row NaN)
   if (s.sum == T(0) || z > s.max) {  // z becomes the max
-    const T d = d_from(z), e = softmax_exp(d);
+    const T d = f.template d_with<kCap>(logit, z), e = softmax_exp(d);
     if (s.sum == T(0)) return {z, e, e * d};
     const T scale = softmax_exp(s.max - z);
     return {z, s.sum * scale + e, (s.weighted + s.sum * (s.max - z)) * scale + e * d};
   }
-  const T d = d_from(s.max), e = softmax_exp(d);
+  const T d = f.template d_with<kCap>(logit, s.max), e = softmax_exp(d);
   return {s.max, s.sum + e, s.weighted + e * d};
-}
-// add_logit of a raw logit under f with the cap code kCap.
-template <SoftCap kCap, typename T>
-__device__ __forceinline__ SoftmaxState<T> add_raw_logit(SoftmaxState<T> s, const LogitTransform<T>& f, T logit) {
-  return add_logit(s, f.template z_with<kCap>(logit), [&](T max) { return f.template d_with<kCap>(logit, max); });
 }
 
 // add_logit over a vector's raw logits under f with one max update for the vector (its max first: z is increasing
@@ -137,7 +133,7 @@ template <SoftCap kCap, typename T, typename In>
 __device__ __forceinline__ SoftmaxState<T> row_state(const LogitTransform<T>& f, const In* x, int64_t n) {
   SoftmaxState<T> s{T(0), T(0), T(0)};
   for_each_in_row<T>(
-      x, n, [&](T logit) { s = add_raw_logit<kCap>(s, f, logit); },
+      x, n, [&](T logit) { s = add_logit<kCap>(s, f, logit); },
       [&](const auto& chunk) { s = add_logits<kCap>(s, chunk, f); });
   return s;
 }
@@ -186,7 +182,7 @@ __global__ void __launch_bounds__(1024, 2)
       s = row_state<kCap>(f, static_cast<const In*>(logits.data) + row * logits.row_stride, vocab);
     } else {
       for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-        s = add_raw_logit<kCap>(s, f, logits.load<T>(row, v));
+        s = add_logit<kCap>(s, f, logits.load<T>(row, v));
       }
     }
     s = block_merge(s, warp_states);

@@ -95,13 +95,13 @@ def emu_small_blocks():
 
 @pytest.fixture
 def emu_with_env():
-    """A factory: ``make(env)`` gives the emulated device (an H100's limits) under every schedule with the environment
-    ``env`` (a layout candidate's variables), counted in the session's kernel coverage; each is closed with its checks
-    at the test's end."""
+    """A factory: ``make(env, **limits)`` gives the emulated device (an H100's limits unless ``limits`` says
+    otherwise) under every schedule with the environment ``env`` (a layout candidate's variables), counted in the
+    session's kernel coverage; each is closed with its checks at the test's end."""
     devices = []
 
-    def make(env: dict[str, str]) -> EmuDevice:
-        devices.append(_device(env=env))
+    def make(env: dict[str, str], **limits) -> EmuDevice:
+        devices.append(_device(env=env, **limits))
         return next(devices[-1])
 
     yield make

@@ -11,8 +11,7 @@ import torch
 from test_grpo_loss_from_logits import make_problem
 
 from .checks import check_op
-from .client import EmuDevice, kernels_launched, launch_dims
-from .conftest import CSRC
+from .client import kernels_launched, launch_dims
 from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 
 # The single-read pass on a device with 2552 bytes of shared memory per block (emu_small_shared), so that small rows
@@ -84,23 +83,18 @@ def test_logits_pass_single_read_grid_stride_and_sequence_gradients(emu_small_sh
         ({"GRPO_EXT_LOGITS_THREADS": "256", "GRPO_EXT_LOGITS_SINGLE_READ": "0"}, "two-read"),
     ],
 )
-def test_logits_pass_layout_candidates(monkeypatch, layout, path):
+def test_logits_pass_layout_candidates(emu_with_env, layout, path):
     """Issues 32 and 38's layouts, chosen at run time by the binding's environment variables (with_layout_from_env
     in csrc/cuda/grpo_loss_from_logits_row.cuh): the same outputs as the CPU kernel under every schedule, on a device
     with 4 KiB of shared memory per block (V=1000 float32: a cluster of 2 blocks)."""
-    for name, value in layout.items():
-        monkeypatch.setenv(name, value)  # the drivers start on the first call, with these set
-    device = EmuDevice(CSRC, shared_per_block=4096, max_cluster=8)
-    try:
-        logits, ids, adv, mask, old, ref = make_problem(2, 3, 1000, seed=31, per_token_adv=True)
-        args = pass_args(logits.float().reshape(6, 1000), ids.reshape(-1), adv.float(), mask, temperature=0.7,
-                         old_logps=old.float(), ref_logps=ref.float(), beta=0.1, loss_type="dapo",
-                         entropy_coef=0.2)  # fmt: skip
-        launched = kernels_launched(device, lambda: check_op(device, "grpo_loss_from_logits_pass", *args,
-                                                             tol=PASS_TOL, names=PASS_NAMES))  # fmt: skip
-        assert PASS_KERNELS[path] in launched
-    finally:
-        assert not device.close()
+    device = emu_with_env(layout, shared_per_block=4096, max_cluster=8)
+    logits, ids, adv, mask, old, ref = make_problem(2, 3, 1000, seed=31, per_token_adv=True)
+    args = pass_args(logits.float().reshape(6, 1000), ids.reshape(-1), adv.float(), mask, temperature=0.7,
+                     old_logps=old.float(), ref_logps=ref.float(), beta=0.1, loss_type="dapo",
+                     entropy_coef=0.2)  # fmt: skip
+    launched = kernels_launched(device, lambda: check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL,
+                                                         names=PASS_NAMES))  # fmt: skip
+    assert PASS_KERNELS[path] in launched
 
 
 BLOCK_SIZE_CASES = [({}, torch.float32, 512), ({}, torch.bfloat16, 256),
@@ -110,24 +104,18 @@ BLOCK_SIZE_CASES = [({}, torch.float32, 512), ({}, torch.bfloat16, 256),
 
 
 @pytest.mark.parametrize(("layout", "dtype", "threads"), BLOCK_SIZE_CASES)
-def test_two_read_kernel_block_size(monkeypatch, layout, dtype, threads):
+def test_two_read_kernel_block_size(emu_with_env, layout, dtype, threads):
     """The two-read kernel's blocks by default: 256 threads for bf16 logits, 512 for float32 (two_read_threads: the
     faster of each on an H200, RESULTS.md, 2026-11-27); GRPO_EXT_LOGITS_THREADS=256|512|1024 to compare; the same
     outputs as the CPU kernel under every schedule. V=9000 asks for the most threads (row_threads: 1125 wanted for
     float32, 563 for bf16)."""
-    for name, value in {"GRPO_EXT_LOGITS_SINGLE_READ": "0", **layout}.items():
-        monkeypatch.setenv(name, value)  # the drivers start on the first call, with these set
-    device = EmuDevice(CSRC)
-    try:
-        logits, ids, adv, mask, old, _ = make_problem(2, 2, 9000, seed=41, per_token_adv=True)
-        args = pass_args(logits.to(dtype).reshape(4, 9000), ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
-                         loss_type="dapo")  # fmt: skip
-        before = device.launches.copy()
-        check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
-        launched = {name: dims[1] for name, dims in launch_dims(device.launches - before).items()}
-        assert launched[PASS_KERNELS["two-read"]] == threads, launched
-    finally:
-        assert not device.close()
+    device = emu_with_env({"GRPO_EXT_LOGITS_SINGLE_READ": "0", **layout})
+    logits, ids, adv, mask, old, _ = make_problem(2, 2, 9000, seed=41, per_token_adv=True)
+    args = pass_args(logits.to(dtype).reshape(4, 9000), ids.reshape(-1), adv.float(), mask, old_logps=old.float(),
+                     loss_type="dapo")  # fmt: skip
+    check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+    launched = {name: dims[1] for name, dims in launch_dims(device.launches).items()}
+    assert launched[PASS_KERNELS["two-read"]] == threads, launched
 
 
 FULL_OCCUPANCY = {"GRPO_EXT_LOGITS_FULL_OCCUPANCY": "1"}
