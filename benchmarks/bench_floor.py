@@ -1,7 +1,9 @@
 """Each streaming op against the memory floor, in one short run: the GPU session's table (issue 32's five shapes).
 
 The inputs are drawn on the device (a 32768 x 151936 case would take a minute to draw on the host), so a whole run
-takes well under two minutes on an H100. Cases and peers, each timed as forward + backward unless marked:
+takes well under two minutes on an H100. The logits cases are here; the selective and hidden cases are in
+``floor_selective.py`` and ``floor_hidden.py``, what all three share (inputs, the float64 check, the timer) in
+``floor_common.py``. Cases and peers, each timed as forward + backward unless marked:
 
 * ``logits N=.. V=.. dtype`` (``grpo_loss_from_logits``; ``[B, T, V]`` with ``T = min(N, 1024)``, prefix masks of
   random length (about half of the tokens kept), ``dapo``, beta 0.04, temperature 0.9, old and ref log-probs):
@@ -70,14 +72,13 @@ import floor_targets
 import fused_loss
 import grpo_ext
 from bench_grpo_loss_from_logits import liger_step
+from floor_common import BETA, ENTROPY_COEF, SINGLE_READ, Step, check, draw_inputs, kwargs64, parse_cases, time_rows
+from floor_hidden import hidden_case
+from floor_selective import selective_case
 from grpo_ext import reference
-from grpo_ext.ops.grpo_loss_from_hidden import default_chunk_size
-from harness import checks, cli, environment, peers, reporting, timing
-from logits_inputs import TEMPERATURE, first_rows, policy_logps
-from trl_peers import trl_fused_head_step, trl_loss, trl_triton_kernel
+from harness import cli, environment, peers, reporting
+from logits_inputs import first_rows
 
-BETA = 0.04
-ENTROPY_COEF = 0.01
 # issue 32's table (the H100 figures of ../shared/gpu/H100-2026-11-26.md)
 LOGITS_CASES = (
     "8192x151936:bfloat16,16384x32000:bfloat16,2048x262144:bfloat16,32768x151936:bfloat16,4096x151936:float32"
@@ -91,46 +92,6 @@ QUICK = {"logits": "64x96:float32,64x96:bfloat16", "selective": "64x96:bfloat16"
 # cores, the float64 checks included).
 CPU = {"logits": "512x32000:float32", "selective": "512x32000:float32", "hidden": "512x32000x512:float32"}
 
-Step = Callable[[], Any]
-
-
-def parse_cases(text: str, arity: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """``"8192x151936:bfloat16,..."`` -> ``[((8192, 151936), torch.bfloat16), ...]``; ``"none"`` -> ``[]``."""
-    if text.strip().lower() == "none":
-        return []
-    out = []
-    for item in cli.parse_list(text):
-        size, _, dtype = item.partition(":")
-        out.append((cli.parse_sizes(size, arity)[0], cli.parse_dtype(dtype or "bfloat16")))
-    return out
-
-
-def draw_inputs(rows: int, vocab: int, size: int | None, dtype: torch.dtype, device: torch.device,
-                seed: int) -> dict[str, Any]:  # fmt: skip
-    """The case's inputs drawn on ``device``: as ``logits_inputs.make_inputs`` (same shapes and laws), faster."""
-    length = min(rows, 1024)
-    batch = rows // length
-    gen = torch.Generator(device=device).manual_seed(seed)
-    inputs: dict[str, Any] = {"batch": batch, "length": length}
-    if size is None:
-        logits = torch.empty(batch, length, vocab, device=device, dtype=dtype)
-        inputs["logits"] = logits.normal_(0.0, 2.0, generator=gen)
-    else:
-        inputs["hidden"] = torch.randn(batch, length, size, device=device, generator=gen).to(dtype)
-        inputs["weight"] = (torch.randn(vocab, size, device=device, generator=gen) / size**0.5).to(dtype)
-    inputs["ids"] = torch.randint(0, vocab, (batch, length), device=device, generator=gen)
-    logps = policy_logps(inputs)
-    # Near the policy's own log-probs. The logits path's ratios straddle the clip range (spread 0.2); the hidden
-    # path's stay inside it (spread 0.05): its bf16 logits differ from float64 ones by about 1e-2, enough to move a
-    # token across a clip boundary, where the gradient jumps (a disagreement with the float64 check, not an error).
-    spread = 0.2 if size is None else 0.05
-    inputs["old_logps"] = logps + spread * torch.randn(batch, length, device=device, generator=gen)
-    inputs["ref_logps"] = logps + spread * torch.randn(batch, length, device=device, generator=gen)
-    inputs["advantages"] = torch.randn(batch, device=device, generator=gen)
-    lengths = torch.randint(1, length + 1, (batch, 1), device=device, generator=gen)
-    inputs["mask"] = (torch.arange(length, device=device) < lengths).to(torch.int32)
-    return inputs
-
 
 # The fused pass's layout candidates (csrc/cuda/grpo_loss_from_logits_row.cuh, with_layout_from_env), timed side
 # by side.
@@ -140,7 +101,7 @@ LAYOUTS = {
     # the two-read kernel's 32-register build for bf16/fp16: 8 blocks of 256 threads an SM, twice the loads in flight
     "grpo_ext/two-read full occupancy": {"GRPO_EXT_LOGITS_FULL_OCCUPANCY": "1"},
     # issue 38: the single-read pass, clusters of up to 16 blocks of 256 threads, four blocks (of four rows) per SM
-    "grpo_ext/small-blocks": {"GRPO_EXT_LOGITS_SINGLE_READ": "1"},
+    "grpo_ext/small-blocks": SINGLE_READ,
     # blocks of 128 threads: twice the elements a thread, so half the per-row work per element (NOTES.md, "The logits
     # loops on the ncu counters")
     "grpo_ext/small-blocks 128": {"GRPO_EXT_LOGITS_SINGLE_READ": "1", "GRPO_EXT_LOGITS_THREADS": "128"},
@@ -184,11 +145,6 @@ def logits_steps(inputs: dict[str, Any], device: torch.device, compile_: bool,
     return steps, notes
 
 
-def kwargs64(small: dict[str, Any]) -> dict[str, Any]:
-    """The loss options of :func:`fused_loss.loss_kwargs`, their tensors in float64 (the reference's inputs)."""
-    return {k: v.double() if isinstance(v, Tensor) else v for k, v in fused_loss.loss_kwargs(small, BETA).items()}
-
-
 def logits_truth(small: dict[str, Any], entropy: bool) -> dict[str, Tensor]:
     """Loss and gradient of the float64 reference on ``small``."""
     leaf = small["logits"].detach().double().requires_grad_(True)
@@ -196,68 +152,6 @@ def logits_truth(small: dict[str, Any], entropy: bool) -> dict[str, Tensor]:
     loss = reference.grpo_loss_from_logits(leaf, small["ids"], small["advantages"].double(), small["mask"],
                                            **kwargs64(small), **extra).loss  # fmt: skip
     return {"loss": loss, "grad": torch.autograd.grad(loss, leaf)[0]}
-
-
-def check(case: str, steps: dict[str, Step | None], notes: dict[str, str], small_steps: dict[str, Step | None],
-          truths: Callable[[str], dict[str, Tensor]], dtype: torch.dtype, rows: int) -> None:  # fmt: skip
-    """Runs each peer on the small inputs against the float64 truth; a peer that disagrees becomes n/a.
-
-    A step returns its outputs in the order of ``truths(name)`` (label -> float64 tensor); a ``"loss"`` is compared
-    with an absolute tolerance relative to 1, the others relative to their largest magnitude.
-    """
-    errors = []
-    for name, step in small_steps.items():
-        if step is None or steps.get(name) is None:
-            continue
-
-        def compare(name=name, step=step) -> float:
-            got, want = step(), truths(name)
-            err = 0.0
-            for value, (label, expected) in zip(got, want.items(), strict=True):
-                scale = 1.0 if label == "loss" else None
-                err = max(err, checks.assert_matches(f"{case} {name} {label}", value, expected, dtype, scale))
-            return err
-
-        try:
-            err = checks.check_peer(name, steps, notes, compare, case)
-        except Exception as exc:  # a peer that cannot even run on this machine (e.g. a Triton compile error)
-            steps[name], notes[name], err = None, f"failed: {peers.short_reason(exc)}", None
-        if err is not None:
-            errors.append(f"{name} {err:.1e}")
-    print(f"check {case} on {rows} rows: " + (", ".join(errors) or "no peer agreed"), flush=True)
-
-
-def time_ms(fn: Step, device: torch.device, target_s: float) -> float:
-    """Median ms of one call: ``do_bench`` on CUDA (L2 flushed between calls), the harness' timer on the CPU."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=max(25, int(target_s * 250)), rep=max(100, int(target_s * 1000)),
-                              return_mode="median"))  # fmt: skip
-    return timing.time_call(fn, device, target_s=target_s)["median_ms"]
-
-
-def time_rows(case: str, steps: dict[str, Step | None], notes: dict[str, str], floors: dict[str, str],
-              device: torch.device, target_s: float) -> list[dict[str, Any]]:  # fmt: skip
-    """One row per peer: median ms, peak MiB and ``x floor`` (time over the yardstick named in ``floors``)."""
-    rows, times = [], {}
-    for name, step in steps.items():
-        row: dict[str, Any] = {"case": case, "impl": name, "median_ms": None, "x_floor": None, "peak_mib": None,
-                               "note": notes.get(name)}  # fmt: skip
-        if step is not None:
-            try:
-                step()  # compile, autotune, allocator
-                peak = timing.peak_memory_above(step, device)
-                row["peak_mib"] = peak / 2**20 if peak is not None else None
-                row["median_ms"] = times[name] = time_ms(step, device, target_s)
-            except Exception as exc:  # out of memory, a peer's own failure: the run goes on
-                row["note"] = f"failed: {peers.short_reason(exc)}"
-        rows.append(row)
-    for row in rows:
-        base = times.get(floors.get(row["impl"], ""))
-        if base and row["median_ms"]:
-            row["x_floor"] = row["median_ms"] / base
-    return rows
 
 
 # Issue 38 item 2's other masks (floor_targets.py), each timed with fewer peers: every row kept (the single-read
@@ -293,162 +187,6 @@ def logits_rows(case: str, inputs: dict[str, Any], dtype: torch.dtype, device: t
     logits, out = inputs["logits"], torch.empty_like(inputs["logits"])
     steps = {"copy": lambda: out.copy_(logits)} | steps
     return time_rows(case, steps, notes, {name: "copy" for name in steps}, device, args.target_s)
-
-
-def selective_steps(inputs: dict[str, Any], upstream: Tensor,
-                    device: torch.device) -> tuple[dict[str, Step | None], dict[str, str]]:  # fmt: skip
-    """The selective case's peers on ``inputs``, in the order of their rows.
-
-    ``fwd`` rows (no autograd) return the per-token log-probs and entropies (a loss first for the loss passes);
-    ``bwd`` rows return the gradient w.r.t. the logits of ``logps * upstream`` (only the log-probs' backward).
-    """
-    leaf = inputs["logits"].detach().requires_grad_(True)
-    ids, mask, kwargs = inputs["ids"], inputs["mask"], fused_loss.loss_kwargs(inputs, BETA)
-
-    def forward():
-        with torch.no_grad():
-            return tuple(grpo_ext.selective_log_softmax(leaf, ids, temperature=TEMPERATURE, return_entropy=True))
-
-    def loss_forward():
-        with torch.no_grad():
-            out = grpo_ext.grpo_loss_from_logits(leaf, ids, inputs["advantages"], mask, return_token_logps=True,
-                                                 **kwargs)  # fmt: skip
-        return out.loss, out.token_logps, out.token_entropy
-
-    saved = grpo_ext.selective_log_softmax(leaf, ids, temperature=TEMPERATURE).logps
-
-    def backward():
-        return (torch.autograd.grad(saved, leaf, upstream, retain_graph=True)[0],)
-
-    trl_names = ("trl-triton fwd", "trl-triton+loss fwd", "trl-triton bwd")
-    steps: dict[str, Step | None] = dict.fromkeys(trl_names)
-    notes: dict[str, str] = {}
-    kernel, reason = trl_triton_kernel(device)
-    try:
-        trl_saved = kernel(leaf, ids, temperature=TEMPERATURE)[0] if kernel is not None else None
-    except Exception as exc:  # e.g. a Triton compile error on this machine
-        kernel, reason = None, f"failed: {peers.short_reason(exc)}"
-    if kernel is None:
-        notes.update(dict.fromkeys(trl_names, reason))
-    else:
-
-        def trl_forward():
-            with torch.no_grad():
-                return kernel(leaf, ids, temperature=TEMPERATURE)
-
-        def trl_loss_forward():  # the kernel skips the masked rows, as the fused pass does
-            with torch.no_grad():
-                logps, entropy = kernel(leaf, ids, temperature=TEMPERATURE, row_mask=mask)
-                return trl_loss(logps, entropy, inputs, BETA)[0], logps, entropy
-
-        def trl_backward():
-            return (torch.autograd.grad(trl_saved, leaf, upstream, retain_graph=True)[0],)
-
-        steps.update(zip(trl_names, (trl_forward, trl_loss_forward, trl_backward), strict=True))
-    ordered = {"grpo_ext fwd": forward, "trl-triton fwd": steps["trl-triton fwd"], "grpo_ext loss fwd": loss_forward,
-               "trl-triton+loss fwd": steps["trl-triton+loss fwd"], "grpo_ext bwd": backward,
-               "trl-triton bwd": steps["trl-triton bwd"]}  # fmt: skip
-    return ordered, notes
-
-
-def selective_truths(small: dict[str, Any], upstream: Tensor) -> dict[str, dict[str, Tensor]]:
-    """Each selective peer's float64 truth on ``small`` (``upstream``: the backward's, for these rows)."""
-    x64 = small["logits"].detach().double().requires_grad_(True)
-    truth = reference.selective_log_softmax(x64, small["ids"], temperature=TEMPERATURE, return_entropy=True)
-    grad = {"grad": torch.autograd.grad(truth.logps, x64, upstream.double())[0]}
-    with torch.no_grad():
-        loss = reference.grpo_loss_from_logits(x64, small["ids"], small["advantages"].double(), small["mask"],
-                                               **kwargs64(small)).loss  # fmt: skip
-    logps, entropy, kept = truth.logps.detach(), truth.entropy.detach(), small["mask"]
-    plain = {"logps": logps, "entropy": entropy}
-    masked = {"loss": loss, "logps": logps * kept, "entropy": entropy * kept}  # 0 at the tokens never read
-    return {"grpo_ext fwd": plain, "trl-triton fwd": plain, "grpo_ext loss fwd": masked, "trl-triton+loss fwd": masked,
-            "grpo_ext bwd": grad, "trl-triton bwd": grad}  # fmt: skip
-
-
-def selective_case(rows_n: int, vocab: int, dtype: torch.dtype, device: torch.device, args) -> list[dict[str, Any]]:
-    case = f"selective N={rows_n} V={vocab} {cli.dtype_name(dtype)}"
-    inputs = draw_inputs(rows_n, vocab, None, dtype, device, args.seed)
-    upstream = torch.randn(inputs["ids"].shape, device=device)
-    steps, notes = selective_steps(inputs, upstream, device)
-    small = first_rows(inputs, args.check_rows)
-    small_upstream = upstream[: small["batch"]]
-    small_steps, _ = selective_steps(small, small_upstream, device)
-    truths = selective_truths(small, small_upstream)
-    check(case, steps, notes, small_steps, truths.__getitem__, dtype, small["batch"] * small["length"])
-    logits, out = inputs["logits"], torch.empty_like(inputs["logits"])
-    steps = {"copy": lambda: out.copy_(logits)} | steps
-    floors = {name: "copy" for name in steps if name == "copy" or name.endswith(" bwd")}
-    rows = time_rows(case, steps, notes, floors, device, args.target_s)
-    copy_ms = rows[0]["median_ms"]
-    read = {"case": case, "impl": "read", "median_ms": copy_ms / 2 if copy_ms else None, "x_floor": None,
-            "peak_mib": None, "note": "half a copy"}  # fmt: skip
-    for row in rows:
-        if row["impl"].endswith(" fwd") and row["median_ms"] and read["median_ms"]:
-            row["x_floor"] = row["median_ms"] / read["median_ms"]
-    return [rows[0], read, *rows[1:]]
-
-
-def hidden_case(rows_n: int, vocab: int, size: int, dtype: torch.dtype, device: torch.device,
-                args) -> list[dict[str, Any]]:  # fmt: skip
-    case = f"hidden N={rows_n} V={vocab} H={size} {cli.dtype_name(dtype)}"
-    inputs = draw_inputs(rows_n, vocab, size, dtype, device, args.seed)
-    hidden = inputs["hidden"].detach().requires_grad_(True)
-    weight = inputs["weight"].detach().requires_grad_(True)
-    kept = torch.ones_like(inputs["mask"])
-    half = kept.clone()
-    half[:, inputs["length"] // 2 :] = 0
-
-    def fused(h=hidden, w=weight, ins=inputs, mask=None, **extra):
-        def step():
-            kept = ins["mask"] if mask is None else mask
-            loss = grpo_ext.grpo_loss_from_hidden(h, w, ins["ids"], ins["advantages"], kept,
-                                                  **fused_loss.loss_kwargs(ins, BETA), **extra).loss  # fmt: skip
-            return (loss, *torch.autograd.grad(loss, (h, w)))
-
-        return step
-
-    flat_h = inputs["hidden"].reshape(-1, size)
-    g = torch.randn(rows_n, vocab, device=device).to(dtype)
-
-    def gemm():
-        return flat_h @ inputs["weight"].t(), g @ inputs["weight"], g.t() @ flat_h
-
-    notes: dict[str, str] = {}
-    trl_step, reason = trl_fused_head_step(hidden, inputs["weight"], inputs, BETA)
-    if reason:
-        notes["trl-chunked"] = reason
-    default_rows = default_chunk_size(flat_h, weight)  # the leaf the op differentiates
-    sweep_rows = [r for r in dict.fromkeys((rows_n // 4, rows_n // 2, rows_n)) if r > 0 and r != default_rows]
-    chunk_sweep = {f"grpo_ext/all-kept chunk={r}": fused(mask=kept, chunk_size=r) for r in sweep_rows}
-    if device.type == "cuda":  # the head's floor at small H: one chunk and the single-read pass (NOTES.md, H 896)
-        chunk_sweep[f"grpo_ext/all-kept chunk={rows_n} small-blocks"] = peers.with_env(
-            LAYOUTS["grpo_ext/small-blocks"], fused(mask=kept, chunk_size=rows_n))
-    steps: dict[str, Step | None] = {
-        "gemm": gemm, "grpo_ext": fused(), "trl-chunked": trl_step,
-        f"grpo_ext/all-kept (chunk={default_rows})": fused(mask=kept), **chunk_sweep,
-        "grpo_ext/half-masked": fused(mask=half),
-    }  # fmt: skip
-    small = first_rows(inputs, args.check_rows)
-    sh = small["hidden"].detach().requires_grad_(True)
-    h64, w64 = sh.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
-    truth = reference.grpo_loss_from_hidden(h64, w64, small["ids"], small["advantages"].double(), small["mask"],
-                                            **kwargs64(small)).loss  # fmt: skip
-    grad_hidden, grad_weight = torch.autograd.grad(truth, (h64, w64))
-    truth_all = {"loss": truth, "grad hidden": grad_hidden, "grad weight": grad_weight}
-    small_steps = {"grpo_ext": fused(sh, weight, small)}
-    truths = {"grpo_ext": truth_all}
-    if trl_step is not None:
-        small_steps["trl-chunked"], _ = trl_fused_head_step(sh, inputs["weight"], small, BETA)
-        with torch.no_grad():
-            entropy = reference.selective_log_softmax(h64 @ w64.t(), small["ids"], temperature=TEMPERATURE,
-                                                      return_entropy=True).entropy  # fmt: skip
-        truths["trl-chunked"] = truth_all | {"entropy": entropy * small["mask"]}  # 0 where masked, as TRL's
-    check(case, steps, notes, small_steps, truths.__getitem__, dtype, small["batch"] * small["length"])
-    for name in (f"grpo_ext/all-kept (chunk={default_rows})", *chunk_sweep, "grpo_ext/half-masked"):
-        if steps["grpo_ext"] is None:
-            steps[name], notes[name] = None, notes["grpo_ext"]
-    return time_rows(case, steps, notes, {name: "gemm" for name in steps}, device, args.target_s)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

@@ -22,6 +22,7 @@ import argparse
 import torch
 
 import bench_floor
+import floor_common
 
 DEFAULT = "default (two-read, 256 threads bf16, 512 float32)"
 
@@ -36,7 +37,7 @@ def main() -> None:
                         help="comma-separated layouts to run (default: all): 'default' and bench_floor.LAYOUTS' names")
     args = parser.parse_args()
     device = torch.device(args.device)
-    inputs = bench_floor.draw_inputs(args.rows, args.vocab, None, getattr(torch, args.dtype), device, seed=0)
+    inputs = floor_common.draw_inputs(args.rows, args.vocab, None, getattr(torch, args.dtype), device, seed=0)
     peers, _ = bench_floor.logits_steps(inputs, device, compile_=False)  # the layouts' steps as bench_floor times them
     steps = {DEFAULT: peers["grpo_ext"]}
     steps.update({name: peers[name] for name in bench_floor.LAYOUTS if name in peers})  # CUDA only
