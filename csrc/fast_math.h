@@ -12,7 +12,7 @@ namespace grpo_ext {
 
 // exp and expm1 as the kernels use them. On the device and in double precision: the library functions. In host
 // float code: branch-free versions the compiler can vectorize (Cody-Waite reduction and a degree-7 polynomial,
-// within 2 ulp over the range), because glibc's scalar calls would stop the token loop from vectorizing.
+// within 2 ulp, host_expf_rows below), because glibc's scalar calls would stop the token loop from vectorizing.
 #if !defined(__CUDA_ARCH__)
 // exp(r) for |r| <= ln2 / 2 by its Taylor polynomial of degree 7 (truncation below 1e-8 relative), in Horner form
 // with no FMA, so that every copy of a loop rounds alike.
@@ -25,18 +25,6 @@ inline float expf_taylor7(float r) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   return p * r + 1.0f;
-}
-
-inline float host_expf(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding and removing it rounds to the nearest integer
-  const float n = (x * 1.44269504088896341f + shifter) - shifter;
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  const float p = expf_taylor7(r);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // x = k ln2 + r, k = round(x / ln2) (as an integer), ln2 in two parts (the first of few bits, so that k times it is
@@ -58,8 +46,9 @@ inline ExpReduction exp_reduction(float x) {
 // float, within 2 ulp of the correctly rounded exp (tests/test_cpu_exp.py) and branch-free, so that the row loops
 // vectorize: x reduced to k ln2 + r (exp_reduction); exp(r) by its Taylor polynomial of degree 7 (truncation below
 // 1e-8 relative); the result scaled by 2^k through exponent bits, in two halves 2^(k/2) * 2^(k - k/2), so that a
-// subnormal result (x below -87.34) is rounded once, as IEEE gradual underflow does. Unlike host_expf, which clamps x
-// to [-87, 88]: 0 below -103.97 and at -inf, inf above 88.72, NaN for NaN. No FMA (none is enabled, and the AVX-512
+// subnormal result (x below -87.34) is rounded once, as IEEE gradual underflow does: 0 below -103.97 and at -inf,
+// inf above 88.72, NaN for NaN, as exp in float (the token loops' exp too: a clamp to [-87, 88] there once made a
+// ratio of e^100 1.65e38, not inf, and e^88.5 wrong by 40%). No FMA (none is enabled, and the AVX-512
 // copies are compiled without contraction), so that every copy of a loop gives the same bits.
 inline float host_expf_rows(float x) {
   x = x < -104.0f ? -104.0f : x;  // exp(-104) < 2^-150 rounds to 0; NaN passes both clamps (comparisons are false)
@@ -126,14 +115,14 @@ inline float math_exp_nonpositive<float>(float d) {
 }
 template <>
 inline float math_exp<float>(float x) {
-  return host_expf(x);
+  return host_expf_rows(x);
 }
 template <>
 inline float math_expm1<float>(float r) {
   // Where exp(r) - 1 would cancel, the series r + r^2/2! + ... + r^7/7! (truncation below 2e-11 relative).
   const float series =
       r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720 + r * (1.f / 5040)))))));
-  const float direct = host_expf(r) - 1.f;
+  const float direct = host_expf_rows(r) - 1.f;
   return ((r > -0.125f) & (r < 0.125f)) ? series : direct;
 }
 #endif

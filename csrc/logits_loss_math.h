@@ -39,12 +39,20 @@ GRPO_HD EntropyMeans entropy_means(const double (&sums)[4], bool weighted) {
   return {mean, weighted ? sums[2] / (sums[3] > 1.0 ? sums[3] : 1.0) : mean};
 }
 
+// m * w of token (b, t) in the bonus' mean: its kept mask value m times its entropy weight w (m when absent), and 0
+// where the token is masked, whatever w holds there (docs/math.md: masked positions are inert, a NaN weight included).
+template <typename T>
+GRPO_HD T entropy_weight_at(T m, const StridedMatrix& w, int64_t b, int64_t t) {
+  if (!w.present()) return m;
+  return m != T(0) ? m * w.load<T>(b, t) : T(0);
+}
+
 // The four sums of entropy_means at token (b, t): m its kept mask, h its entropy, w its entropy weight (absent: none).
 GRPO_HD void add_entropy_sums(double (&sums)[4], double m, double h, const StridedMatrix& w, int64_t b, int64_t t) {
   sums[0] += m * h;
   sums[1] += m;
   if (w.present()) {
-    const double mw = m * w.load<double>(b, t);
+    const double mw = entropy_weight_at(m, w, b, t);
     sums[2] += mw * h;
     sums[3] += mw;
   }

@@ -110,6 +110,30 @@ def test_entropy_weights_match_reference(device, loss_type, level):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stored", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_entropy_weights_at_masked_tokens_are_never_read(device, stored):
+    """NaN or inf in ``entropy_weights`` where the token is masked changes nothing (docs/math.md: masked positions
+    are inert): the same loss, mean entropy and gradient as weights of 1 there, from the kernels (float32, float64)
+    and the reference (an outside audit, 2026-11-28: the loss was NaN)."""
+    logits, ids, adv, mask, old, ref = make_problem(seed=33)
+    weights = high_entropy_weights(logits, mask)  # 1 at every masked token
+    poisoned = weights.masked_fill(~mask, stored)
+    kwargs = problem_kwargs("dapo", "token", old, ref)
+    expected, expected_grad = run_logits(reference, logits, ids, adv, mask, entropy_coef=COEF,
+                                         entropy_weights=weights, **kwargs)  # fmt: skip
+    got, grad = run_logits(reference, logits, ids, adv, mask, entropy_coef=COEF, entropy_weights=poisoned, **kwargs)
+    assert_close(got.loss, expected.loss, rtol=0, atol=0)
+    assert_close(grad, expected_grad, rtol=0, atol=0)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        got, grad = run_logits(grpo_ext, logits.to(device, dtype), ids.to(device), adv.to(device, dtype),
+                               mask.to(device), entropy_coef=COEF, entropy_weights=poisoned.to(device, dtype),
+                               **cast_kwargs(device, dtype, kwargs))  # fmt: skip
+        assert_close(got.loss, expected.loss, rtol=tol, atol=tol, msg=f"loss {dtype}")
+        assert_close(got.metrics["entropy"], expected.metrics["entropy"], rtol=tol, atol=tol, msg=f"entropy {dtype}")
+        assert_close(grad, expected_grad, rtol=tol, atol=tol, msg=f"grad {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_entropy_weights_through_the_hidden_state_loss(device):
     _, ids, adv, mask, old, ref = make_problem(vocab=29, seed=31)
     g = torch.Generator().manual_seed(32)

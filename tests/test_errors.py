@@ -33,7 +33,7 @@ LOSS_CASES = [
     (dict(loss_scale=float("inf")), "loss_scale must be a finite number"),
     (dict(loss_type="dapo", num_items_in_batch="meta"), "num_items_in_batch is on device meta"),
     (dict(loss_scale="meta"), "loss_scale is on device meta"),
-    (dict(sample_mask="nan_float_rows"), "sample_mask holds NaN"),
+    (dict(sample_mask="nan_float_rows"), "sample_mask holds nan"),
     (dict(kl_clamp=0.0, beta=0.1, ref_logps="ref"), "kl_clamp"),
     (dict(max_completion_length=0), "max_completion_length"),
     (dict(num_items_in_batch=0), "num_items_in_batch"),
@@ -94,10 +94,11 @@ def test_loss_tensor_errors(impl, batch):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["kernel", "reference"])
-def test_nan_in_a_float_mask_is_rejected(impl, batch):
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_value_in_a_float_mask_is_rejected(impl, batch, value):
     mask = batch.mask.float()
-    mask[2, 1] = float("nan")
-    with pytest.raises(ValueError, match="completion_mask holds NaN"):
+    mask[2, 1] = value
+    with pytest.raises(ValueError, match=f"completion_mask holds {value}; a mask's values must be finite"):
         impl.grpo_loss(batch.logps, batch.advantages, mask)
 
 
@@ -159,6 +160,9 @@ ADVANTAGE_CASES = [
     (dict(eps=0.0), "eps"),
     (dict(reward_weights=torch.ones(2, device="meta")), "reward_weights is on device meta"),
     (dict(reward_weights=[1.0, float("nan")]), "reward_weights must be finite"),
+    # a CPU tensor's values are read as a list's are (an outside audit, 2026-11-28: every advantage came out 0)
+    (dict(reward_weights=torch.tensor([1.0, float("inf")])), "reward_weights must be finite"),
+    (dict(reward_weights=torch.tensor([float("nan"), 1.0])), "reward_weights must be finite"),
 ]
 
 
@@ -185,15 +189,16 @@ def test_advantage_tensor_errors(impl):
 
 @pytest.mark.parametrize("op", ["grpo_loss_forward", "grpo_loss_from_logits", "grpo_loss_from_logits_"])
 @pytest.mark.parametrize("which", ["completion_mask", "sample_mask"])
-def test_native_ops_refuse_a_nan_mask(op, which):
-    """The raw CPU ops refuse a NaN mask value as the Python functions do (issue 40: grpo_loss_from_logits returned
-    NaN), with the same message."""
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_native_ops_refuse_a_non_finite_mask(op, which, value):
+    """The raw CPU ops refuse a NaN or inf mask value as the Python functions do (issue 40: grpo_loss_from_logits
+    returned NaN; an outside audit, 2026-11-28: +inf gave NaN), with the same message."""
     from grpo_ext.validation.options import LogitOptions
 
     mask, sample_mask = torch.ones(2, 3), torch.ones(2)
-    (mask[1, 2] if which == "completion_mask" else sample_mask[1]).fill_(float("nan"))
+    (mask[1, 2] if which == "completion_mask" else sample_mask[1]).fill_(value)
     option_args = LossOptions(epsilon_high=0.2, max_completion_length=3, sample_mask=sample_mask).op_args()
-    with pytest.raises(RuntimeError, match=f"{which} holds NaN; a mask's values must be 0 or 1"):
+    with pytest.raises(RuntimeError, match=f"{which} holds -?{value}; a mask's values must be finite"):
         if op == "grpo_loss_forward":
             torch.ops.grpo_ext.grpo_loss_forward(torch.rand(2, 3), torch.rand(2), mask, *option_args, False)
         else:
@@ -212,3 +217,87 @@ def test_native_ops_check_their_inputs():
     with pytest.raises(RuntimeError, match="completion_mask must have shape"):
         options = LossOptions(epsilon_high=0.2, max_completion_length=3).op_args()
         torch.ops.grpo_ext.grpo_loss_forward(torch.rand(2, 3), torch.rand(2), torch.ones(2, 4), *options, False)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["kernel", "reference"])
+def test_token_rows_in_another_layout_are_refused(impl):
+    """Ids, hidden states or reference hidden states in a [T, B] layout have the right number of rows in the wrong
+    order; each is refused, naming it (an outside audit, 2026-11-28: both scored the wrong tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    logits, hidden, weight = torch.randn(2, 3, 6, generator=gen), torch.randn(2, 3, 4, generator=gen), torch.randn(6, 4)
+    ids, adv, mask = torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"completion_ids must have shape \[B, T\]=\(2, 3\)"):
+        impl.grpo_loss_from_logits(logits, ids.t().contiguous(), adv, mask)
+    with pytest.raises(ValueError, match=r"hidden must have shape \[B, T, H\] with \[B, T\]=\(2, 3\)"):
+        impl.grpo_loss_from_hidden(hidden.transpose(0, 1).contiguous(), weight, ids, adv, mask)
+    with pytest.raises(ValueError, match=r"logits must have shape \[B, T, V\] with \[B, T\]=\(2, 3\)"):
+        impl.grpo_loss_from_logits(logits.transpose(0, 1).contiguous(), ids, adv, mask)
+    # the flat layouts stay accepted: [N] ids, [N, H] hidden states
+    impl.grpo_loss_from_logits(logits, ids.reshape(-1), adv, mask)
+    impl.grpo_loss_from_hidden(hidden.reshape(6, 4), weight, ids, adv, mask)
+    if impl is grpo_ext:  # the reference head of the fused path
+        from grpo_ext.ops.grpo_loss_from_hidden import hidden_loss
+
+        with pytest.raises(ValueError, match=r"ref_input must have shape \[B, T, H\]"):
+            hidden_loss(hidden, weight, ids, adv, mask, beta=0.1,
+                        ref_head=(hidden.transpose(0, 1).contiguous(), weight, None))  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["kernel", "reference"])
+def test_flags_given_as_strings_are_refused(impl):
+    """A flag read from YAML or a command line as the string "false" is true in Python; each is refused, never
+    taken as True (an outside audit, 2026-11-28: inplace_grad="false" overwrote the caller's logits)."""
+    logits, ids = torch.randn(2, 4), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="return_entropy must be a bool"):
+        impl.selective_log_softmax(logits, ids, return_entropy="false")
+    if impl is grpo_ext:
+        x = torch.randn(1, 2, 4, requires_grad=True)
+        produced = x * 1.0
+        before = produced.detach().clone()
+        with pytest.raises(ValueError, match="inplace_grad must be a bool"):
+            grpo_ext.grpo_loss_from_logits(produced, torch.tensor([[1, 2]]), torch.tensor([1.0]), torch.ones(1, 2),
+                                           inplace_grad="false")  # fmt: skip
+        assert torch.equal(produced.detach(), before)
+
+
+def test_fused_linear_module_checks_its_settings():
+    """FusedLinearGRPOLoss checks beta and its flags when built (without a reference, forward never reads beta),
+    and its reference log-probs' type and reference bias' device when called."""
+    from grpo_ext.nn import FusedLinearGRPOLoss
+
+    for kwargs, match in ((dict(beta=float("nan")), "beta must be a finite number"), (dict(beta=-1.0), "beta"),
+                          (dict(use_ref_model="false"), "use_ref_model must be a bool"),
+                          (dict(compiled="yes"), "compiled must be a bool")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            FusedLinearGRPOLoss(**kwargs)
+    h, weight = torch.randn(1, 2, 4), torch.randn(5, 4)
+    ids, mask, adv = torch.tensor([[0, 1]]), torch.ones(1, 2), torch.tensor([1.0])
+    with pytest.raises(ValueError, match="ref_per_token_logps must be a \\[B, T\\] tensor or None, got list"):
+        FusedLinearGRPOLoss()(h, weight, ids, mask, adv, ref_per_token_logps=[[-1.0, -1.0]])
+    with pytest.raises(ValueError, match="ref_bias must be a \\[V\\]=\\(5,\\) tensor of ref_input's dtype on cpu"):
+        FusedLinearGRPOLoss()(h, weight, ids, mask, adv, ref_input=h, ref_weight=weight,
+                              ref_bias=torch.zeros(5, device="meta"))  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["kernel", "reference"])
+@pytest.mark.parametrize(("options", "factor"), [
+    (dict(temperature=1e-39), "logit_scale / temperature"),
+    (dict(logit_scale=1e39), "logit_scale / temperature"),
+    (dict(temperature=1e30, logit_scale=1e-10), "logit_scale / temperature"),
+    (dict(logit_softcap=1e-39), "logit_scale / logit_softcap"),
+    (dict(logit_softcap=1e30, temperature=1e-10), "logit_softcap / temperature"),
+])  # fmt: skip
+def test_logit_factors_outside_float32_are_refused(impl, options, factor):
+    """Options each valid alone whose factor in the kernels (float32) would be inf or 0 are refused, naming the factor
+    (an outside audit, 2026-11-28: temperature=1e-39 gave NaN log-probs and loss from finite logits)."""
+    logits, ids = torch.randn(1, 2, 5), torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match=f"{factor} must be a normal float32 number"):
+        impl.selective_log_softmax(logits, ids, **options)
+    with pytest.raises(ValueError, match=f"{factor} must be a normal float32 number"):
+        impl.grpo_loss_from_logits(logits, ids, torch.tensor([1.0]), torch.ones(1, 2), **options)
+    if impl is grpo_ext:  # the raw op checks the same
+        from grpo_ext.validation.options import LogitOptions
+
+        raw = LogitOptions(**{"temperature": 1.0, "logit_scale": 1.0} | options).op_args()
+        with pytest.raises(RuntimeError, match=f"{factor} must be a normal float32 number"):
+            torch.ops.grpo_ext.selective_log_softmax_forward(logits.reshape(2, 5), ids.reshape(2), *raw, False)

@@ -290,6 +290,27 @@ def test_float32_clip_bound_is_one_minus_epsilon_rounded_once():
     assert outs[0].metrics["clip_ratio/low_mean"].item() == 0.0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("log_ratio", [80.0, 88.5, 100.0])
+@pytest.mark.parametrize("advantage", [-1.0, 1.0])
+def test_float32_ratio_near_and_beyond_overflow_matches_reference(device, log_ratio, advantage):
+    """A float32 ratio e^d near float32's largest value (e^88.72) is e^d rounded, and beyond it inf, as the
+    reference's torch.exp gives it: loss, gradient (a clipped token's 0 * inf is NaN in both) and the k3 KL. The CPU
+    token loop's exp once clamped d to 88 (an outside audit, 2026-11-28: e^88.5 came out 1.65e38, not 2.72e38, and
+    e^100 finite). One token, so that no float32 sum in the reference overflows first (the kernels sum in float64)."""
+    logps, adv, mask = torch.full((1, 1), -1.0), torch.full((1,), advantage), torch.ones(1, 1)
+    kwargs = dict(old_logps=logps - log_ratio, ref_logps=logps + log_ratio, beta=0.5, loss_type="bnpo")
+    results = []
+    for impl, on in ((grpo_ext, device), (reference, "cpu")):
+        leaf = logps.to(on).requires_grad_(True)
+        out = impl.grpo_loss(leaf, adv.to(on), mask.to(on), **cast_kwargs(on, torch.float32, kwargs))
+        out.loss.backward()
+        results.append((out.loss, out.metrics["kl"], leaf.grad))
+    for got, want, name in zip(results[0], results[1], ("loss", "kl", "grad"), strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=0, equal_nan=True, msg=name)
+    assert torch.isinf(results[0][1]).item() == (log_ratio > 88.72)  # the KL's e^d: finite below, inf above
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
 @pytest.mark.parametrize("level", LEVELS)

@@ -159,8 +159,10 @@ def test_errors():
         grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask, logit_softcap=-1.0)
     with pytest.raises(ValueError, match="completion_ids must have shape"):
         grpo_ext.grpo_loss_from_hidden(hidden, weight, ids[:, :2], adv, mask)
-    with pytest.raises(ValueError, match="token rows"):
+    with pytest.raises(ValueError, match=r"hidden must have shape \[B, T, H\] with \[B, T\]=\(4, 5\)"):
         grpo_ext.grpo_loss_from_hidden(hidden[:, :4], weight, ids, adv, mask)
+    with pytest.raises(ValueError, match="token rows"):  # [N, H] rows: only their number can be checked
+        grpo_ext.grpo_loss_from_hidden(hidden.reshape(-1, hidden.shape[-1])[:-1], weight, ids, adv, mask)
 
 
 def test_reference_never_reads_masked_rows():

@@ -97,8 +97,10 @@ def test_bad_arguments_are_named():
         module(hidden, weight, ids, mask, adv, bias, None, old, ref_hidden)
     with pytest.raises(ValueError, match="ref_weight must have shape"):
         module(hidden, weight, ids, mask, adv, bias, None, old, ref_hidden, ref_weight[:5])
-    with pytest.raises(ValueError, match="ref_input must hold"):
+    with pytest.raises(ValueError, match=r"ref_input must have shape \[B, T, H\] with \[B, T\]=\(4, 5\)"):
         module(hidden, weight, ids, mask, adv, bias, None, old, ref_hidden[:2], ref_weight)
+    with pytest.raises(ValueError, match="ref_input must hold"):  # [N, H'] rows: only their number is checked
+        module(hidden, weight, ids, mask, adv, bias, None, old, ref_hidden.flatten(0, 1)[:-1], ref_weight)
     with pytest.raises(ValueError, match="_input must be"):
         module(hidden.flatten(0, 1), weight, ids, mask, adv, bias)
     with pytest.raises(TypeError, match="unexpected keyword"):

@@ -11,6 +11,7 @@ import torch
 
 import grpo_ext
 from conftest import DEVICES, HAS_CUDA, assert_close, make_loss_batch
+from grpo_ext import reference
 from grpo_ext.ops import OP_NAMES
 from grpo_ext.validation.options import LossOptions
 
@@ -82,14 +83,18 @@ def test_gradcheck_float64(device, loss_type, level):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_fullgraph(device):
+@pytest.mark.parametrize("mask_dtype", [None, torch.float32], ids=["batch_mask", "float_mask"])
+def test_torch_compile_fullgraph(device, mask_dtype):
+    """The ops under fullgraph compile, with the batch's mask and with a float mask of weights (math.md "Masks"),
+    whose CPU values the Python check does not read under compile (the native op checks them when it runs)."""
     torch._dynamo.reset()
     batch = make_loss_batch(seed=2, batch=8, seq_len=16).to(device, torch.float32)
     rewards = torch.rand(8, device=device)
+    mask = batch.mask if mask_dtype is None else batch.mask.to(mask_dtype) * 0.75
 
     def step(logps, rewards):
         adv = grpo_ext.group_advantages(rewards, 4).advantages
-        out = grpo_ext.grpo_loss(logps, adv, batch.mask, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
+        out = grpo_ext.grpo_loss(logps, adv, mask, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
                                  beta=0.04, loss_type="dapo")  # fmt: skip
         return out.loss, out.metrics["kl"]
 
@@ -103,6 +108,59 @@ def test_torch_compile_fullgraph(device):
     assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
     assert_close(kl_c, kl_e, rtol=1e-6, atol=1e-7)
     assert_close(l_comp.grad, l_eager.grad, rtol=1e-6, atol=1e-9)
+    if device == "cpu" and mask_dtype is not None:  # an inf mask value is still refused, by the op itself
+        mask[0, 0] = float("inf")
+        with pytest.raises(RuntimeError, match="completion_mask holds inf"):
+            compiled(batch.logps.clone().requires_grad_(True), rewards)
+
+
+@pytest.mark.parametrize("impl", [grpo_ext, reference], ids=["kernel", "reference"])
+def test_a_loss_input_that_is_not_differentiated_gives_no_gradient_to_ask_for(impl):
+    """advantages, old_logps and ref_logps are not differentiated: when they require grad and the scored input
+    (logps, logits, hidden states) does not, the loss needs no gradient (an outside audit, 2026-11-28: it required
+    one, and backward raised "the forward ran without computing the gradient")."""
+    gen = torch.Generator().manual_seed(3)
+    adv = torch.tensor([1.0, -1.0]).requires_grad_(True)
+    old = (-torch.rand(2, 3, generator=gen)).requires_grad_(True)
+    ids, mask = torch.randint(0, 5, (2, 3), generator=gen), torch.ones(2, 3)
+    losses = {
+        "grpo_loss": impl.grpo_loss(-torch.rand(2, 3, generator=gen), adv, mask, old_logps=old),
+        "logits": impl.grpo_loss_from_logits(torch.randn(2, 3, 5, generator=gen), ids, adv, mask, old_logps=old),
+        "hidden": impl.grpo_loss_from_hidden(torch.randn(2, 3, 4, generator=gen), torch.randn(5, 4, generator=gen),
+                                             ids, adv, mask, old_logps=old),
+    }  # fmt: skip
+    assert {name: out.loss.requires_grad for name, out in losses.items()} == dict.fromkeys(losses, False)
+    if impl is grpo_ext:  # traced, the op's registration gives the others no gradient instead of raising
+        torch._dynamo.reset()
+        logps = -torch.rand(2, 3, generator=gen)
+        compiled = torch.compile(lambda a: grpo_ext.grpo_loss(logps, a, mask).loss, fullgraph=True, backend="aot_eager")
+        loss = compiled(adv)
+        if loss.requires_grad:
+            loss.backward()
+        assert adv.grad is None
+
+
+def test_meta_inputs_give_the_output_shapes():
+    """Every op on meta tensors (shapes, no values: model tracing) returns outputs of the right shapes, with the
+    options a caller passes as tensors or lists (an outside audit, 2026-11-28: a meta loss_scale, list reward
+    weights and meta hidden states each raised torch's "cannot copy out of meta tensor")."""
+    meta = dict(device="meta")
+    logps, adv, mask = torch.empty(2, 3, **meta), torch.empty(2, **meta), torch.empty(2, 3, **meta)
+    for loss_scale in (torch.tensor(2.0), torch.tensor(2.0, **meta)):
+        out = grpo_ext.grpo_loss(logps, adv, mask, loss_scale=loss_scale)
+        assert out.loss.device.type == "meta" and out.loss.shape == ()
+    rewards = torch.empty(8, 3, **meta)
+    out = grpo_ext.group_advantages(rewards, 4, reward_weights=[1.0, 2.0, 3.0])
+    assert out.advantages.shape == (8,) and out.group_mean.shape == (2,)
+    hidden = torch.empty(2, 3, 4, **meta, requires_grad=True)
+    weight = torch.empty(6, 4, **meta, requires_grad=True)
+    ids = torch.empty(2, 3, dtype=torch.int64, **meta)
+    out = grpo_ext.grpo_loss_from_hidden(hidden, weight, ids, adv, mask)
+    out.loss.backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+    with pytest.raises(ValueError, match="hidden must have a hidden size H >= 1"):
+        grpo_ext.grpo_loss_from_hidden(torch.randn(2, 3, 0), torch.randn(6, 0), torch.zeros(2, 3, dtype=torch.int64),
+                                       torch.ones(2), torch.ones(2, 3))  # fmt: skip
 
 
 def test_build_info():

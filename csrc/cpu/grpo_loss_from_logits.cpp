@@ -34,7 +34,7 @@ PassWeights<T> pass_weights(const LogitsPassPlan& plan, bool policy_rows) {
     for (int64_t t = 0; t < in.seq_len; ++t) {
       const double m = in.mask_at<double>(b, t);
       c += m;
-      entropy_total += w.present() ? m * w.load<double>(b, t) : m;
+      entropy_total += entropy_weight_at(m, w, b, t);
     }
     counts[b] = c;
     total += c;
@@ -132,7 +132,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
       }
       // d/dz_v of g * logp = g * (onehot - p_v), times dz/dx; the chosen entry as -expm1(logp), exact where p -> 1.
       // The entropy bonus adds e * p_v * (z_v - E_p[z]) (an entry with p_v = 0 adds exactly 0, even at z = -inf).
-      const T e = weights.entropy * m * (plan.entropy_weights.present() ? plan.entropy_weights.load<T>(b, t) : T(1));
+      const T e = weights.entropy * entropy_weight_at(m, plan.entropy_weights, b, t);
       const T inv_sum = T(1.0 / s.sum), mean_z = T(s.mean_z);
       const T* p_exps = exps.data();
       if (e == T(0)) {

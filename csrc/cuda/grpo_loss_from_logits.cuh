@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(1024)
     for (int64_t t = lane; t < in.seq_len; t += 32) {
       const T m = in.mask_at<T>(b, t);
       count += m;
-      if (entropy_weights.present()) weighted += double(m * entropy_weights.load<T>(b, t));
+      if (entropy_weights.present()) weighted += double(entropy_weight_at(m, entropy_weights, b, t));
     }
     count = warp_sum(count);
     if (lane == 0) row_weight[b] = count;

@@ -103,8 +103,7 @@ __device__ __forceinline__ void finish_row(const LogitsPassArgs& a, const LogitT
   sh.row_g = g;
   T entropy_weight = T(0);
   if (with_grad && a.entropy_bonus) {
-    entropy_weight = row_weight[in.batch] * row.m;
-    if (a.entropy_weights.present()) entropy_weight *= a.entropy_weights.load<T>(row.b, row.t);
+    entropy_weight = row_weight[in.batch] * entropy_weight_at(row.m, a.entropy_weights, row.b, row.t);
   }
   const T mean_shift = s.weighted / s.sum;
   sh.row_entropy_weight = entropy_weight;

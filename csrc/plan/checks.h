@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -85,6 +86,16 @@ inline LogitOptions check_logit_options(double temperature, double logit_scale, 
   GRPO_CHECK(std::isfinite(logit_scale) && logit_scale > 0, "logit_scale must be finite and > 0, got ", logit_scale);
   GRPO_CHECK(std::isfinite(logit_softcap) && logit_softcap >= 0,
              "logit_softcap must be finite and > 0 (0 for no cap), got ", logit_softcap);
+  // The kernels' factors (make_logit_transform), in float32: inf or 0 there would make every log-prob NaN.
+  const auto check_factor = [](double value, const char* what) {
+    GRPO_CHECK(value >= std::numeric_limits<float>::min() && value <= std::numeric_limits<float>::max(), what,
+               " must be a normal float32 number (1.2e-38 to 3.4e38), got ", value);
+  };
+  check_factor(logit_scale / temperature, "logit_scale / temperature");
+  if (logit_softcap > 0) {
+    check_factor(logit_scale / logit_softcap, "logit_scale / logit_softcap");
+    check_factor(logit_softcap / temperature, "logit_softcap / temperature");
+  }
   return {temperature, logit_scale, logit_softcap};
 }
 

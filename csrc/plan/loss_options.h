@@ -93,15 +93,15 @@ struct LossForwardPlan {
   LossForwardResult result() const { return {loss, metrics, grad_raw, grad_scale}; }
 };
 
-// A NaN mask value is a caller's mistake (docs/math.md, "Masks"), refused as the Python functions refuse it; only a
-// host tensor is read (reading a CUDA one would sync the host: there the loss is NaN instead).
-inline void check_mask_not_nan(const Tensor& mask, const StridedMatrix& view, int64_t rows, int64_t cols,
-                               const char* name) {
+// A NaN or +-inf mask value is a caller's mistake (docs/math.md, "Masks"), refused as the Python functions refuse it;
+// only a host tensor is read (reading a CUDA one would sync the host: there the loss is NaN instead).
+inline void check_mask_finite(const Tensor& mask, const StridedMatrix& view, int64_t rows, int64_t cols,
+                              const char* name) {
   if (!mask.is_cpu() || !is_float_type(mask.scalar_type())) return;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const double v = view.load<double>(r, c);
-      GRPO_CHECK(v == v, name, " holds NaN; a mask's values must be 0 or 1");
+      GRPO_CHECK(std::isfinite(v), name, " holds ", v, "; a mask's values must be finite (0 or 1, or weights)");
     }
   }
 }
@@ -128,7 +128,7 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const Te
              "completion_mask must be bool, integer or floating-point, got ", completion_mask.scalar_type());
   check_same_device(completion_mask, like, "completion_mask", like_name);
   in.mask = matrix_view(completion_mask, batch, seq_len, "completion_mask", false);
-  check_mask_not_nan(completion_mask, in.mask, batch, seq_len, "completion_mask");
+  check_mask_finite(completion_mask, in.mask, batch, seq_len, "completion_mask");
 
   if (o.old_logps.has_value()) {
     check_float(*o.old_logps, "old_logps");
@@ -155,7 +155,7 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const Te
     check_same_device(s, like, "sample_mask", like_name);
     GRPO_CHECK(s.dim() == 1 && s.size(0) == batch, "sample_mask must have shape [", batch, "], got ", shape(s));
     in.sample_mask = matrix_view(s, batch, 1, "sample_mask", true);
-    check_mask_not_nan(s, in.sample_mask, batch, 1, "sample_mask");
+    check_mask_finite(s, in.sample_mask, batch, 1, "sample_mask");
   }
 
   LossParams& p = plan.params;

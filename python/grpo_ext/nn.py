@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .ops.grpo_loss_from_hidden import hidden_loss
 from .ops.options import LossOptions, with_loss_options_doc
+from .validation import check_bool, check_finite, check_non_negative
 
 __all__ = ["FusedLinearGRPOLoss"]
 
@@ -90,9 +91,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                        or chunk_size < 1):  # fmt: skip
             raise ValueError(f"chunk_size must be None or a positive int (sequences per chunk), got {chunk_size!r}")
-        self.beta = beta
-        self.compiled = compiled
-        self.use_ref_model = use_ref_model
+        # checked here, not only in forward: without a reference the loss never reads beta, and a bad one would pass
+        self.beta = check_non_negative("beta", check_finite("beta", beta))
+        self.compiled = check_bool("compiled", compiled)
+        self.use_ref_model = check_bool("use_ref_model", use_ref_model)
         self.chunk_size = chunk_size
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_high
@@ -145,6 +147,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         length = _input.shape[1]
         ref_head = None
         ref_logps = None
+        for name, value in (("ref_per_token_logps", ref_per_token_logps), ("old_per_token_logps", old_per_token_logps)):
+            if value is not None and not isinstance(value, Tensor):
+                raise ValueError(f"{name} must be a [B, T] tensor or None, got {type(value).__name__}")
         if self.beta != 0 and self.use_ref_model:
             if ref_per_token_logps is not None:
                 ref_logps = ref_per_token_logps.detach()

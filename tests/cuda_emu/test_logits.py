@@ -230,6 +230,22 @@ def test_logits_loss_more_rows_than_warps(emu):
         check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES)
 
 
+def test_logits_loss_entropy_weights_at_masked_tokens_are_never_read(emu):
+    """NaN in entropy_weights at masked tokens: the row-weights kernel's weighted total, the kept-entropy kernel's
+    sums and each row's bonus weight read none of it (as the CPU kernels: the loss, the mean entropy and the gradient
+    are those of weights 1 there)."""
+    logits, ids, adv, mask, old, _ = make_problem(40, 3, 7, seed=42)
+    weights = torch.rand(40, 3, generator=torch.Generator().manual_seed(3))
+    resolved = validate_grpo_loss_args(torch.empty(40, 3), adv.float(), mask, LossOptions(old_logps=old.float()))
+    outputs = []
+    for stored in (1.0, float("nan")):
+        args = (logits.float(), ids.reshape(-1), adv.float(), mask, *resolved.op_args(), 1.0, 1.0, 0.0, 0.05,
+                weights.masked_fill(~mask.bool(), stored), True)  # fmt: skip
+        outputs.append(check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES))
+    for clean, poisoned in zip(*outputs, strict=True):
+        assert torch.equal(clean, poisoned)
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_logits_pass_vocabularies(emu, vocab):
     logits, ids, adv, mask, old, ref = make_problem(2, 3, vocab, seed=vocab, per_token_adv=True)

@@ -39,7 +39,9 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         ``metrics`` (0-dim, detached) under TRL's names.
     """
     resolved, option_args = resolve_grpo_loss_args("grpo_loss", logps, advantages, completion_mask, options)
-    if not torch.is_grad_enabled():
+    # Only logps is differentiated: an advantages (or old_logps, ...) that requires grad must not make the loss one
+    # that needs a gradient the forward did not compute.
+    if not torch.is_grad_enabled() or (not logps.requires_grad and not torch.compiler.is_compiling()):
         if torch.compiler.is_compiling():
             loss, metrics_vec, _, _ = _FORWARD(logps, advantages, completion_mask, *option_args, False)
         else:  # below the autograd key: its registration would only hand the call on, at a Python round trip
@@ -83,6 +85,8 @@ def _grpo_loss_setup_context(ctx, inputs, output) -> None:
 def _grpo_loss_backward(ctx, grad_loss, *unused_grads):
     refuse_double_backward("grpo_loss")
     grad_raw, grad_scale = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:  # another input required grad (traced under torch.compile): none flows to it
+        return (None,) * ctx.num_inputs
     if grad_raw.dim() != 2:
         raise RuntimeError(
             "grpo_loss: the forward ran without computing the gradient (logps did not require grad or grad mode "

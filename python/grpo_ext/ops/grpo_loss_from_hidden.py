@@ -13,12 +13,19 @@ from torch import Tensor
 
 from .. import _native
 from ..results import GRPOLossOutput, GRPOLossTokenOutput
-from ..validation import check_bool, check_compute_dtype, check_finite, check_int, validate_logit_options
+from ..validation import (
+    check_bool,
+    check_compute_dtype,
+    check_finite,
+    check_ids_and_mask,
+    check_int,
+    check_rows_as_mask,
+    validate_logit_options,
+)
 from ..validation.options import LogitOptions, LossOptions, takes_loss_options
 from ._common import accumulate_dtype, refuse_double_backward
 from .grpo_loss_from_logits import (
     check_entropy_weights,
-    check_ids_and_mask,
     logit_options_from_op_args,
     loss_output,
     masked_mean_entropy,
@@ -373,13 +380,16 @@ def grpo_loss_from_hidden(
                        compute_dtype=compute_dtype, return_token_logps=return_token_logps, **options)  # fmt: skip
 
 
-def _check_ref_head(ref_head: RefHead, rows: int, vocab: int, like: Tensor) -> RefHead:
+def _check_ref_head(ref_head: RefHead, rows: int, vocab: int, like: Tensor, mask_shape: tuple[int, ...]) -> RefHead:
     """``ref_head`` flattened to ``[N, H']`` rows, after checking it scores the policy's N rows over the same V."""
     ref_hidden, ref_weight, ref_bias = ref_head
     if not isinstance(ref_hidden, Tensor) or not ref_hidden.is_floating_point() or ref_hidden.dim() not in (2, 3):
         raise ValueError(f"ref_input must be a floating [B, T, H] or [N, H] tensor, got "
                          f"{getattr(ref_hidden, 'shape', None)}")  # fmt: skip
     flat = ref_hidden.reshape(-1, ref_hidden.shape[-1])
+    if ref_hidden.dim() == 3 and tuple(ref_hidden.shape[:2]) != mask_shape:
+        raise ValueError(f"ref_input must have shape [B, T, H] with [B, T]={mask_shape} (completion_mask's), got "
+                         f"{tuple(ref_hidden.shape)}")  # fmt: skip
     if flat.shape[0] != rows or ref_hidden.device != like.device:
         raise ValueError(f"ref_input must hold the policy's {rows} token rows on {like.device}, got "
                          f"{tuple(ref_hidden.shape)} on {ref_hidden.device}")  # fmt: skip
@@ -389,8 +399,11 @@ def _check_ref_head(ref_head: RefHead, rows: int, vocab: int, like: Tensor) -> R
                          f"device, got {tuple(getattr(ref_weight, 'shape', ()))}")  # fmt: skip
     if ref_bias is not None and (
         not isinstance(ref_bias, Tensor) or tuple(ref_bias.shape) != (vocab,) or ref_bias.dtype != ref_hidden.dtype
-    ):
-        raise ValueError(f"ref_bias must be a [V]=({vocab},) tensor of ref_input's dtype")
+        or ref_bias.device != like.device
+    ):  # fmt: skip
+        raise ValueError(f"ref_bias must be a [V]=({vocab},) tensor of ref_input's dtype on {like.device}, got "
+                         f"{getattr(ref_bias, 'shape', type(ref_bias).__name__)} {getattr(ref_bias, 'dtype', '')} "
+                         f"on {getattr(ref_bias, 'device', '-')}")  # fmt: skip
     return flat.detach().contiguous(), ref_weight.detach().contiguous(), None if ref_bias is None else ref_bias.detach()
 
 
@@ -425,6 +438,8 @@ def hidden_loss(
     if not isinstance(hidden, Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be a floating [B, T, H] or [N, H] tensor, got {getattr(hidden, 'shape', None)}")
     size = hidden.shape[-1]
+    if size < 1:
+        raise ValueError(f"hidden must have a hidden size H >= 1, got shape {tuple(hidden.shape)}")
     if not isinstance(lm_head_weight, Tensor) or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != size:
         raise ValueError(f"lm_head_weight must have shape [V, H] with H={size} (hidden's), "
                          f"got {tuple(getattr(lm_head_weight, 'shape', ()))}")  # fmt: skip
@@ -451,6 +466,8 @@ def hidden_loss(
         if ref_head is not None:
             ref_head = tuple(t.to(compute_dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
                              for t in ref_head)  # fmt: skip
+    if hidden.dim() == 3 and isinstance(completion_mask, Tensor) and completion_mask.dim() == 2:
+        check_rows_as_mask("hidden", hidden, completion_mask)
     flat_hidden = hidden.reshape(-1, size)
     flat_ids = check_ids_and_mask(flat_hidden.shape[0], hidden.device, completion_ids, completion_mask)
     logit = validate_logit_options(temperature, logit_scale, logit_softcap)
@@ -459,7 +476,7 @@ def hidden_loss(
     entropy_weights = check_entropy_weights(entropy_weights, completion_mask)
     batch, length = completion_mask.shape
     if ref_head is not None:
-        ref_head = _check_ref_head(ref_head, flat_hidden.shape[0], vocab, hidden)
+        ref_head = _check_ref_head(ref_head, flat_hidden.shape[0], vocab, hidden, tuple(completion_mask.shape))
         options["ref_logps"] = torch.zeros((batch, length), dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
     resolved = resolve_loss_options("grpo_loss_from_hidden", batch, length, hidden, advantages, completion_mask,
                                     options)  # fmt: skip
@@ -477,10 +494,11 @@ def hidden_loss(
         or (lm_head_bias is not None and lm_head_bias.requires_grad)
     )
     if not grad_wanted:
-        loss, metrics, entropy, *_, token_logps, token_entropy = _hidden_loss_forward(
-            flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit,
-            chunk_size, (False, False, False), ref_head, entropy_coef, entropy_weights,
-        )  # fmt: skip
+        with torch.no_grad():  # an advantages that requires grad must not make a loss that asks for one
+            loss, metrics, entropy, *_, token_logps, token_entropy = _hidden_loss_forward(
+                flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit,
+                chunk_size, (False, False, False), ref_head, entropy_coef, entropy_weights,
+            )  # fmt: skip
     elif torch.compiler.is_compiling():
         if ref_head is not None:  # the opaque op takes ref_logps: fill them first, chunk by chunk
             for start in range(0, rows, chunk_size):

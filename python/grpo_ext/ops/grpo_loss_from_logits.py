@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..results import GRPOLossOutput, GRPOLossTokenOutput
+from ..validation.logits import check_ids_and_mask, check_rows_as_mask
 from ..validation.loss import resolve_fused_loss_args
 from ..validation.options import LogitOptions, LossOptions, takes_loss_options
 from ..validation.values import check_bool, check_finite, validate_logit_options
@@ -122,24 +123,6 @@ _LOGITS_LOSS = torch.ops.grpo_ext.grpo_loss_from_logits.default
 _LOGITS_LOSS_INPLACE = torch.ops.grpo_ext.grpo_loss_from_logits_.default
 
 
-def check_ids_and_mask(rows: int, device: torch.device, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
-    """Checks ids and mask against ``rows`` scoring rows; returns the ids flattened to ``[N]``."""
-    if not isinstance(completion_mask, Tensor) or completion_mask.dim() != 2:
-        raise ValueError(f"completion_mask must be a [B, T] tensor, got {getattr(completion_mask, 'shape', None)}")
-    batch, length = completion_mask.shape
-    if rows != batch * length:
-        raise ValueError(f"there are {rows} token rows, but completion_mask [B, T]={(batch, length)} has "
-                         f"{batch * length}")  # fmt: skip
-    if not isinstance(completion_ids, Tensor) or completion_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"completion_ids must be an int64 tensor, got {getattr(completion_ids, 'dtype', None)}")
-    if completion_ids.numel() != rows or completion_ids.dim() not in (1, 2):
-        raise ValueError(f"completion_ids must have shape [B, T]={(batch, length)} or [N]=({rows},), "
-                         f"got {tuple(completion_ids.shape)}")  # fmt: skip
-    if completion_ids.device != device or completion_mask.device != device:
-        raise ValueError(f"completion_ids and completion_mask must be on device {device}")
-    return completion_ids.reshape(-1)
-
-
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
@@ -161,9 +144,7 @@ def check_logits_shapes(logits: Tensor, completion_ids: Tensor, completion_mask:
     if logits.shape[-1] < 1:
         raise ValueError("logits must have a vocabulary of at least one entry (V >= 1)")
     if logits.dim() == 3 and isinstance(completion_mask, Tensor) and completion_mask.dim() == 2:
-        if tuple(logits.shape[:2]) != tuple(completion_mask.shape):
-            raise ValueError(f"logits must have shape [B, T, V] with [B, T]={tuple(completion_mask.shape)} "
-                             f"(completion_mask's), got {tuple(logits.shape)}")  # fmt: skip
+        check_rows_as_mask("logits", logits, completion_mask)
     rows = logits.shape[0] * logits.shape[1] if logits.dim() == 3 else logits.shape[0]
     return check_ids_and_mask(rows, logits.device, completion_ids, completion_mask)
 
@@ -348,6 +329,7 @@ def grpo_loss_from_logits(
     if entropy_coef.__class__ is not float or entropy_coef != 0.0:  # 0.0: the default, finite
         entropy_coef = check_finite("entropy_coef", entropy_coef)
     return_token_logps = check_bool("return_token_logps", return_token_logps)
+    inplace_grad = check_bool("inplace_grad", inplace_grad)
     if entropy_weights is not None:
         entropy_weights = check_entropy_weights(entropy_weights, completion_mask)
     batch, length = completion_mask.shape

@@ -29,10 +29,10 @@ class RowPlan(NamedTuple):
 def plan_rows(kept: Tensor, gather: bool, max_segments: int) -> RowPlan:
     """The rows to score, from the ``[N]`` bool ``kept``: its runs of True (at most ``max_segments``), or every row.
 
-    Reading ``kept`` on the host is the op's one device sync per call.
+    Reading ``kept`` on the host is the op's one device sync per call. A meta ``kept`` (shapes only) scores every row.
     """
     rows = kept.numel()
-    if not gather:
+    if not gather or kept.device.type == "meta":
         return RowPlan([(0, rows)] if rows else [], rows, True)
     flags = kept.to("cpu", torch.int8)
     edge = torch.zeros(1, dtype=torch.int8)

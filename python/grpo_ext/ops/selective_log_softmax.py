@@ -42,7 +42,7 @@ def selective_log_softmax(
         SelectiveLogSoftmax: ``logps`` (and ``entropy`` or None), shaped like ``ids``, float32 (float64 for float64
         logits), differentiable with respect to the raw ``logits``.
     """
-    logit = validate_selective_log_softmax_args(logits, ids, temperature, logit_scale, logit_softcap)
+    logit = validate_selective_log_softmax_args(logits, ids, temperature, logit_scale, logit_softcap, return_entropy)
     lead_shape = ids.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_ids = ids.reshape(-1)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..results import GRPOLossOutput
+from ..validation.logits import check_rows_as_mask
 from ..validation.options import takes_loss_options
 from .grpo_loss_from_logits import grpo_loss_from_logits, kept_tokens
 
@@ -48,6 +49,8 @@ def grpo_loss_from_hidden(
     Returns:
         GRPOLossOutput, with ``metrics["entropy"]``.
     """
+    if hidden.dim() == 3 and completion_mask.dim() == 2:
+        check_rows_as_mask("hidden", hidden, completion_mask)
     # Masked rows are never read: NaN hidden states there must reach neither gradient (0 * NaN is NaN in a matmul).
     keep = kept_tokens(completion_mask, options.get("sample_mask")).reshape(*hidden.shape[:-1], 1)
     hidden = torch.where(keep, hidden, 0.0)

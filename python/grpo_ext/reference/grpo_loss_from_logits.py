@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from ..results import GRPOLossOutput
+from ..validation.logits import check_ids_and_mask, check_rows_as_mask
 from ..validation.options import takes_loss_options
 from .grpo_loss import grpo_loss
 from .selective_log_softmax import selective_log_softmax
@@ -45,6 +48,9 @@ def grpo_loss_from_logits(
     Returns:
         GRPOLossOutput: :func:`grpo_loss`'s, with ``metrics["entropy"]``, the mean entropy over the kept tokens.
     """
+    if logits.dim() == 3 and completion_mask.dim() == 2:
+        check_rows_as_mask("logits", logits, completion_mask)
+    check_ids_and_mask(math.prod(logits.shape[:-1]), logits.device, completion_ids, completion_mask)
     batch, length = completion_mask.shape
     logits = logits.reshape(batch, length, logits.shape[-1])
     # Masked rows are never read (docs/math.md section 2): NaN there must not reach the gradient through the softmax.
@@ -66,7 +72,8 @@ def grpo_loss_from_logits(
     entropy_mean = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
     out.metrics["entropy"] = entropy_mean.detach()
     if entropy_weights is not None:
-        weighted = mask * entropy_weights.to(mask.dtype)
+        # a masked token's weight is never read (NaN there must not reach the mean)
+        weighted = torch.where(mask != 0, mask * entropy_weights.to(mask.dtype), 0.0)
         entropy_mean = (entropy * weighted).sum() / weighted.sum().clamp(min=1.0)
     if entropy_coef != 0.0:
         scale = options.get("loss_scale", 1.0)

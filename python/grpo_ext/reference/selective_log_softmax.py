@@ -37,7 +37,7 @@ def selective_log_softmax(
         :class:`SelectiveLogSoftmax` of ``[...]`` tensors in the compute dtype (float32, float64 for float64
         logits), differentiable with respect to ``logits``.
     """
-    logit = validate_selective_log_softmax_args(logits, ids, temperature, logit_scale, logit_softcap)
+    logit = validate_selective_log_softmax_args(logits, ids, temperature, logit_scale, logit_softcap, return_entropy)
     x = logits.to(compute_dtype(logits))
     logps, entropy = _ZeroUpstreamRowsAreInert.apply(x, ids.long(), logit)
     return SelectiveLogSoftmax(logps, entropy if return_entropy else None)

@@ -9,7 +9,8 @@ in small modules by what they check, all importable from here:
 - :mod:`grpo_ext.validation.loss`: the loss options' ranges (also run by the trainer's ``GRPOConfig``),
   grpo_loss' arguments, and the cached per-call path of the kernels' wrappers;
 - :mod:`grpo_ext.validation.advantages`: group_advantages' and process_advantages' arguments;
-- :mod:`grpo_ext.validation.logits`: selective_log_softmax's arguments.
+- :mod:`grpo_ext.validation.logits`: selective_log_softmax's arguments, and the fused losses' token rows against
+  their ids and mask.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .advantages import (
     validate_group_advantages_args,
     validate_process_advantages_args,
 )
-from .logits import validate_selective_log_softmax_args
+from .logits import check_ids_and_mask, check_rows_as_mask, validate_selective_log_softmax_args
 from .loss import (
     resolve_fused_loss_args,
     resolve_grpo_loss_args,
@@ -27,9 +28,9 @@ from .loss import (
     validate_loss_option_values,
 )
 from .tensors import (
+    check_finite_mask,
     check_floating,
     check_integer,
-    check_no_nan_mask,
     check_per_row,
     check_same_device,
     check_scalar_tensor_device,
@@ -54,15 +55,17 @@ __all__ = [
     "check_choice",
     "check_compute_dtype",
     "check_finite",
+    "check_finite_mask",
     "check_finite_positive",
     "check_floating",
+    "check_ids_and_mask",
     "check_int",
     "check_integer",
-    "check_no_nan_mask",
     "check_non_negative",
     "check_per_row",
     "check_positive",
     "check_real_number",
+    "check_rows_as_mask",
     "check_same_device",
     "check_scalar_tensor_device",
     "check_shape",

@@ -25,18 +25,22 @@ def reward_weights_tensor(
             f"reward_weights is on device {reward_weights.device} but rewards is on device {device}; "
             "pass them on the rewards' device"
         )
-    try:
-        w = torch.as_tensor(reward_weights, dtype=dtype, device=device)
+    try:  # a list on the CPU first: its values are checked below, also for rewards on the meta device
+        on = device if isinstance(reward_weights, Tensor) else "cpu"
+        w = torch.as_tensor(reward_weights, dtype=dtype, device=on)
     except (TypeError, ValueError, RuntimeError) as err:
         raise ValueError(f"reward_weights must be a sequence of numbers or a 1-D tensor: {err}") from None
     if w.dim() != 1:
         raise ValueError(f"reward_weights must be 1-D with K={num_rewards} entries, got shape {tuple(w.shape)}")
     if w.shape[0] != num_rewards:
         raise ValueError(f"reward_weights must have K={num_rewards} entries, got {w.shape[0]}")
-    if not isinstance(reward_weights, Tensor) and not all(math.isfinite(x) for x in w.tolist()):
-        # (a tensor's values are not read: on a GPU that would sync the host)
-        raise ValueError(f"reward_weights must be finite numbers, got {list(reward_weights)}")
-    return w
+    # A list's values, and a CPU tensor's, are read here. A CUDA tensor's are not (that would synchronize the host
+    # with the device): there a non-finite weight makes every R_i NaN, so every row is "not scored" (docs/math.md).
+    if (not isinstance(reward_weights, Tensor) or w.device.type == "cpu") and not all(
+        math.isfinite(x) for x in w.tolist()
+    ):
+        raise ValueError(f"reward_weights must be finite numbers, got {w.tolist()}")
+    return w.to(device)
 
 
 def validate_group_advantages_args(

@@ -24,10 +24,11 @@ from .options import (
     LOSS_TYPES,
     NATIVE_OPTION_NAMES,
     LossOptions,
+    number_of,
 )
 from .tensors import (
+    check_finite_mask,
     check_floating,
-    check_no_nan_mask,
     check_per_row,
     check_same_device,
     check_scalar_tensor_device,
@@ -177,9 +178,9 @@ def validate_grpo_loss_args(
     )
     if isinstance(options.loss_scale, Tensor):
         check_scalar_tensor_device("loss_scale", options.loss_scale, "logps", logps)
-    check_no_nan_mask("completion_mask", completion_mask)
+    check_finite_mask("completion_mask", completion_mask)
     if options.sample_mask is not None:
-        check_no_nan_mask("sample_mask", options.sample_mask)
+        check_finite_mask("sample_mask", options.sample_mask)
     if options.beta != 0 and options.ref_logps is None:
         raise ValueError("ref_logps is required when beta != 0")
     if isinstance(options.num_items_in_batch, Tensor):
@@ -240,8 +241,8 @@ def _certainly_valid_tensors(
     mask = completion_mask
     if not (isinstance(mask, Tensor) and mask.shape == shape and mask.device == device):
         return False
-    on_cpu = device.type == "cpu"  # only CPU masks are read for NaN (reading a GPU one would sync)
-    if on_cpu and mask.is_floating_point() and torch.isnan(mask).any():
+    on_cpu = device.type == "cpu"  # only CPU masks are read for NaN and inf (reading a GPU one would sync)
+    if on_cpu and mask.is_floating_point() and not torch.isfinite(mask).all():
         return False
     if not per_call:
         return beta == 0
@@ -255,7 +256,7 @@ def _certainly_valid_tensors(
     if sample_mask is not None:
         if not (sample_mask.shape == (batch,) and sample_mask.device == device):
             return False
-        if on_cpu and sample_mask.is_floating_point() and torch.isnan(sample_mask).any():
+        if on_cpu and sample_mask.is_floating_point() and not torch.isfinite(sample_mask).all():
             return False
     for name in ("loss_scale", "num_items_in_batch"):
         t = get(name)
@@ -290,7 +291,7 @@ def _resolve_fast(
         for name, value in per_call.items():
             fields[_FIELD_INDEX[name]] = value
             if name == "loss_scale":
-                args[_ARG_INDEX[name]] = float(value)  # as LossOptions.op_args converts it
+                args[_ARG_INDEX[name]] = number_of(float, value)  # as LossOptions.op_args converts it
             elif name == "num_items_in_batch":
                 args[_ARG_INDEX["num_items_tensor"]] = value
             else:

@@ -144,7 +144,7 @@ class LossOptions(NamedTuple):
                 is_tensor = isinstance(value, Tensor)
                 values += [None if value is None or is_tensor else float(value), value if is_tensor else None]
             elif value is not None and kind is not None:
-                values.append(kind(value))
+                values.append(number_of(kind, value))
             else:
                 values.append(value)
         return tuple(values)
@@ -155,6 +155,14 @@ class LossOptions(NamedTuple):
         split = cls._fields.index("num_items_in_batch")
         number, tensor = values[split], values[split + 1]
         return cls(*values[:split], tensor if tensor is not None else number, *values[split + 2 :])
+
+
+def number_of(kind: type, value: Any) -> Any:
+    """``kind(value)`` for a native op's number argument; a meta tensor (a shape, no value: tracing, FakeTensor-free
+    shape checks) counts as 1, since no output of a meta call has values either."""
+    if isinstance(value, Tensor) and value.device.type == "meta":
+        return kind(1)
+    return kind(value)
 
 
 # Each option's annotation as text ("float | None"): NamedTuple keeps postponed annotations as ForwardRefs.

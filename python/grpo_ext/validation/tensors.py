@@ -66,11 +66,16 @@ def check_scalar_tensor_device(name: str, t: Tensor, reference_name: str, refere
         )
 
 
-def check_no_nan_mask(name: str, mask: Tensor) -> None:
-    """Raises ValueError if a floating-point mask on the CPU holds NaN.
+def check_finite_mask(name: str, mask: Tensor) -> None:
+    """Raises ValueError if a floating-point mask on the CPU holds NaN or +-inf.
 
-    A mask's values are 0 or 1; NaN there is a caller's mistake. Only CPU tensors are checked: reading a CUDA
-    tensor's values would sync the host with the device, so there a NaN mask entry makes the loss NaN instead.
+    A mask's values are 0 or 1 (or finite weights); anything else is a caller's mistake. Only CPU tensors are checked:
+    reading a CUDA tensor's values would sync the host with the device, so there a non-finite entry makes the loss NaN
+    instead. Under torch.compile the native op checks a CPU mask itself when it runs (a value test here would be a
+    data-dependent branch in the graph).
     """
-    if mask.is_floating_point() and mask.device.type == "cpu" and bool(torch.isnan(mask).any()):
-        raise ValueError(f"{name} holds NaN; a mask's values must be 0 or 1")
+    if not mask.is_floating_point() or mask.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    if not bool(torch.isfinite(mask).all()):
+        bad = mask[~torch.isfinite(mask)][0].item()
+        raise ValueError(f"{name} holds {bad}; a mask's values must be finite (0 or 1, or weights)")

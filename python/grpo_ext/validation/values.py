@@ -93,6 +93,7 @@ def check_compute_dtype(value: object) -> torch.dtype | None:
 
 
 _DEFAULT_LOGIT = LogitOptions()
+_FLOAT32_NORMAL_MIN, _FLOAT32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
 def validate_logit_options(
@@ -106,8 +107,17 @@ def validate_logit_options(
     if (temperature.__class__ is float and logit_scale.__class__ is float and logit_softcap is None
             and temperature == 1.0 and logit_scale == 1.0):  # fmt: skip
         return _DEFAULT_LOGIT  # the defaults of every call that reads logits, without the checks' cost
-    return LogitOptions(
+    options = LogitOptions(
         check_positive("temperature", temperature),
         check_finite_positive("logit_scale", logit_scale),
         None if logit_softcap is None else check_finite_positive("logit_softcap", logit_softcap),
     )
+    # the kernels' factors, in float32 (docs/math.md section 2): inf or 0 there would make every log-prob NaN
+    factors = {"logit_scale / temperature": options.logit_scale / options.temperature}
+    if options.logit_softcap is not None:
+        factors["logit_scale / logit_softcap"] = options.logit_scale / options.logit_softcap
+        factors["logit_softcap / temperature"] = options.logit_softcap / options.temperature
+    for name, value in factors.items():
+        if not _FLOAT32_NORMAL_MIN <= value <= _FLOAT32_MAX:
+            raise ValueError(f"{name} must be a normal float32 number (1.2e-38 to 3.4e38), got {value!r}")
+    return options
