@@ -86,7 +86,8 @@ class LossOptions(NamedTuple):
         vespo_k_neg: VESPO's ``k`` where ``A < 0``; finite.
         vespo_lambda_neg: VESPO's ``lambda`` where ``A < 0``; finite, used as at least 1e-4.
         loss_scale: a finite number or a 0-dim tensor multiplying the loss and its gradient (gradient accumulation
-            or a loss scaler).
+            or a loss scaler). The native ops take it as a number: a tensor's value is read on the host, so a CUDA
+            tensor costs one device sync per call (pass a Python float where the value is known on the host).
         skip_empty_rows: the per-row means (``grpo``, ``sapo``, ``luspo``, ``dr_grpo``) divide by the rows that have a
             kept token instead of ``B`` (verl's ``seq-mean-*`` aggregation).
         policy_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` weights (detached) that multiply the policy term of every
