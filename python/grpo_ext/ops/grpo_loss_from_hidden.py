@@ -22,6 +22,7 @@ from ..validation import (
     check_rows_as_mask,
     validate_logit_options,
 )
+from ..validation.hidden import RefHead, check_lm_head, check_ref_head
 from ..validation.options import LogitOptions, LossOptions, takes_loss_options
 from ._common import accumulate_dtype, refuse_double_backward
 from .grpo_loss_from_logits import (
@@ -47,9 +48,6 @@ from .lm_head import (  # default_chunk_size and one_chunk_rows: importable from
 )
 from .metrics import NUM_METRICS, metrics_dict
 from .selective_log_softmax import selective_log_softmax
-
-#: A reference model's LM head: (``[N, H']`` hidden states, ``[V, H']`` weight, ``[V]`` bias or None).
-RefHead = tuple[Tensor, Tensor, Tensor | None]
 
 #: Runs of kept rows that get their own slice of a chunk, at most: beyond, the shortest gaps between runs are
 #: bridged (their masked rows go through the GEMMs, zeroed as the kept rows' neighbours), so a scattered mask costs
@@ -380,33 +378,6 @@ def grpo_loss_from_hidden(
                        compute_dtype=compute_dtype, return_token_logps=return_token_logps, **options)  # fmt: skip
 
 
-def _check_ref_head(ref_head: RefHead, rows: int, vocab: int, like: Tensor, mask_shape: tuple[int, ...]) -> RefHead:
-    """``ref_head`` flattened to ``[N, H']`` rows, after checking it scores the policy's N rows over the same V."""
-    ref_hidden, ref_weight, ref_bias = ref_head
-    if not isinstance(ref_hidden, Tensor) or not ref_hidden.is_floating_point() or ref_hidden.dim() not in (2, 3):
-        raise ValueError(f"ref_input must be a floating [B, T, H] or [N, H] tensor, got "
-                         f"{getattr(ref_hidden, 'shape', None)}")  # fmt: skip
-    flat = ref_hidden.reshape(-1, ref_hidden.shape[-1])
-    if ref_hidden.dim() == 3 and tuple(ref_hidden.shape[:2]) != mask_shape:
-        raise ValueError(f"ref_input must have shape [B, T, H] with [B, T]={mask_shape} (completion_mask's), got "
-                         f"{tuple(ref_hidden.shape)}")  # fmt: skip
-    if flat.shape[0] != rows or ref_hidden.device != like.device:
-        raise ValueError(f"ref_input must hold the policy's {rows} token rows on {like.device}, got "
-                         f"{tuple(ref_hidden.shape)} on {ref_hidden.device}")  # fmt: skip
-    if (not isinstance(ref_weight, Tensor) or tuple(ref_weight.shape) != (vocab, flat.shape[1])
-            or ref_weight.dtype != ref_hidden.dtype or ref_weight.device != like.device):  # fmt: skip
-        raise ValueError(f"ref_weight must have shape [V, H]=({vocab}, {flat.shape[1]}) and ref_input's dtype and "
-                         f"device, got {tuple(getattr(ref_weight, 'shape', ()))}")  # fmt: skip
-    if ref_bias is not None and (
-        not isinstance(ref_bias, Tensor) or tuple(ref_bias.shape) != (vocab,) or ref_bias.dtype != ref_hidden.dtype
-        or ref_bias.device != like.device
-    ):  # fmt: skip
-        raise ValueError(f"ref_bias must be a [V]=({vocab},) tensor of ref_input's dtype on {like.device}, got "
-                         f"{getattr(ref_bias, 'shape', type(ref_bias).__name__)} {getattr(ref_bias, 'dtype', '')} "
-                         f"on {getattr(ref_bias, 'device', '-')}")  # fmt: skip
-    return flat.detach().contiguous(), ref_weight.detach().contiguous(), None if ref_bias is None else ref_bias.detach()
-
-
 def hidden_loss(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -435,40 +406,16 @@ def hidden_loss(
     """
     if ref_head is not None and options.get("ref_logps") is not None:
         raise ValueError("pass either ref_logps or a reference head (ref_input/ref_weight), not both")
-    if not isinstance(hidden, Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden must be a floating [B, T, H] or [N, H] tensor, got {getattr(hidden, 'shape', None)}")
-    size = hidden.shape[-1]
-    if size < 1:
-        raise ValueError(f"hidden must have a hidden size H >= 1, got shape {tuple(hidden.shape)}")
-    if not isinstance(lm_head_weight, Tensor) or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != size:
-        raise ValueError(f"lm_head_weight must have shape [V, H] with H={size} (hidden's), "
-                         f"got {tuple(getattr(lm_head_weight, 'shape', ()))}")  # fmt: skip
     compute_dtype = check_compute_dtype(compute_dtype)
-    if lm_head_weight.device != hidden.device or (compute_dtype is None and lm_head_weight.dtype != hidden.dtype):
-        raise ValueError(f"lm_head_weight must match hidden's dtype and device ({hidden.dtype}, {hidden.device}; "
-                         f"another dtype only with compute_dtype), got {lm_head_weight.dtype}, "
-                         f"{lm_head_weight.device}")  # fmt: skip
-    if not lm_head_weight.is_floating_point():
-        raise ValueError(f"lm_head_weight must be floating, got {lm_head_weight.dtype}")
-    vocab = lm_head_weight.shape[0]
-    if vocab < 1:
-        raise ValueError("lm_head_weight must have at least one row (V >= 1)")
-    if lm_head_bias is not None and (
-        not isinstance(lm_head_bias, Tensor) or tuple(lm_head_bias.shape) != (vocab,)
-        or not lm_head_bias.is_floating_point() or lm_head_bias.device != hidden.device
-        or (compute_dtype is None and lm_head_bias.dtype != hidden.dtype)
-    ):  # fmt: skip
-        raise ValueError(f"lm_head_bias must be a floating [V]=({vocab},) tensor on hidden's device, of hidden's "
-                         f"dtype unless compute_dtype is given")  # fmt: skip
+    vocab = check_lm_head(hidden, lm_head_weight, lm_head_bias, compute_dtype)
     if compute_dtype is not None:  # autograd casts the small gradients back; the weight is cast inside the op
         hidden = hidden.to(compute_dtype)
         lm_head_bias = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
         if ref_head is not None:
             ref_head = tuple(t.to(compute_dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
                              for t in ref_head)  # fmt: skip
-    if hidden.dim() == 3 and isinstance(completion_mask, Tensor) and completion_mask.dim() == 2:
-        check_rows_as_mask("hidden", hidden, completion_mask)
-    flat_hidden = hidden.reshape(-1, size)
+    check_rows_as_mask("hidden", hidden, completion_mask)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_ids = check_ids_and_mask(flat_hidden.shape[0], hidden.device, completion_ids, completion_mask)
     logit = validate_logit_options(temperature, logit_scale, logit_softcap)
     entropy_coef = check_finite("entropy_coef", entropy_coef)
@@ -476,7 +423,7 @@ def hidden_loss(
     entropy_weights = check_entropy_weights(entropy_weights, completion_mask)
     batch, length = completion_mask.shape
     if ref_head is not None:
-        ref_head = _check_ref_head(ref_head, flat_hidden.shape[0], vocab, hidden, tuple(completion_mask.shape))
+        ref_head = check_ref_head(ref_head, flat_hidden.shape[0], vocab, hidden, completion_mask)
         options["ref_logps"] = torch.zeros((batch, length), dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
     resolved = resolve_loss_options("grpo_loss_from_hidden", batch, length, hidden, advantages, completion_mask,
                                     options)  # fmt: skip

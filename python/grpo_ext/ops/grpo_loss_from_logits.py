@@ -143,8 +143,7 @@ def check_logits_shapes(logits: Tensor, completion_ids: Tensor, completion_mask:
         raise ValueError(f"logits must have shape [B, T, V] or [N, V], got {tuple(logits.shape)}")
     if logits.shape[-1] < 1:
         raise ValueError("logits must have a vocabulary of at least one entry (V >= 1)")
-    if logits.dim() == 3 and isinstance(completion_mask, Tensor) and completion_mask.dim() == 2:
-        check_rows_as_mask("logits", logits, completion_mask)
+    check_rows_as_mask("logits", logits, completion_mask)
     rows = logits.shape[0] * logits.shape[1] if logits.dim() == 3 else logits.shape[0]
     return check_ids_and_mask(rows, logits.device, completion_ids, completion_mask)
 

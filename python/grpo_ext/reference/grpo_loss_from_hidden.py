@@ -49,8 +49,7 @@ def grpo_loss_from_hidden(
     Returns:
         GRPOLossOutput, with ``metrics["entropy"]``.
     """
-    if hidden.dim() == 3 and completion_mask.dim() == 2:
-        check_rows_as_mask("hidden", hidden, completion_mask)
+    check_rows_as_mask("hidden", hidden, completion_mask)
     # Masked rows are never read: NaN hidden states there must reach neither gradient (0 * NaN is NaN in a matmul).
     keep = kept_tokens(completion_mask, options.get("sample_mask")).reshape(*hidden.shape[:-1], 1)
     hidden = torch.where(keep, hidden, 0.0)

@@ -48,8 +48,7 @@ def grpo_loss_from_logits(
     Returns:
         GRPOLossOutput: :func:`grpo_loss`'s, with ``metrics["entropy"]``, the mean entropy over the kept tokens.
     """
-    if logits.dim() == 3 and completion_mask.dim() == 2:
-        check_rows_as_mask("logits", logits, completion_mask)
+    check_rows_as_mask("logits", logits, completion_mask)
     check_ids_and_mask(math.prod(logits.shape[:-1]), logits.device, completion_ids, completion_mask)
     batch, length = completion_mask.shape
     logits = logits.reshape(batch, length, logits.shape[-1])

@@ -10,7 +10,8 @@ in small modules by what they check, all importable from here:
   grpo_loss' arguments, and the cached per-call path of the kernels' wrappers;
 - :mod:`grpo_ext.validation.advantages`: group_advantages' and process_advantages' arguments;
 - :mod:`grpo_ext.validation.logits`: selective_log_softmax's arguments, and the fused losses' token rows against
-  their ids and mask.
+  their ids and mask;
+- :mod:`grpo_ext.validation.hidden`: grpo_loss_from_hidden's LM head and reference head.
 """
 
 from __future__ import annotations

@@ -61,8 +61,11 @@ def check_ids_and_mask(rows: int, device: torch.device, completion_ids: Tensor, 
 
 
 def check_rows_as_mask(name: str, rows: Tensor, completion_mask: Tensor) -> None:
-    """Raises ValueError unless the 3-D ``rows`` (logits ``[B, T, V]``, hidden states ``[B, T, H]``) has the
-    ``[B, T]`` of ``completion_mask``: a ``[T, B, ...]`` layout has the right number of rows, in the wrong order."""
+    """Raises ValueError unless 3-D ``rows`` (logits ``[B, T, V]``, hidden states ``[B, T, H]``) have the ``[B, T]``
+    of a 2-D ``completion_mask``: a ``[T, B, ...]`` layout has the right number of rows, in the wrong order. Flat
+    ``[N, ...]`` rows, and a mask that is not 2-D (its own check names it), pass."""
+    if rows.dim() != 3 or not isinstance(completion_mask, Tensor) or completion_mask.dim() != 2:
+        return
     if tuple(rows.shape[:2]) != tuple(completion_mask.shape):
         last = "V" if name == "logits" else "H"
         raise ValueError(f"{name} must have shape [B, T, {last}] with [B, T]={tuple(completion_mask.shape)} "

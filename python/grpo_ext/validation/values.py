@@ -113,11 +113,13 @@ def validate_logit_options(
         None if logit_softcap is None else check_finite_positive("logit_softcap", logit_softcap),
     )
     # the kernels' factors, in float32 (docs/math.md section 2): inf or 0 there would make every log-prob NaN
-    factors = {"logit_scale / temperature": options.logit_scale / options.temperature}
+    _check_float32_factor("logit_scale / temperature", options.logit_scale / options.temperature)
     if options.logit_softcap is not None:
-        factors["logit_scale / logit_softcap"] = options.logit_scale / options.logit_softcap
-        factors["logit_softcap / temperature"] = options.logit_softcap / options.temperature
-    for name, value in factors.items():
-        if not _FLOAT32_NORMAL_MIN <= value <= _FLOAT32_MAX:
-            raise ValueError(f"{name} must be a normal float32 number (1.2e-38 to 3.4e38), got {value!r}")
+        _check_float32_factor("logit_scale / logit_softcap", options.logit_scale / options.logit_softcap)
+        _check_float32_factor("logit_softcap / temperature", options.logit_softcap / options.temperature)
     return options
+
+
+def _check_float32_factor(name: str, value: float) -> None:
+    if not _FLOAT32_NORMAL_MIN <= value <= _FLOAT32_MAX:
+        raise ValueError(f"{name} must be a normal float32 number (1.2e-38 to 3.4e38), got {value!r}")
