@@ -178,6 +178,15 @@ GRPO_HD T log_ratio_of(T l, T l_old) {
   return (l - l_old) + ((l - l) + (l_old - l_old));
 }
 
+// dP/drho * rho, the gradient through rho = exp(d), with an exactly-zero dP/drho giving 0 even where rho overflowed to
+// +inf (docs/math.md section 8, "An overflowing ratio"): dP/drho is 0 for every large finite rho there (a clipped
+// token, A = 0, a capped or saturated ratio), so the limit is 0, not 0 * inf = NaN. A NaN on either side stays NaN
+// (a NaN rho is a non-finite input, which must reach the gradient even where the loss stops it, as cispo does).
+template <typename T>
+GRPO_HD T through_ratio_exp(T dloss_drho, T rho) {
+  return ((dloss_drho == T(0)) & (rho == rho)) ? T(0) : dloss_drho * rho;
+}
+
 // x clamped to [lo, hi]; NaN stays NaN (as torch.clamp).
 template <typename T>
 GRPO_HD T clamp_keep_nan(T x, T lo, T hi) {

@@ -260,6 +260,29 @@ def test_flags_given_as_strings_are_refused(impl):
         assert torch.equal(produced.detach(), before)
 
 
+def test_numpy_bools_are_flags():
+    """A numpy bool (an element of a numpy array or config) is taken as the bool it holds, at every flag: False does not
+    overwrite the caller's logits, True does, and the loss options and nn module take them too."""
+    np = pytest.importorskip("numpy")
+    logits, ids = torch.randn(2, 4), torch.tensor([0, 1])
+    assert grpo_ext.selective_log_softmax(logits, ids, return_entropy=np.bool_(False)).entropy is None
+    assert grpo_ext.selective_log_softmax(logits, ids, return_entropy=np.bool_(True)).entropy.shape == (2,)
+    for flag in (np.bool_(False), np.bool_(True)):
+        produced = torch.randn(1, 2, 4, requires_grad=True) * 1.0
+        before = produced.detach().clone()
+        out = grpo_ext.grpo_loss_from_logits(produced, torch.tensor([[1, 2]]), torch.tensor([1.0]), torch.ones(1, 2),
+                                             inplace_grad=flag, return_token_logps=flag)  # fmt: skip
+        out.loss.backward()
+        assert torch.equal(produced.detach(), before) != bool(flag)  # only True writes the gradient over the logits
+    out = grpo_ext.grpo_loss(torch.randn(2, 3), torch.randn(2), torch.ones(2, 3), skip_empty_rows=np.bool_(True),
+                             use_bias_correction_kl=np.bool_(False))  # fmt: skip
+    assert torch.isfinite(out.loss)
+    from grpo_ext.nn import FusedLinearGRPOLoss
+
+    module = FusedLinearGRPOLoss(use_ref_model=np.bool_(False), compiled=np.bool_(False))
+    assert module.use_ref_model is False and module.compiled is False
+
+
 def test_fused_linear_module_checks_its_settings():
     """FusedLinearGRPOLoss checks beta and its flags when built (without a reference, forward never reads beta),
     and its reference log-probs' type and reference bias' device when called."""

@@ -172,7 +172,7 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
   if (grad_row && p.sequence_level) {
     // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1), times sum_t w * dP/drho
     const double drho_sum = lane_sum(scratch.slot(kNumRowSlots), n_cols);
-    const T through_ratio = T(drho_sum * double(seq_ratio) / count_clamped);
+    const T through_ratio = T(through_ratio_exp(drho_sum, double(seq_ratio)) / count_clamped);
     // A masked token keeps its zero even when the row's ratio is NaN (a non-finite kept input).
     for (int64_t t = 0; t < n_cols; ++t) {
       grad_row[t] = mask[t] != T(0) ? grad_row[t] + through_ratio * mask[t] : T(0);

@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(256)
             acc[kNumRowSlots] += w * tt.dloss_drho;
             put(g, k, w * tt.dloss_dl);
           } else {
-            put(g, k, w * (tt.dloss_dl + tt.dloss_drho * rho));
+            put(g, k, w * (tt.dloss_dl + through_ratio_exp(tt.dloss_drho, rho)));
           }
         }
       }
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(256)
     }
     if (grad_row && p.sequence_level) {
       // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1); each thread revisits only the tokens it wrote above.
-      const T through_ratio = T(row_sum[kNumRowSlots] * double(seq_ratio) / count_clamped);
+      const T through_ratio = T(through_ratio_exp(row_sum[kNumRowSlots], double(seq_ratio)) / count_clamped);
       for_each_chunk<K>(n_cols, vector, head, [&](const TokenChunk& c) {
         T m[K], g[K];
         if (!load_mask(c, m)) return;

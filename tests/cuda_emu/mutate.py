@@ -212,6 +212,13 @@ MUTATIONS = [
     Mutation("mixed d", "logits gradient: d as the rounded z minus the max, the statistics by the FMA",
              "cuda/grpo_loss_from_logits_row.cuh", "const T d = f.template d_with<kCap>(logit, z_max);",
              "const T d = f.template z_with<kCap>(logit) - z_max;"),
+    # docs/math.md section 8, "An overflowing ratio": a zero dP/drho times an overflowed rho is 0, not NaN.
+    Mutation("0 * inf", "loss kernel: the gradient through an overflowed ratio as dP/drho * rho (NaN where a clipped "
+             "token's dP/drho is 0)", "cuda/grpo_loss.cuh", "w * (tt.dloss_dl + through_ratio_exp(tt.dloss_drho, rho))",
+             "w * (tt.dloss_dl + tt.dloss_drho * rho)"),
+    Mutation("0 * inf", "logits pass: a token's dP/dl through an overflowed ratio as dP/drho * rho",
+             "logits_loss_math.h", "return tt.dloss_dl + through_ratio_exp(tt.dloss_drho, rho);",
+             "return tt.dloss_dl + tt.dloss_drho * rho;"),
     Mutation("launch over the bound", "logits pass: the full-occupancy build (__launch_bounds__(256, 8)) launched with "
              "blocks of more than 256 threads", "cuda/grpo_loss_from_logits.cuh",
              "if (device.full_occupancy && threads <= 256) {", "if (device.full_occupancy) {"),

@@ -246,6 +246,22 @@ def test_logits_loss_entropy_weights_at_masked_tokens_are_never_read(emu):
         assert torch.equal(clean, poisoned)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["dapo", "sapo", "cispo"])
+def test_logits_loss_overflowing_ratio_gives_the_limit(emu, loss_type, level):
+    """float32 ratios e^d with d near 400 at each row's first token (docs/math.md section 8, "An overflowing ratio"):
+    with A = 1 (clipped or saturated) and A = 0 no 0 * inf = NaN reaches the logits' gradient; checked against the CPU
+    op on float64 copies, where e^400 is finite and the gradient through rho exactly 0."""
+    logits, ids, _, mask, old, _ = make_problem(seed=43)
+    old[:, 0] = -400.0
+    adv = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    resolved = validate_grpo_loss_args(torch.empty(4, 6), adv, mask, LossOptions(old_logps=old.float(),
+                                       loss_type=loss_type, importance_sampling_level=level))  # fmt: skip
+    args = (logits.float(), ids.reshape(-1), adv, mask, *resolved.op_args(), 0.9, 1.0, 0.0, 0.0, None, True)
+    outputs = check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES)
+    assert not outputs[3].isnan().any()
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_logits_pass_vocabularies(emu, vocab):
     logits, ids, adv, mask, old, ref = make_problem(2, 3, vocab, seed=vocab, per_token_adv=True)

@@ -226,3 +226,21 @@ def test_skip_empty_rows_counts_one_token_rows(emu, loss_type, level):
         kwargs = dict(loss_type=loss_type, importance_sampling_level=level, old_logps="old_logps",
                       sample_mask="sample_mask", max_completion_length=12, skip_empty_rows=True)  # fmt: skip
         run_forward_backward(emu, forward_args(batch, kwargs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", ["dapo", "sapo", "cispo", "vespo"])
+def test_overflowing_ratio_gives_the_limit(emu, loss_type, level, dtype):
+    """A ratio beyond the dtype's exp range (docs/math.md section 8, "An overflowing ratio"): with A = 1 (clipped or
+    saturated) and A = 0 the gradient through rho is 0, not 0 * inf = NaN, in the token loop and, at the sequence
+    level, in the row's second pass. float32 at d = 300 is checked against the CPU op on float64 copies (e^300 is
+    finite there); float64 at d = 3000 overflows in both."""
+    log_ratio = 300.0 if dtype == torch.float32 else 3000.0
+    logps = torch.full((2, 3), -1.0, dtype=dtype)
+    old = logps - torch.tensor([log_ratio, 0.1, -0.1], dtype=dtype)
+    adv, mask = torch.tensor([1.0, 0.0], dtype=dtype), torch.ones(2, 3, dtype=torch.bool)
+    options = validate_grpo_loss_args(logps, adv, mask, LossOptions(old_logps=old, loss_type=loss_type,
+                                                                    importance_sampling_level=level))  # fmt: skip
+    _, _, grad_raw, _ = run_forward_backward(emu, (logps, adv, mask, *options.op_args(), True))
+    assert not grad_raw.isnan().any(), grad_raw

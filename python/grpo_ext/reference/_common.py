@@ -1,5 +1,5 @@
 """Helpers of the reference ops: the compute dtype, the logits options, NaN-aware group statistics, and the clamp,
-minimum and absolute value whose gradients at bounds and ties are docs/math.md's (section 8, "Bounds and ties")."""
+minimum, absolute value and ratio whose gradients at bounds, ties and overflow are docs/math.md's (section 8)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,39 @@ def absolute(x: Tensor) -> Tensor:
     and a NaN gradient (``torch.sign`` alone would give 0)."""
     sign = torch.where(torch.isnan(x), x, torch.sign(x)).detach()
     return x * sign
+
+
+class _RatioExp(torch.autograd.Function):
+    """``exp(d)`` whose backward keeps an exactly-zero incoming gradient 0 where ``exp(d)`` overflowed to +inf."""
+
+    @staticmethod
+    def forward(ctx, d: Tensor) -> Tensor:  # type: ignore[override]
+        rho = torch.exp(d)
+        ctx.save_for_backward(rho)
+        return rho
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        (rho,) = ctx.saved_tensors
+        limit_zero = (grad == 0) & ~torch.isnan(rho)  # a NaN ratio (a non-finite input) stays visible
+        return torch.where(limit_zero, torch.zeros_like(grad), grad * rho)
+
+
+def ratio_exp(d: Tensor) -> Tensor:
+    """The importance ratio ``rho = exp(d)`` whose gradient is docs/math.md's (section 8, "An overflowing ratio").
+
+    Where the loss's gradient reaching ``rho`` is exactly 0 (a clipped token, ``A = 0``, a capped or saturated ratio),
+    the gradient reaching ``d`` is 0, also where ``rho`` overflowed to +inf: 0 for every large finite ``rho``, so
+    that is the limit, where torch's ``exp`` backward would give ``0 * inf = NaN``. Double backward works (the backward
+    is written in differentiable torch ops).
+
+    Args:
+        d: floating log-ratio tensor of any shape.
+
+    Returns:
+        ``exp(d)``, ``d``'s shape and dtype.
+    """
+    return _RatioExp.apply(d)
 
 
 def nan_mean_std(x: Tensor, std_ddof: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -17,7 +17,7 @@ from ..validation.options import (
     LossOptions,
     takes_loss_options,
 )
-from ._common import absolute, clamp, compute_dtype, minimum, per_row
+from ._common import absolute, clamp, compute_dtype, minimum, per_row, ratio_exp
 
 
 def vespo_phi(o: LossOptions, log_w: Tensor, adv: Tensor) -> Tensor:
@@ -113,11 +113,11 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
     # ------------------------------------------------------------------ section 3: importance ratio
     d = (l - l_old) * torch.where(ratio_bad, nan, one)  # [B, T]
     if o.importance_sampling_level == "token":
-        rho = torch.exp(d)  # [B, T]
+        rho = ratio_exp(d)  # [B, T]
         log_s = None
     else:  # "sequence" (GSPO)
         log_s = (m * d).sum(dim=1) / torch.clamp(n, min=1)  # [B]
-        rho = torch.exp(log_s).unsqueeze(1).expand(batch, length)  # [B, T]; gradient reaches every token of row i
+        rho = ratio_exp(log_s).unsqueeze(1).expand(batch, length)  # [B, T]; gradient reaches every token of row i
 
     is_w = None
     if o.is_weights is not None:
@@ -133,7 +133,8 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
     elif o.loss_type in CLIP_FAMILY_LOSS_TYPES:
         rho_c = clamp(rho, hi=o.delta)  # min(rho, delta) with a constant delta: a clamp, passing at rho = delta
         clipped = clamp(rho, 1 - o.epsilon, 1 + o.epsilon_high)
-        per_token = -minimum(rho_c * adv, clipped * adv)
+        # A = 0 scores 0 whatever the ratio, an overflowed one too (inf * 0 would be NaN; section 8)
+        per_token = -minimum(torch.where(adv == 0, zero, rho_c * adv), clipped * adv)
     elif o.loss_type == "cispo":
         cap = o.epsilon_high
         per_token = -clamp(rho, hi=cap).detach() * adv * l
