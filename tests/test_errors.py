@@ -183,8 +183,21 @@ def test_advantage_tensor_errors(impl):
         impl.group_advantages(torch.rand(8, 2, 2), 4)
     with pytest.raises(ValueError, match="step_end"):
         impl.process_advantages(torch.rand(4, 2), torch.zeros(4, 3, dtype=torch.long), 2, 5)
-    with pytest.raises(ValueError, match="step_end must be an integer"):
-        impl.process_advantages(torch.rand(4, 2), torch.zeros(4, 2), 2, 5)
+    for dtype in (torch.float32, torch.uint8, torch.int16, torch.bool):  # the kernels read int64 or int32 only
+        with pytest.raises(ValueError, match=rf"step_end must be an int64 \(or int32\) tensor, got {dtype}"):
+            impl.process_advantages(torch.rand(4, 2), torch.zeros(4, 2, dtype=dtype), 2, 5)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["kernel", "reference"])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.bool, torch.float32])
+def test_ids_of_a_dtype_the_kernels_cannot_read_are_a_value_error(impl, dtype):
+    """ids other than int64 or int32 are refused in Python, naming the argument, as a ValueError (an outside audit,
+    2026-11-28: selective_log_softmax's int16 ids reached the native op's RuntimeError)."""
+    logits, ids = torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"ids must be an int64 \(or int32\) tensor, got {dtype}"):
+        impl.selective_log_softmax(logits, ids)
+    with pytest.raises(ValueError, match=rf"completion_ids must be an int64 \(or int32\) tensor, got {dtype}"):
+        impl.grpo_loss_from_logits(logits, ids, torch.ones(2), torch.ones(2, 3))
 
 
 @pytest.mark.parametrize("op", ["grpo_loss_forward", "grpo_loss_from_logits", "grpo_loss_from_logits_"])

@@ -50,7 +50,8 @@ def check_ids_and_mask(rows: int, device: torch.device, completion_ids: Tensor, 
         raise ValueError(f"there are {rows} token rows, but completion_mask [B, T]={(batch, length)} has "
                          f"{batch * length}")  # fmt: skip
     if not isinstance(completion_ids, Tensor) or completion_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"completion_ids must be an int64 tensor, got {getattr(completion_ids, 'dtype', None)}")
+        raise ValueError(f"completion_ids must be an int64 (or int32) tensor, got "
+                         f"{getattr(completion_ids, 'dtype', None)}")  # fmt: skip
     if (completion_ids.numel() != rows or completion_ids.dim() not in (1, 2)
             or (completion_ids.dim() == 2 and tuple(completion_ids.shape) != (batch, length))):  # fmt: skip
         raise ValueError(f"completion_ids must have shape [B, T]={(batch, length)} or [N]=({rows},), "

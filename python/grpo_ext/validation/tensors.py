@@ -23,9 +23,9 @@ def check_floating(name: str, t: Tensor) -> None:
 
 
 def check_integer(name: str, t: Tensor) -> None:
-    """Raises ValueError unless ``t`` has an integer (non-bool) dtype."""
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor (int64), got {t.dtype}")
+    """Raises ValueError unless ``t`` is int64 or int32 (the index dtypes the kernels read)."""
+    if t.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be an int64 (or int32) tensor, got {t.dtype}")
 
 
 def check_shape(name: str, t: Tensor, allowed: Sequence[tuple[int, ...]], described: str) -> None:
