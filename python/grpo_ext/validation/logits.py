@@ -49,9 +49,9 @@ def check_ids_and_mask(rows: int, device: torch.device, completion_ids: Tensor, 
     if rows != batch * length:
         raise ValueError(f"there are {rows} token rows, but completion_mask [B, T]={(batch, length)} has "
                          f"{batch * length}")  # fmt: skip
-    if not isinstance(completion_ids, Tensor) or completion_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"completion_ids must be an int64 (or int32) tensor, got "
-                         f"{getattr(completion_ids, 'dtype', None)}")  # fmt: skip
+    if not isinstance(completion_ids, Tensor):
+        raise ValueError(f"completion_ids must be an int64 (or int32) tensor, got {type(completion_ids).__name__}")
+    check_integer("completion_ids", completion_ids)
     if (completion_ids.numel() != rows or completion_ids.dim() not in (1, 2)
             or (completion_ids.dim() == 2 and tuple(completion_ids.shape) != (batch, length))):  # fmt: skip
         raise ValueError(f"completion_ids must have shape [B, T]={(batch, length)} or [N]=({rows},), "

@@ -80,7 +80,7 @@ def check_finite(name: str, value: object) -> float:
 def check_bool(name: str, value: object) -> bool:
     """Returns ``value`` as a bool, raising ValueError unless it is a bool or a ``numpy.bool_`` (an element of a numpy
     array or config); ``"false"`` from a YAML or command line, which is true in Python, is refused."""
-    if type(value).__name__ == "bool" and type(value).__module__ == "numpy":  # numpy.bool_, without importing numpy
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):  # numpy 2's name, numpy 1's
         return bool(value)
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
