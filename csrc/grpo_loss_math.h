@@ -36,6 +36,16 @@ enum MetricSlot : int {
   kNumMetrics
 };
 
+// A number of the loss that the host may not read: `value`, or device[0] when `device` is set (a one-element tensor
+// on the op's device, in the accumulate type: num_items_in_batch or loss_scale given as a CUDA tensor, which the
+// kernel reads so that the op never syncs the host with the device).
+template <typename T>
+struct DeviceNumber {
+  double value = 0.0;
+  const T* device = nullptr;
+  GRPO_HD double get() const { return device != nullptr ? double(device[0]) : value; }
+};
+
 struct LossParams {
   LossType loss_type = LossType::kGRPO;
   KLEstimator kl_estimator = KLEstimator::kK3;

@@ -27,6 +27,12 @@ GRPO_HD T entropy_row_weight(T entropy_coef, T loss_scale, T mask_total) {
   return entropy_coef * loss_scale / (mask_total > T(1) ? mask_total : T(1));
 }
 
+// The factor of the bonus' mean taken off the loss: entropy_coef * loss_scale (0 without a bonus).
+template <typename T>
+GRPO_HD T entropy_bonus_scale(T entropy_coef, T loss_scale) {
+  return entropy_coef == T(0) ? T(0) : entropy_coef * loss_scale;
+}
+
 // The mean entropy over the kept tokens weighted by their mask values, sum m H / max(sum m, 1) (a mask of 0.5 halves
 // a token's share, as in the loss and the gradient; H is 0 at every token not kept: the passes write it so), and the
 // bonus' mean weighted by w, sum m w H / max(sum m w, 1) (the plain mean without weights): from the float64 sums

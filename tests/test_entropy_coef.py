@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import grpo_ext
-from conftest import DEVICES, assert_close, cast_kwargs
+from conftest import DEVICES, HAS_CUDA, NO_CUDA, assert_close, cast_kwargs
 from grpo_ext import reference
 from grpo_ext.nn import FusedLinearGRPOLoss
 from grpo_ext.validation.options import LOSS_TYPES, LossOptions
@@ -294,6 +294,36 @@ def test_tensor_loss_scale_and_no_grad(device):
     plain = grpo_ext.grpo_loss_from_logits(x, ids, adv, mask, old_logps=old, loss_scale=0.25)
     assert_close(number.loss, tensor.loss, rtol=1e-12, atol=1e-12)
     assert_close(number.loss, plain.loss - COEF * 0.25 * plain.metrics["entropy"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+def test_device_tensor_numbers_never_sync_the_host():
+    """loss_scale and num_items_in_batch as CUDA tensors: grpo_loss_from_logits (with the entropy bonus) and
+    grpo_loss, forward and backward, run without a host sync (torch's sync debug mode raises on one: reading either
+    value on the host would be one) and give what the same numbers give."""
+    logits, ids, adv, mask, old, _ = make_problem(seed=3)
+    logits, ids, adv, mask, old = (t.cuda() for t in (logits, ids, adv, mask, old))
+
+    def run(scale: float | torch.Tensor, num_items: float | torch.Tensor) -> tuple:
+        options = dict(old_logps=old, loss_type="dapo", loss_scale=scale, num_items_in_batch=num_items)
+        x, logps = logits.clone().requires_grad_(True), old.clone().requires_grad_(True)
+        fused = grpo_ext.grpo_loss_from_logits(x, ids, adv, mask, entropy_coef=COEF, **options)
+        fused.loss.backward()
+        plain = grpo_ext.grpo_loss(logps, adv, mask, **options)
+        plain.loss.backward()
+        return fused.loss.detach(), x.grad, plain.loss.detach(), logps.grad
+
+    expected = run(0.25, 17.0)
+    tensors = (torch.tensor(0.25, device="cuda"), torch.tensor(17.0, device="cuda"))
+    run(*tensors)  # the first call's setup outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run(*tensors)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for value, want in zip(got, expected, strict=True):
+        assert_close(value, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -33,6 +33,12 @@ LOSS_CASES = [
     (dict(loss_scale=float("inf")), "loss_scale must be a finite number"),
     (dict(loss_type="dapo", num_items_in_batch="meta"), "num_items_in_batch is on device meta"),
     (dict(loss_scale="meta"), "loss_scale is on device meta"),
+    # a number given as a CPU tensor is checked as the number is (a device tensor's value is not read: a host sync)
+    (dict(loss_scale="nan_scalar"), "loss_scale must be a finite number"),
+    (dict(loss_scale="bool_scalar"), "loss_scale must be a floating or integer tensor"),
+    (dict(loss_scale="vector"), "loss_scale must be a Python number or a 0-dim tensor"),
+    (dict(loss_type="dapo", num_items_in_batch="zero_scalar"), "num_items_in_batch must be > 0"),
+    (dict(loss_type="dapo", num_items_in_batch="bool_scalar"), "num_items_in_batch must be a floating or integer"),
     (dict(sample_mask="nan_float_rows"), "sample_mask holds nan"),
     (dict(kl_clamp=0.0, beta=0.1, ref_logps="ref"), "kl_clamp"),
     (dict(max_completion_length=0), "max_completion_length"),
@@ -42,6 +48,10 @@ LOSS_CASES = [
     (dict(sample_mask="short_rows"), "sample_mask"),
     (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),
 ]
+
+#: Numbers given as bad tensors, by their name in LOSS_CASES.
+SCALAR_TENSORS = {"nan_scalar": torch.tensor(float("nan")), "zero_scalar": torch.tensor(0.0),
+                  "bool_scalar": torch.tensor(True), "vector": torch.ones(2)}  # fmt: skip
 
 #: A flag given as a string (a YAML or command-line value) would be read as True: only a bool is taken.
 FLAG_CASES = [
@@ -72,6 +82,8 @@ def test_loss_argument_errors(impl, batch, kwargs, match):
             value = batch.sample_mask[:3]
         elif value == "meta":  # a tensor on another device than logps (the CPU kernel would read garbage)
             value = torch.tensor(5.0, device="meta")
+        elif value in SCALAR_TENSORS:
+            value = SCALAR_TENSORS[value]
         elif value == "nan_float_rows":
             value = torch.tensor([1.0, float("nan"), *[1.0] * (batch.logps.shape[0] - 2)])
         resolved[key] = value

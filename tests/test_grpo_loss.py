@@ -284,6 +284,30 @@ def test_num_items_in_batch_as_tensor(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_loss_scale_as_tensor(device):
+    """A 0-dim loss_scale tensor (on the log-probs' device or the CPU, floating or integer) scales the loss and its
+    gradient as the number does: 3x those of loss_scale 1, with num_items_in_batch a tensor beside it too."""
+
+    def run(loss_type: str, scale: float | torch.Tensor, num_items: float | torch.Tensor | None = None) -> tuple:
+        logps = batch.logps.clone().requires_grad_(True)
+        out = grpo_ext.grpo_loss(logps, batch.advantages, batch.mask, old_logps=batch.old_logps,
+                                 ref_logps=batch.ref_logps, beta=0.04, loss_type=loss_type, loss_scale=scale,
+                                 num_items_in_batch=num_items)  # fmt: skip
+        out.loss.backward()
+        return out.loss, logps.grad, torch.stack(list(out.metrics.values()))
+
+    batch = make_loss_batch(seed=3).to(device, torch.float32)
+    scales = (torch.tensor(3.0, device=device), torch.tensor(3, device=device), torch.tensor(3.0, dtype=torch.float64))
+    for loss_type, num_items in (("grpo", None), ("dapo", 23.0), ("dapo", torch.tensor(23.0, device=device))):
+        loss, grad, metrics = run(loss_type, 1.0, num_items)
+        for scale in scales:
+            scaled_loss, scaled_grad, scaled_metrics = run(loss_type, scale, num_items)
+            assert_close(scaled_loss, 3.0 * loss, rtol=1e-6, atol=0)
+            assert_close(scaled_grad, 3.0 * grad, rtol=1e-6, atol=1e-12)
+            assert torch.equal(scaled_metrics, metrics)  # the metrics are not scaled
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_grad_mode_and_grad_scaling(device):
     batch = make_loss_batch(seed=4).to(device, torch.float32)
     with torch.no_grad():

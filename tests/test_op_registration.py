@@ -86,23 +86,25 @@ def test_gradcheck_float64(device, loss_type, level):
 @pytest.mark.parametrize("mask_dtype", [None, torch.float32], ids=["batch_mask", "float_mask"])
 def test_torch_compile_fullgraph(device, mask_dtype):
     """The ops under fullgraph compile, with the batch's mask and with a float mask of weights (math.md "Masks"),
-    whose CPU values the Python check does not read under compile (the native op checks them when it runs)."""
+    whose CPU values the Python check does not read under compile (the native op checks them when it runs), and with
+    loss_scale and num_items_in_batch as tensor inputs of the graph (the ops take them as tensors: no value read)."""
     torch._dynamo.reset()
     batch = make_loss_batch(seed=2, batch=8, seq_len=16).to(device, torch.float32)
     rewards = torch.rand(8, device=device)
     mask = batch.mask if mask_dtype is None else batch.mask.to(mask_dtype) * 0.75
+    scale, num_items = torch.tensor(0.5, device=device), torch.tensor(40.0, device=device)
 
-    def step(logps, rewards):
+    def step(logps, rewards, scale, num_items):
         adv = grpo_ext.group_advantages(rewards, 4).advantages
-        out = grpo_ext.grpo_loss(logps, adv, mask, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
-                                 beta=0.04, loss_type="dapo")  # fmt: skip
+        out = grpo_ext.grpo_loss(logps, adv, mask, old_logps=batch.old_logps, ref_logps=batch.ref_logps, beta=0.04,
+                                 loss_type="dapo", loss_scale=scale, num_items_in_batch=num_items)  # fmt: skip
         return out.loss, out.metrics["kl"]
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     l_eager = batch.logps.clone().requires_grad_(True)
     l_comp = batch.logps.clone().requires_grad_(True)
-    loss_e, kl_e = step(l_eager, rewards)
-    loss_c, kl_c = compiled(l_comp, rewards)
+    loss_e, kl_e = step(l_eager, rewards, scale, num_items)
+    loss_c, kl_c = compiled(l_comp, rewards, scale, num_items)
     loss_e.backward()
     loss_c.backward()
     assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
@@ -111,7 +113,7 @@ def test_torch_compile_fullgraph(device, mask_dtype):
     if device == "cpu" and mask_dtype is not None:  # an inf mask value is still refused, by the op itself
         mask[0, 0] = float("inf")
         with pytest.raises(RuntimeError, match="completion_mask holds inf"):
-            compiled(batch.logps.clone().requires_grad_(True), rewards)
+            compiled(batch.logps.clone().requires_grad_(True), rewards, scale, num_items)
 
 
 @pytest.mark.parametrize("impl", [grpo_ext, reference], ids=["kernel", "reference"])
@@ -161,6 +163,27 @@ def test_meta_inputs_give_the_output_shapes():
     with pytest.raises(ValueError, match="hidden must have a hidden size H >= 1"):
         grpo_ext.grpo_loss_from_hidden(torch.randn(2, 3, 0), torch.randn(6, 0), torch.zeros(2, 3, dtype=torch.int64),
                                        torch.ones(2), torch.ones(2, 3))  # fmt: skip
+
+
+def test_tensor_numbers_reach_the_ops_unread():
+    """loss_scale and num_items_in_batch given as tensors go to the native ops as those tensors, beside their number
+    arguments' placeholders, in the full validation's arguments and the per-call fast path's alike, and back."""
+    from grpo_ext.validation import resolve_grpo_loss_args
+    from grpo_ext.validation.options import NATIVE_OPTION_NAMES, LossOptions
+
+    scale, num_items = torch.tensor(0.5), torch.tensor(7.0)
+    options = LossOptions(loss_type="dapo", loss_scale=scale, num_items_in_batch=num_items)
+    logps, adv, mask = torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3)
+    _, fast_args = resolve_grpo_loss_args("grpo_loss", logps, adv, mask, options._asdict())
+    for op_args in (options.op_args(), fast_args):
+        args = dict(zip(NATIVE_OPTION_NAMES, op_args, strict=True))
+        assert args["loss_scale"] == 1.0 and args["loss_scale_tensor"] is scale
+        assert args["num_items_in_batch"] is None and args["num_items_tensor"] is num_items
+        back = LossOptions.from_op_args(op_args)
+        assert back.loss_scale is scale and back.num_items_in_batch is num_items and back.loss_type == "dapo"
+    number_args = dict(zip(NATIVE_OPTION_NAMES, LossOptions(loss_scale=2, num_items_in_batch=3).op_args(), strict=True))
+    assert number_args["loss_scale"] == 2.0 and number_args["loss_scale_tensor"] is None
+    assert number_args["num_items_in_batch"] == 3.0 and number_args["num_items_tensor"] is None
 
 
 def test_build_info():

@@ -207,7 +207,8 @@ struct CpuLogitsLoss {
     run_logits_pass(plan);
   }
   void loss(LossForwardPlan& plan) { run_loss_forward_cpu(plan); }
-  Tensor entropy(const LogitsPassPlan& plan, double bonus_scale, Tensor& loss) {
+  Tensor entropy(const LogitsPassPlan& plan, double entropy_coef, Tensor& loss) {
+    const double bonus_scale = entropy_bonus_scale(entropy_coef, plan.loss.loss_scale);  // a host loss_scale here
     const Tensor& entropy = plan.entropy;
     Tensor mean = new_empty(entropy, {}, entropy.scalar_type());
     if (entropy.scalar_type() == ScalarType::Double) {

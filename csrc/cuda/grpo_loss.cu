@@ -11,9 +11,8 @@ template <typename T>
 void forward_impl(LossForwardPlan& plan, cudaStream_t stream) {
   // The row partials in float64 whatever T: they are summed as the CPU kernel sums them (grpo_loss.cuh).
   Tensor partials = new_empty(plan.loss, {plan.inputs.batch, kNumRowSlots}, ScalarType::Double);
-  const T* num_items_device = plan.num_items_device.defined() ? plan.num_items_device.const_data_ptr<T>() : nullptr;
-  launch_grpo_loss_forward<T>(plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items, plan.num_items,
-                              num_items_device, plan.loss_scale,
+  launch_grpo_loss_forward<T>(plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items,
+                              plan.num_items_arg<T>(), plan.loss_scale_arg<T>(),
                               plan.params.compute_grad ? plan.grad_raw.mutable_data_ptr<T>() : nullptr,
                               partials.mutable_data_ptr<double>(), plan.loss.mutable_data_ptr<T>(),
                               plan.metrics.mutable_data_ptr<T>(), plan.grad_scale.mutable_data_ptr<T>(), stream);

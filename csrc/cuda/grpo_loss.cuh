@@ -198,9 +198,8 @@ __global__ void __launch_bounds__(256)
 template <typename T>
 __global__ void __launch_bounds__(256)
     grpo_loss_finalize_kernel(LossParams p, const double* __restrict__ partials, int64_t batch,
-                              int64_t max_completion_length, bool has_num_items, double num_items_value,
-                              const T* __restrict__ num_items_device, double loss_scale, T* loss_out, T* metrics_out,
-                              T* grad_scale_out) {
+                              int64_t max_completion_length, bool has_num_items, DeviceNumber<T> num_items,
+                              DeviceNumber<T> loss_scale, T* loss_out, T* metrics_out, T* grad_scale_out) {
   __shared__ double scratch[kNumRowSlots * 32];
   double totals[kNumRowSlots];
 #pragma unroll
@@ -211,10 +210,9 @@ __global__ void __launch_bounds__(256)
   }
   block_sum<double, kNumRowSlots>(totals, scratch);
   if (threadIdx.x == 0) {
-    const double num_items = num_items_device ? double(num_items_device[0]) : num_items_value;
     double loss, metrics[kNumMetrics], grad_scale;
-    finalize_loss<double>(p, totals, batch, max_completion_length, has_num_items, num_items, loss_scale, &loss, metrics,
-                          &grad_scale);
+    finalize_loss<double>(p, totals, batch, max_completion_length, has_num_items, num_items.get(), loss_scale.get(),
+                          &loss, metrics, &grad_scale);
     *loss_out = T(loss);
     *grad_scale_out = T(grad_scale);
 #pragma unroll
@@ -257,15 +255,14 @@ inline int loss_threads_per_row(int64_t seq_len) {
 // `partials`: [batch, kNumRowSlots] float64 scratch whatever T (the row partials are summed in double).
 template <typename T>
 void launch_grpo_loss_forward(const LossParams& p, const LossInputs& in, int64_t max_completion_length,
-                              bool has_num_items, double num_items_value, const T* num_items_device, double loss_scale,
-                              T* grad, double* partials, T* loss_out, T* metrics_out, T* grad_scale_out,
-                              cudaStream_t stream) {
+                              bool has_num_items, DeviceNumber<T> num_items, DeviceNumber<T> loss_scale, T* grad,
+                              double* partials, T* loss_out, T* metrics_out, T* grad_scale_out, cudaStream_t stream) {
   const int64_t max_blocks = int64_t(1) << 30;
   const unsigned blocks = static_cast<unsigned>(in.batch < max_blocks ? in.batch : max_blocks);
   GRPO_LAUNCH(blocks, loss_threads_per_row(in.seq_len), 0, stream, grpo_loss_rows_kernel<T>)(p, in, grad, partials);
   GRPO_LAUNCH(1, 256, 0, stream, grpo_loss_finalize_kernel<T>)(p, partials, in.batch, max_completion_length,
-                                                               has_num_items, num_items_value, num_items_device,
-                                                               loss_scale, loss_out, metrics_out, grad_scale_out);
+                                                               has_num_items, num_items, loss_scale, loss_out,
+                                                               metrics_out, grad_scale_out);
 }
 
 template <typename T, typename Out>

@@ -41,10 +41,9 @@ void run_pass(LogitsPassPlan& plan, bool grad_in_logits, const CudaCall& call) {
   if (args.compute_grad && (!plan.token_grad.present() || args.entropy_bonus)) {
     row_weight = new_empty(plan.logps, {plan.loss.inputs.batch + 1}, plan.logps.scalar_type());
     const LossForwardPlan& lp = plan.loss;
-    const T* num_items_device = lp.num_items_device.defined() ? lp.num_items_device.const_data_ptr<T>() : nullptr;
-    launch_grpo_loss_from_logits_row_weights<T>(
-        lp.params, lp.inputs, lp.max_completion_length, lp.has_num_items, T(lp.num_items), num_items_device,
-        T(lp.loss_scale), T(plan.entropy_coef), plan.entropy_weights, row_weight.mutable_data_ptr<T>(), stream);
+    launch_grpo_loss_from_logits_row_weights<T>(lp.params, lp.inputs, lp.max_completion_length, lp.has_num_items,
+                                                lp.num_items_arg<T>(), lp.loss_scale_arg<T>(), T(plan.entropy_coef),
+                                                plan.entropy_weights, row_weight.mutable_data_ptr<T>(), stream);
     check_launch();
   }
   launch_grpo_loss_from_logits<T, In>(args, plan.logit.transform<T>(),
@@ -84,17 +83,17 @@ struct CudaLogitsLoss {
   const CudaCall& call;
   void pass(LogitsPassPlan& plan, bool grad_in_logits) { run_logits_pass(plan, grad_in_logits, call); }
   void loss(LossForwardPlan& plan) { run_loss_forward_cuda(plan, call.stream()); }
-  Tensor entropy(const LogitsPassPlan& plan, double bonus_scale, Tensor& loss) {
+  Tensor entropy(const LogitsPassPlan& plan, double entropy_coef, Tensor& loss) {
     const Tensor& entropy = plan.entropy;
     Tensor mean = new_empty(entropy, {}, entropy.scalar_type());
     if (entropy.scalar_type() == ScalarType::Double) {
       launch_kept_entropy_mean<double>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<double>(),
-                                       bonus_scale, loss.mutable_data_ptr<double>(), mean.mutable_data_ptr<double>(),
-                                       call.stream());
+                                       entropy_coef, plan.loss.loss_scale_arg<double>(),
+                                       loss.mutable_data_ptr<double>(), mean.mutable_data_ptr<double>(), call.stream());
     } else {
       launch_kept_entropy_mean<float>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<float>(),
-                                      bonus_scale, loss.mutable_data_ptr<float>(), mean.mutable_data_ptr<float>(),
-                                      call.stream());
+                                      entropy_coef, plan.loss.loss_scale_arg<float>(), loss.mutable_data_ptr<float>(),
+                                      mean.mutable_data_ptr<float>(), call.stream());
     }
     check_launch();
     return mean;

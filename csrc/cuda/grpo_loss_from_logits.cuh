@@ -31,9 +31,9 @@ namespace grpo_ext {
 template <typename T>
 __global__ void __launch_bounds__(1024)
     grpo_loss_from_logits_row_weights_kernel(LossParams p, LossInputs in, int64_t max_completion_length,
-                                             bool has_num_items, T num_items_value,
-                                             const T* __restrict__ num_items_device, T loss_scale, T entropy_coef,
-                                             StridedMatrix entropy_weights, T* __restrict__ row_weight) {
+                                             bool has_num_items, DeviceNumber<T> num_items, DeviceNumber<T> loss_scale,
+                                             T entropy_coef, StridedMatrix entropy_weights,
+                                             T* __restrict__ row_weight) {
   __shared__ double scratch[3 * 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   double weighted = 0.0;  // this thread's part of sum m * w (only with entropy_weights): tokens of many rows
@@ -54,11 +54,10 @@ __global__ void __launch_bounds__(1024)
     total[1] += row_weight[b] > T(0) ? 1.0 : 0.0;
   }
   block_sum<double, 3>(total, scratch);
-  const double num_items = num_items_device ? double(num_items_device[0]) : double(num_items_value);
   const double scale = global_loss_scale<double>(p, in.batch, max_completion_length, total[0], total[1], has_num_items,
-                                                 num_items, double(loss_scale));
+                                                 num_items.get(), loss_scale.get());
   if (threadIdx.x == 0) {  // before the rows' loop: so ordered, the float kernel fits 32 registers, no spill
-    row_weight[in.batch] = T(entropy_row_weight<double>(double(entropy_coef), double(loss_scale),
+    row_weight[in.batch] = T(entropy_row_weight<double>(double(entropy_coef), loss_scale.get(),
                                                         entropy_weights.present() ? total[2] : total[0]));
   }
   for (int64_t b = threadIdx.x; b < in.batch; b += blockDim.x) {
@@ -141,12 +140,11 @@ __global__ void __launch_bounds__(1024) scale_rows_kernel(LogitsRows rows, const
 
 template <typename T>
 void launch_grpo_loss_from_logits_row_weights(const LossParams& p, const LossInputs& in, int64_t max_completion_length,
-                                              bool has_num_items, T num_items_value, const T* num_items_device,
-                                              T loss_scale, T entropy_coef, const StridedMatrix& entropy_weights,
-                                              T* row_weight, cudaStream_t stream) {
+                                              bool has_num_items, DeviceNumber<T> num_items, DeviceNumber<T> loss_scale,
+                                              T entropy_coef, const StridedMatrix& entropy_weights, T* row_weight,
+                                              cudaStream_t stream) {
   GRPO_LAUNCH(1, 1024, 0, stream, grpo_loss_from_logits_row_weights_kernel<T>)(
-      p, in, max_completion_length, has_num_items, num_items_value, num_items_device, loss_scale, entropy_coef,
-      entropy_weights, row_weight);
+      p, in, max_completion_length, has_num_items, num_items, loss_scale, entropy_coef, entropy_weights, row_weight);
 }
 
 // Threads per block of the two-read kernel: row_threads, at most device.max_threads (two_read_threads when 0).

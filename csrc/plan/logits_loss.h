@@ -56,9 +56,9 @@ inline LossForwardPlan loss_plan_after_pass(const LogitsPassPlan& pass, const Lo
 // The whole loss on `device`, which provides
 //   pass(LogitsPassPlan&, bool grad_in_logits): the fused pass over the plan's rows;
 //   loss(LossForwardPlan&): grpo_loss' forward of the plan;
-//   entropy(const LogitsPassPlan&, double bonus_scale, Tensor& loss) -> the mean of the plan's entropy over the kept
-//     tokens (entropy_means in logits_loss_math.h), with loss -= bonus_scale * (the bonus' mean) in place when
-//     bonus_scale != 0.
+//   entropy(const LogitsPassPlan&, double entropy_coef, Tensor& loss) -> the mean of the plan's entropy over the kept
+//     tokens (entropy_means in logits_loss_math.h), with loss -= entropy_bonus_scale(entropy_coef, the plan's
+//     loss_scale) * (the bonus' mean) in place when entropy_coef != 0.
 // `inplace`: the gradient is written over `logits` (the caller checked them with check_inplace_logits).
 template <typename Device>
 LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor& ids, const Tensor& advantages,
@@ -91,8 +91,7 @@ LogitsLossResult logits_loss(Device& device, const Tensor& logits, const Tensor&
     device.pass(second, inplace);
     grad = second.grad_logits;
   }
-  const double bonus_scale = entropy_coef == 0.0 ? 0.0 : entropy_coef * options.loss_scale;
-  Tensor entropy_mean = device.entropy(pass, bonus_scale, loss.loss);
+  Tensor entropy_mean = device.entropy(pass, entropy_coef, loss.loss);
   if (compute_grad && !inplace) grad = view_contiguous(grad, logits.sizes());  // [N, V] as the logits' [B, T, V]
   return {loss.loss, loss.metrics, entropy_mean, grad, pass.logps, pass.entropy};
 }

@@ -17,33 +17,35 @@
 #include "checks.h"
 
 // X(schema type, C++ parameter type, name), in the order the ops take them after their tensors and masks. The
-// Python LossOptions (python/grpo_ext/ops/options.py) has the same names in the same order; num_items_in_batch is
-// a number there or a tensor, split here into a float and a one-element tensor.
-#define GRPO_LOSS_OPTIONS(X)                                   \
-  X("Tensor?", const std::optional<Tensor>&, old_logps)        \
-  X("Tensor?", const std::optional<Tensor>&, ref_logps)        \
-  X("Tensor?", const std::optional<Tensor>&, is_weights)       \
-  X("Tensor?", const std::optional<Tensor>&, sample_mask)      \
-  X("str", std::string_view, loss_type)                        \
-  X("float", double, epsilon)                                  \
-  X("float", double, epsilon_high)                             \
-  X("float?", std::optional<double>, delta)                    \
-  X("float", double, beta)                                     \
-  X("str", std::string_view, kl_estimator)                     \
-  X("float?", std::optional<double>, kl_clamp)                 \
-  X("bool", bool, use_bias_correction_kl)                      \
-  X("str", std::string_view, importance_sampling_level)        \
-  X("int", int64_t, max_completion_length)                     \
-  X("float?", std::optional<double>, num_items_in_batch)       \
-  X("Tensor?", const std::optional<Tensor>&, num_items_tensor) \
-  X("float", double, sapo_temperature_pos)                     \
-  X("float", double, sapo_temperature_neg)                     \
-  X("float", double, vespo_k_pos)                              \
-  X("float", double, vespo_lambda_pos)                         \
-  X("float", double, vespo_k_neg)                              \
-  X("float", double, vespo_lambda_neg)                         \
-  X("float", double, loss_scale)                               \
-  X("bool", bool, skip_empty_rows)                             \
+// Python LossOptions (python/grpo_ext/ops/options.py) has the same names in the same order; num_items_in_batch and
+// loss_scale are a number there or a tensor, each split here into a float and a one-element tensor (a device tensor
+// is read by the kernels, never by the host: reading it here would sync the host with the device).
+#define GRPO_LOSS_OPTIONS(X)                                    \
+  X("Tensor?", const std::optional<Tensor>&, old_logps)         \
+  X("Tensor?", const std::optional<Tensor>&, ref_logps)         \
+  X("Tensor?", const std::optional<Tensor>&, is_weights)        \
+  X("Tensor?", const std::optional<Tensor>&, sample_mask)       \
+  X("str", std::string_view, loss_type)                         \
+  X("float", double, epsilon)                                   \
+  X("float", double, epsilon_high)                              \
+  X("float?", std::optional<double>, delta)                     \
+  X("float", double, beta)                                      \
+  X("str", std::string_view, kl_estimator)                      \
+  X("float?", std::optional<double>, kl_clamp)                  \
+  X("bool", bool, use_bias_correction_kl)                       \
+  X("str", std::string_view, importance_sampling_level)         \
+  X("int", int64_t, max_completion_length)                      \
+  X("float?", std::optional<double>, num_items_in_batch)        \
+  X("Tensor?", const std::optional<Tensor>&, num_items_tensor)  \
+  X("float", double, sapo_temperature_pos)                      \
+  X("float", double, sapo_temperature_neg)                      \
+  X("float", double, vespo_k_pos)                               \
+  X("float", double, vespo_lambda_pos)                          \
+  X("float", double, vespo_k_neg)                               \
+  X("float", double, vespo_lambda_neg)                          \
+  X("float", double, loss_scale)                                \
+  X("Tensor?", const std::optional<Tensor>&, loss_scale_tensor) \
+  X("bool", bool, skip_empty_rows)                              \
   X("Tensor?", const std::optional<Tensor>&, policy_weights)
 
 #define GRPO_OPTION_SCHEMA(schema_type, cpp_type, name) schema_type " " #name ", "
@@ -86,10 +88,20 @@ struct LossForwardPlan {
   LossInputs inputs;
   int64_t max_completion_length = 1;
   bool has_num_items = false;
-  double num_items = 0.0;   // used when has_num_items and num_items_device is empty
-  Tensor num_items_device;  // 1-element accumulate-type tensor on the op's device, or undefined
-  double loss_scale = 1.0;
+  double num_items = 0.0;    // used when has_num_items and num_items_device is empty
+  Tensor num_items_device;   // 1-element accumulate-type tensor on the op's device, or undefined
+  double loss_scale = 1.0;   // times loss_scale_device[0] when that is defined (then this is 1)
+  Tensor loss_scale_device;  // 1-element accumulate-type tensor on the op's device, or undefined
   Tensor loss, metrics, grad_raw, grad_scale;
+  // The two numbers as a kernel takes them (T: the accumulate type of the *_device tensors).
+  template <typename T>
+  DeviceNumber<T> num_items_arg() const {
+    return {num_items, num_items_device.defined() ? num_items_device.const_data_ptr<T>() : nullptr};
+  }
+  template <typename T>
+  DeviceNumber<T> loss_scale_arg() const {
+    return {loss_scale, loss_scale_device.defined() ? loss_scale_device.const_data_ptr<T>() : nullptr};
+  }
   LossForwardResult result() const { return {loss, metrics, grad_raw, grad_scale}; }
 };
 
@@ -104,6 +116,17 @@ inline void check_mask_finite(const Tensor& mask, const StridedMatrix& view, int
       GRPO_CHECK(std::isfinite(v), name, " holds ", v, "; a mask's values must be finite (0 or 1, or weights)");
     }
   }
+}
+
+// A number given as a one-element tensor: its value when the tensor is on the host (reading it needs no device
+// sync), else nullopt and `*device_copy` set to it on `like`'s device in `acc`, for the kernels to read.
+inline std::optional<double> host_value_or_device_copy(const Tensor& t, const char* name, const Tensor& like,
+                                                       const char* like_name, ScalarType acc, Tensor* device_copy) {
+  GRPO_CHECK(t.numel() == 1, name, " must be a number or a one-element tensor, got shape ", shape(t));
+  if (t.is_cpu()) return StridedMatrix{t.data_ptr(), dtype_tag(t.scalar_type(), name)}.load<double>(0, 0);
+  check_same_device(t, like, name, like_name);
+  *device_copy = torch::stable::to(torch::stable::reshape(t, {1}), acc);
+  return std::nullopt;
 }
 
 // The loss inputs of a [batch, seq_len] problem, checked and viewed, without outputs (allocate_loss_outputs);
@@ -204,8 +227,18 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const Te
 
   GRPO_CHECK(o.max_completion_length >= 1, "max_completion_length must be >= 1, got ", o.max_completion_length);
   plan.max_completion_length = o.max_completion_length;
+  GRPO_CHECK(!(o.loss_scale != 1.0 && o.loss_scale_tensor.has_value()),
+             "pass loss_scale as a number or as a tensor, not both");
   GRPO_CHECK(std::isfinite(o.loss_scale), "loss_scale must be a finite number, got ", o.loss_scale);
   plan.loss_scale = o.loss_scale;
+  if (o.loss_scale_tensor.has_value()) {
+    const auto value =
+        host_value_or_device_copy(*o.loss_scale_tensor, "loss_scale", like, like_name, acc, &plan.loss_scale_device);
+    if (value.has_value()) {
+      GRPO_CHECK(std::isfinite(*value), "loss_scale must be a finite number, got ", *value);
+      plan.loss_scale = *value;
+    }
+  }
 
   GRPO_CHECK(!(o.num_items_in_batch.has_value() && o.num_items_tensor.has_value()),
              "pass num_items_in_batch as a number or as a tensor, not both");
@@ -214,15 +247,12 @@ inline LossForwardPlan plan_loss_inputs(int64_t batch, int64_t seq_len, const Te
     plan.has_num_items = true;
     plan.num_items = *o.num_items_in_batch;
   } else if (o.num_items_tensor.has_value()) {
-    const Tensor& n = *o.num_items_tensor;
-    GRPO_CHECK(n.numel() == 1, "num_items_in_batch must be a number or a one-element tensor, got shape ", shape(n));
     plan.has_num_items = true;
-    if (n.is_cpu()) {  // a host tensor: reading it needs no device sync
-      plan.num_items = StridedMatrix{n.data_ptr(), dtype_tag(n.scalar_type(), "num_items_in_batch")}.load<double>(0, 0);
-      GRPO_CHECK(plan.num_items > 0, "num_items_in_batch must be > 0, got ", plan.num_items);
-    } else {
-      check_same_device(n, like, "num_items_in_batch", like_name);
-      plan.num_items_device = torch::stable::to(torch::stable::reshape(n, {1}), acc);
+    const auto value = host_value_or_device_copy(*o.num_items_tensor, "num_items_in_batch", like, like_name, acc,
+                                                 &plan.num_items_device);
+    if (value.has_value()) {
+      GRPO_CHECK(*value > 0, "num_items_in_batch must be > 0, got ", *value);
+      plan.num_items = *value;
     }
   }
 

@@ -139,8 +139,8 @@ MUTATIONS = [
     Mutation("skipped launch", "logits_loss: a sequence-level loss's second pass (which writes the gradient) not run",
              "plan/logits_loss.h", "    device.pass(second, inplace);\n", ""),
     Mutation("wrong scale", "logits_loss: the entropy bonus taken off the loss without loss_scale",
-             "plan/logits_loss.h", "bonus_scale = entropy_coef == 0.0 ? 0.0 : entropy_coef * options.loss_scale;",
-             "bonus_scale = entropy_coef == 0.0 ? 0.0 : entropy_coef;"),
+             "logits_loss_math.h", "return entropy_coef == T(0) ? T(0) : entropy_coef * loss_scale;",
+             "return entropy_coef == T(0) ? T(0) : entropy_coef;"),
     Mutation("wrong level", "logits_loss: the loss of the pass's log-probs planned per token whatever the option",
              "plan/logits_loss.h",
              "plan.params.sequence_level = parse_sequence_level(options.importance_sampling_level);",
@@ -222,6 +222,8 @@ MUTATIONS = [
     Mutation("launch over the bound", "logits pass: the full-occupancy build (__launch_bounds__(256, 8)) launched with "
              "blocks of more than 256 threads", "cuda/grpo_loss_from_logits.cuh",
              "if (device.full_occupancy && threads <= 256) {", "if (device.full_occupancy) {"),
+    Mutation("host value", "a number given as a device tensor (loss_scale, num_items_in_batch) not read by the kernel",
+             "grpo_loss_math.h", "return device != nullptr ? double(device[0]) : value;", "return value;"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

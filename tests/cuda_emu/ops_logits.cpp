@@ -116,10 +116,9 @@ void run_pass(grpo_ext::LogitsPassPlan& plan, bool grad_in_logits) {
   if (args.compute_grad && (!plan.token_grad.present() || args.entropy_bonus)) {
     row_weight = grpo_ext::new_empty(plan.logps, {plan.loss.inputs.batch + 1}, plan.logps.scalar_type());
     const grpo_ext::LossForwardPlan& lp = plan.loss;
-    const T* num_items_device = lp.num_items_device.defined() ? lp.num_items_device.const_data_ptr<T>() : nullptr;
     grpo_ext::launch_grpo_loss_from_logits_row_weights<T>(
-        lp.params, lp.inputs, lp.max_completion_length, lp.has_num_items, T(lp.num_items), num_items_device,
-        T(lp.loss_scale), T(plan.entropy_coef), plan.entropy_weights, row_weight.mutable_data_ptr<T>(), nullptr);
+        lp.params, lp.inputs, lp.max_completion_length, lp.has_num_items, lp.num_items_arg<T>(), lp.loss_scale_arg<T>(),
+        T(plan.entropy_coef), plan.entropy_weights, row_weight.mutable_data_ptr<T>(), nullptr);
   }
   grpo_ext::launch_grpo_loss_from_logits<T, In>(args, plan.logit.transform<T>(),
                                                 row_weight.defined() ? row_weight.mutable_data_ptr<T>() : nullptr,
@@ -169,17 +168,18 @@ std::vector<Tensor> logits_pass_inplace(Args& a) {
 struct EmuLogitsLoss {
   void pass(grpo_ext::LogitsPassPlan& plan, bool grad_in_logits) { run_logits_pass(plan, grad_in_logits); }
   void loss(grpo_ext::LossForwardPlan& plan) { run_loss_forward(plan); }
-  grpo_ext::Tensor entropy(const grpo_ext::LogitsPassPlan& plan, double bonus_scale, grpo_ext::Tensor& loss) {
+  grpo_ext::Tensor entropy(const grpo_ext::LogitsPassPlan& plan, double entropy_coef, grpo_ext::Tensor& loss) {
     const grpo_ext::Tensor& entropy = plan.entropy;
     grpo_ext::Tensor mean = grpo_ext::new_empty(entropy, {}, entropy.scalar_type());
     if (entropy.scalar_type() == grpo_ext::ScalarType::Double) {
-      grpo_ext::launch_kept_entropy_mean<double>(
-          plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<double>(), bonus_scale,
-          loss.mutable_data_ptr<double>(), mean.mutable_data_ptr<double>(), nullptr);
+      grpo_ext::launch_kept_entropy_mean<double>(plan.loss.inputs, plan.entropy_weights,
+                                                 entropy.const_data_ptr<double>(), entropy_coef,
+                                                 plan.loss.loss_scale_arg<double>(), loss.mutable_data_ptr<double>(),
+                                                 mean.mutable_data_ptr<double>(), nullptr);
     } else {
-      grpo_ext::launch_kept_entropy_mean<float>(plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<float>(),
-                                                bonus_scale, loss.mutable_data_ptr<float>(),
-                                                mean.mutable_data_ptr<float>(), nullptr);
+      grpo_ext::launch_kept_entropy_mean<float>(
+          plan.loss.inputs, plan.entropy_weights, entropy.const_data_ptr<float>(), entropy_coef,
+          plan.loss.loss_scale_arg<float>(), loss.mutable_data_ptr<float>(), mean.mutable_data_ptr<float>(), nullptr);
     }
     return mean;
   }

@@ -53,10 +53,9 @@ namespace {
 template <typename T>
 void forward_impl(grpo_ext::LossForwardPlan& plan) {
   const Tensor partials = empty({plan.inputs.batch, grpo_ext::kNumRowSlots}, DType::kFloat64);  // as grpo_loss.cu
-  const T* num_items_device = plan.num_items_device.defined() ? plan.num_items_device.const_data_ptr<T>() : nullptr;
   grpo_ext::launch_grpo_loss_forward<T>(
-      plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items, plan.num_items, num_items_device,
-      plan.loss_scale, plan.params.compute_grad ? plan.grad_raw.mutable_data_ptr<T>() : nullptr,
+      plan.params, plan.inputs, plan.max_completion_length, plan.has_num_items, plan.num_items_arg<T>(),
+      plan.loss_scale_arg<T>(), plan.params.compute_grad ? plan.grad_raw.mutable_data_ptr<T>() : nullptr,
       partials.data_as<double>(), plan.loss.mutable_data_ptr<T>(), plan.metrics.mutable_data_ptr<T>(),
       plan.grad_scale.mutable_data_ptr<T>(), nullptr);
 }

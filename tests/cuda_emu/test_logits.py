@@ -249,14 +249,16 @@ def test_logits_pass_zero_weight_tokens(emu, logit, level):
 
 
 def test_logits_pass_chunks_and_num_items(emu):
-    """Rows [row_offset, row_offset + R) of the flattened problem, as the hidden-state loss chunks them."""
+    """Rows [row_offset, row_offset + R) of the flattened problem, as the hidden-state loss chunks them; a tensor
+    num_items_in_batch and loss_scale read by the row-weights kernel on the device."""
     logits, ids, adv, mask, old, ref = make_problem(seed=12)
     flat, flat_ids = logits.float().reshape(24, 50), ids.reshape(-1)
     for start, stop in ((0, 7), (7, 19), (19, 24)):
-        for loss_type, num_items in (("dapo", torch.tensor(37.0)), ("grpo", None), ("dr_grpo", None)):
+        for loss_type, num_items, scale in (("dapo", torch.tensor(37.0), 0.25), ("dapo", 37.0, torch.tensor(0.25)),
+                                            ("grpo", None, 0.25), ("dr_grpo", None, torch.tensor(0.25))):
             args = pass_args(flat[start:stop], flat_ids[start:stop], adv.float(), mask, row_offset=start,
                              old_logps=old.float(), ref_logps=ref.float(), beta=0.1, loss_type=loss_type,
-                             num_items_in_batch=num_items, max_completion_length=9, loss_scale=0.25)  # fmt: skip
+                             num_items_in_batch=num_items, max_completion_length=9, loss_scale=scale)  # fmt: skip
             check_op(emu, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
 
 
@@ -333,7 +335,8 @@ def test_skip_empty_rows_with_one_token_rows(emu, loss_type, level):
     """skip_empty_rows for the loss types whose per-row means it changes: rows of no kept token (row 0; row 5,
     dropped by the sample mask), of one (rows 2 and 3: the first token, the last; a float mask weights row 3's 0.5)
     and longer ones. The row-weights kernel counts the rows with a kept token for the pass (token level), the loss
-    kernel for the whole op (both levels); the whole op with the entropy bonus and loss_scale 0.5."""
+    kernel for the whole op (both levels); the whole op with the entropy bonus and loss_scale 0.5, as a number and as
+    a tensor (read by the row-weights, loss and entropy kernels on the device)."""
     logits, ids, adv, mask, old, _ = make_problem(6, 5, 50, seed=60)
     mask[2:4] = False
     mask[2, 0] = mask[3, -1] = True
@@ -348,9 +351,11 @@ def test_skip_empty_rows_with_one_token_rows(emu, loss_type, level):
         if level == "token":
             check_op(emu, "grpo_loss_from_logits_pass", *pass_args(x, flat_ids, adv.float(), row_mask, **options),
                      tol=PASS_TOL, names=PASS_NAMES)  # fmt: skip
-        resolved = validate_grpo_loss_args(torch.empty(6, 5), adv.float(), row_mask, LossOptions(**options))
-        args = (x, flat_ids, adv.float(), row_mask, *resolved.op_args(), 0.9, 1.0, 0.0, 0.03, None, True)
-        check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES)
+        for scale in (0.5, torch.tensor(0.5)):
+            resolved = validate_grpo_loss_args(torch.empty(6, 5), adv.float(), row_mask,
+                                               LossOptions(**{**options, "loss_scale": scale}))  # fmt: skip
+            args = (x, flat_ids, adv.float(), row_mask, *resolved.op_args(), 0.9, 1.0, 0.0, 0.03, None, True)
+            check_op(emu, "grpo_loss_from_logits", *args, tol=LOGITS_LOSS_TOL, names=LOGITS_LOSS_NAMES)
 
 
 @pytest.mark.parametrize("lane", ["odd", "even"])

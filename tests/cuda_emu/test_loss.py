@@ -159,12 +159,13 @@ def test_row_lengths(emu, batch_size, seq_len):
         run_forward_backward(emu, forward_args(batch, case_kwargs(loss_type, level, "k3", "plain")))
 
 
-def test_num_items_and_no_grad(emu):
+def test_num_items_loss_scale_and_no_grad(emu):
+    """num_items_in_batch and loss_scale as numbers and as device tensors (the finalize kernel reads those)."""
     batch = make_loss_batch(seed=2).to("cpu", torch.float32)
     for num_items in (23.0, torch.tensor(23.0), torch.tensor(23)):  # a number; a device tensor
-        for loss_type in ("dapo", "cispo"):
-            args = forward_args(batch, dict(loss_type=loss_type, num_items_in_batch=num_items, old_logps="old_logps"))
-            run_forward_backward(emu, args)
+        for loss_type, scale in (("dapo", 0.5), ("cispo", torch.tensor(0.5)), ("dapo", torch.tensor(3))):
+            kwargs = dict(loss_type=loss_type, num_items_in_batch=num_items, old_logps="old_logps", loss_scale=scale)
+            run_forward_backward(emu, forward_args(batch, kwargs))
     for level in LEVELS:
         run_forward_backward(emu, forward_args(batch, case_kwargs("bnpo", level, "k1", "plain"), compute_grad=False))
 

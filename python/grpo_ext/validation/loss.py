@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -23,8 +24,8 @@ from .options import (
     KL_ESTIMATORS,
     LOSS_TYPES,
     NATIVE_OPTION_NAMES,
+    SPLIT_TENSOR_NAMES,
     LossOptions,
-    number_of,
 )
 from .tensors import (
     check_finite_mask,
@@ -88,19 +89,13 @@ def validate_loss_option_values(options: LossOptions) -> LossOptions:
     vespo = {name: check_finite(name, getattr(options, name))
              for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}  # fmt: skip
     if isinstance(loss_scale, Tensor):
-        if loss_scale.dim() != 0:
-            shape = tuple(loss_scale.shape)
-            raise ValueError(f"loss_scale must be a Python number or a 0-dim tensor, got shape {shape}")
+        check_number_tensor("loss_scale", loss_scale, check_finite)
     else:
         loss_scale = check_finite("loss_scale", loss_scale)
     if max_completion_length is not None:
         max_completion_length = check_int("max_completion_length", max_completion_length, 1)
     if isinstance(num_items, Tensor):
-        if num_items.dim() != 0:
-            raise ValueError(
-                f"num_items_in_batch must be a Python number or a 0-dim tensor, got a tensor of shape "
-                f"{tuple(num_items.shape)}"
-            )
+        check_number_tensor("num_items_in_batch", num_items, check_positive)
     elif num_items is not None:
         check_positive("num_items_in_batch", num_items)
     return options._replace(
@@ -116,6 +111,18 @@ def validate_loss_option_values(options: LossOptions) -> LossOptions:
         loss_scale=loss_scale,
         skip_empty_rows=check_bool("skip_empty_rows", options.skip_empty_rows),
     )
+
+
+def check_number_tensor(name: str, t: Tensor, check_value: Callable[[str, object], float]) -> None:
+    """Raises ValueError unless ``t``, a number given as a tensor, is 0-dim, floating or integer, and (on the CPU,
+    outside torch.compile) holds a value that ``check_value`` accepts. A device tensor's value is not read here (that
+    would sync the host with the device): the kernels read it, and a bad one gives a NaN or infinite loss."""
+    if t.dim() != 0:
+        raise ValueError(f"{name} must be a Python number or a 0-dim tensor, got a tensor of shape {tuple(t.shape)}")
+    if t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"{name} must be a floating or integer tensor (a number), got {t.dtype}")
+    if t.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_value(name, t.item())
 
 
 def validate_grpo_loss_args(
@@ -258,9 +265,15 @@ def _certainly_valid_tensors(
             return False
         if on_cpu and sample_mask.is_floating_point() and not torch.isfinite(sample_mask).all():
             return False
-    for name in ("loss_scale", "num_items_in_batch"):
+    for name, check_value in (("loss_scale", check_finite), ("num_items_in_batch", check_positive)):
         t = get(name)
-        if t is not None and not (t.dim() == 0 and (t.device == device or t.device.type == "cpu")):
+        if t is None:
+            continue
+        if not (t.dim() == 0 and (t.device == device or t.device.type == "cpu")):
+            return False
+        try:
+            check_number_tensor(name, t, check_value)
+        except ValueError:
             return False
     return beta == 0 or "ref_logps" in per_call
 
@@ -290,10 +303,9 @@ def _resolve_fast(
         fields, args = list(options), list(option_args)
         for name, value in per_call.items():
             fields[_FIELD_INDEX[name]] = value
-            if name == "loss_scale":
-                args[_ARG_INDEX[name]] = number_of(float, value)  # as LossOptions.op_args converts it
-            elif name == "num_items_in_batch":
-                args[_ARG_INDEX["num_items_tensor"]] = value
+            if name in SPLIT_TENSOR_NAMES:  # as LossOptions.op_args splits it
+                args[_ARG_INDEX[name]] = 1.0 if name == "loss_scale" else None
+                args[_ARG_INDEX[SPLIT_TENSOR_NAMES[name]]] = value
             else:
                 args[_ARG_INDEX[name]] = value
         if options.max_completion_length is None:  # its default, T

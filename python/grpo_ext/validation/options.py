@@ -77,17 +77,18 @@ class LossOptions(NamedTuple):
         use_bias_correction_kl: multiply the KL by the importance ratio, with its gradient (DeepSeek-V3.2).
         importance_sampling_level: ``token`` or ``sequence`` (GSPO).
         max_completion_length: ``dr_grpo``'s constant denominator, >= 1 (default ``T``).
-        num_items_in_batch: ``dapo``/``cispo``/``vespo`` denominator, a number > 0 or a 0-dim tensor (default: the
-            kept tokens, at least 1). The native ops take it as two arguments, a float and a tensor.
+        num_items_in_batch: ``dapo``/``cispo``/``vespo`` denominator, a number > 0 or a 0-dim floating or integer
+            tensor (default: the kept tokens, at least 1). The native ops take it as two arguments, a float and a
+            tensor; a CUDA tensor is read by the kernels, never by the host.
         sapo_temperature_pos: SAPO temperature for positive advantages; finite, > 0.
         sapo_temperature_neg: SAPO temperature for non-positive advantages; finite, > 0.
         vespo_k_pos: VESPO's power exponent ``k`` where ``A >= 0`` (TRL's name and default); finite.
         vespo_lambda_pos: VESPO's decay ``lambda`` where ``A >= 0``; finite, used as at least 1e-4 (as TRL).
         vespo_k_neg: VESPO's ``k`` where ``A < 0``; finite.
         vespo_lambda_neg: VESPO's ``lambda`` where ``A < 0``; finite, used as at least 1e-4.
-        loss_scale: a finite number or a 0-dim tensor multiplying the loss and its gradient (gradient accumulation
-            or a loss scaler). The native ops take it as a number: a tensor's value is read on the host, so a CUDA
-            tensor costs one device sync per call (pass a Python float where the value is known on the host).
+        loss_scale: a finite number or a 0-dim floating or integer tensor multiplying the loss and its gradient
+            (gradient accumulation or a loss scaler), not the metrics. The native ops take it as two arguments, a
+            float and a tensor; a CUDA tensor is read by the kernels, never by the host (no device sync).
         skip_empty_rows: the per-row means (``grpo``, ``sapo``, ``luspo``, ``dr_grpo``) divide by the rows that have a
             kept token instead of ``B`` (verl's ``seq-mean-*`` aggregation).
         policy_weights: ``[B, T]``, ``[B, 1]`` or ``[B]`` weights (detached) that multiply the policy term of every
@@ -135,15 +136,19 @@ class LossOptions(NamedTuple):
         return cls(**kwargs)
 
     def op_args(self) -> tuple:
-        """The options as the native ops take them (validated values): ``num_items_in_batch`` as (float, tensor).
+        """The options as the native ops take them (validated values): ``num_items_in_batch`` as (float or None,
+        tensor or None), ``loss_scale`` as (float, tensor or None), the float 1.0 beside a tensor.
 
-        Numbers are converted to the Python type their annotation starts with (``float`` or ``int``).
+        Numbers are converted to the Python type their annotation starts with (``float`` or ``int``). A tensor number
+        goes to the ops as it is: its value is read by the kernels, never by the host here (a CUDA tensor's would be a
+        host sync).
         """
         values: list[Any] = []
         for name, kind, value in zip(self._fields, _NUMBER_KINDS, self, strict=True):
-            if name == "num_items_in_batch":
+            if name in _SPLIT_NUMBERS:
                 is_tensor = isinstance(value, Tensor)
-                values += [None if value is None or is_tensor else float(value), value if is_tensor else None]
+                number = _SPLIT_NUMBERS[name] if is_tensor or value is None else float(value)
+                values += [number, value if is_tensor else None]
             elif value is not None and kind is not None:
                 values.append(number_of(kind, value))
             else:
@@ -153,9 +158,14 @@ class LossOptions(NamedTuple):
     @classmethod
     def from_op_args(cls, values: tuple) -> LossOptions:
         """Inverse of :meth:`op_args` (the composite ops receive the options as the native ops do)."""
-        split = cls._fields.index("num_items_in_batch")
-        number, tensor = values[split], values[split + 1]
-        return cls(*values[:split], tensor if tensor is not None else number, *values[split + 2 :])
+        fields, rest = [], iter(values)
+        for name in cls._fields:
+            value = next(rest)
+            if name in _SPLIT_NUMBERS:
+                tensor = next(rest)
+                value = tensor if tensor is not None else value
+            fields.append(value)
+        return cls(*fields)
 
 
 def number_of(kind: type, value: Any) -> Any:
@@ -175,10 +185,16 @@ _NUMBER_KINDS: tuple[type | None, ...] = tuple(
     {"float": float, "int": int}.get(_ANNOTATIONS[name].split(" ")[0]) for name in LossOptions._fields
 )
 
+#: The options that are a number or a 0-dim tensor, passed to the native ops as two arguments: the number (this
+#: placeholder beside a tensor) and the tensor (None beside a number).
+_SPLIT_NUMBERS: dict[str, float | None] = {"num_items_in_batch": None, "loss_scale": 1.0}
+#: The tensor argument of each split number, named as in the schema.
+SPLIT_TENSOR_NAMES: dict[str, str] = {"num_items_in_batch": "num_items_tensor", "loss_scale": "loss_scale_tensor"}
+
 #: The native ops' option names, in schema order (must equal ``_native.LOSS_OPTIONS_SCHEMA``'s; a test checks it).
 NATIVE_OPTION_NAMES: tuple[str, ...] = tuple(
-    name for field in LossOptions._fields for name in ((field, "num_items_tensor") if field == "num_items_in_batch"
-                                                       else (field,))
+    name for field in LossOptions._fields
+    for name in ((field, SPLIT_TENSOR_NAMES[field]) if field in SPLIT_TENSOR_NAMES else (field,))
 )  # fmt: skip
 
 _F = TypeVar("_F", bound=Callable[..., Any])
