@@ -94,7 +94,8 @@ or error_at_most_twice or every_dtype or (single_read_and_two_read and 32000))"
     stage "compute-sanitizer $tool"
     timeout "${tool_limit##*:}" compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
       python3 -m pytest -q -p no:cacheprovider -x -k "$sel" tests/test_group_advantages.py tests/test_grpo_loss.py \
-      tests/test_grpo_loss_from_logits.py tests/test_selective_log_softmax.py 2>&1 | tail -12 | tee "$OUT/sanitizer-$tool.txt"
+      tests/test_grpo_loss_from_logits.py tests/test_grpo_loss_from_logits_edges.py tests/test_selective_log_softmax.py \
+      2>&1 | tail -12 | tee "$OUT/sanitizer-$tool.txt"
     echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]} (124: its time limit)" | tee -a "$OUT/sanitizer-$tool.txt"
   done
 fi
