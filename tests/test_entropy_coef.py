@@ -285,15 +285,27 @@ def test_fused_linear_module(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tensor_loss_scale_and_no_grad(device):
-    """A 0-dim tensor loss_scale scales the bonus as a number does; without grad the loss still has the bonus."""
-    logits, ids, adv, mask, old, _ = make_problem(seed=2)
+    """A 0-dim tensor loss_scale (on the CPU or the inputs' device) scales the bonus as a number does, in the logits
+    loss and the chunked hidden-state loss (loss and gradients); without grad the loss still has the bonus."""
+    logits, ids, adv, mask, old, _ = make_problem(vocab=29, seed=2)
     x, ids, adv, mask, old = (t.to(device) for t in (logits, ids, adv, mask, old))
+    scales = (torch.tensor(0.25), torch.tensor(0.25, device=device))
     number = grpo_ext.grpo_loss_from_logits(x, ids, adv, mask, old_logps=old, loss_scale=0.25, entropy_coef=COEF)
-    tensor = grpo_ext.grpo_loss_from_logits(x, ids, adv, mask, old_logps=old, loss_scale=torch.tensor(0.25),
-                                            entropy_coef=COEF)  # fmt: skip
     plain = grpo_ext.grpo_loss_from_logits(x, ids, adv, mask, old_logps=old, loss_scale=0.25)
-    assert_close(number.loss, tensor.loss, rtol=1e-12, atol=1e-12)
     assert_close(number.loss, plain.loss - COEF * 0.25 * plain.metrics["entropy"], rtol=1e-12, atol=1e-12)
+    for scale in scales:
+        tensor = grpo_ext.grpo_loss_from_logits(x, ids, adv, mask, old_logps=old, loss_scale=scale, entropy_coef=COEF)
+        assert_close(number.loss, tensor.loss, rtol=1e-12, atol=1e-12)
+    g = torch.Generator().manual_seed(3)
+    hidden, weight, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).to(device)
+                            for shape in ((4, 6, 16), (29, 16), (29,)))  # fmt: skip
+    options = dict(old_logps=old, loss_type="dapo", num_items_in_batch=17.0, entropy_coef=COEF, chunk_size=5)
+    expected, expected_grads = run_hidden(grpo_ext, hidden, weight, bias, ids, adv, mask, loss_scale=0.25, **options)
+    for scale in scales:
+        got, grads = run_hidden(grpo_ext, hidden, weight, bias, ids, adv, mask, loss_scale=scale, **options)
+        assert_close(got.loss, expected.loss, rtol=1e-12, atol=1e-12)
+        for actual, wanted in zip(grads, expected_grads, strict=True):
+            assert_close(actual, wanted, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
