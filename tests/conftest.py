@@ -91,11 +91,12 @@ def make_loss_batch(
     return LossBatch(logps, old, ref, adv, mask, is_weights, sample_mask, policy_weights)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, msg: str = "") -> None:
-    """assert_close after moving both to float64 on the CPU (the reference's dtype and device)."""
-    torch.testing.assert_close(
-        actual.detach().double().cpu(), expected.detach().double().cpu(), rtol=rtol, atol=atol, msg=msg or None
-    )
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, msg: str = "",
+                 equal_nan: bool = False) -> None:  # fmt: skip
+    """assert_close after moving both to float64 on the CPU (the reference's dtype and device); ``equal_nan``: NaN
+    where the other is NaN counts as equal."""
+    torch.testing.assert_close(actual.detach().double().cpu(), expected.detach().double().cpu(), rtol=rtol, atol=atol,
+                               equal_nan=equal_nan, msg=msg or None)  # fmt: skip
 
 
 def cast_kwargs(device: str | torch.device, dtype: torch.dtype, kwargs: dict) -> dict:

@@ -120,6 +120,125 @@ def test_random_batches_match_reference(
         assert_close(got.metrics[name], value, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@st.composite
+def loss_problems(draw, *, seq_len_max: int = 12) -> tuple:
+    """A random float64 ``[B, T]`` problem and a random draw of every loss option (docs/math.md sections 3-7):
+    ``(logps, advantages, completion_mask, options)``, ``logps`` the log-probs the old and reference ones lie near."""
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    batch, seq_len = draw(st.integers(1, 6)), draw(st.integers(1, seq_len_max))
+    logps = -torch.rand(batch, seq_len, generator=g, dtype=torch.float64) * 4
+    spread = draw(st.floats(0.0, 1.0))
+
+    def near() -> torch.Tensor:
+        return logps + spread * torch.randn(batch, seq_len, generator=g, dtype=torch.float64)
+
+    mask = torch.rand(batch, seq_len, generator=g) < draw(st.floats(0.0, 1.0))
+    if draw(st.booleans()):  # a float mask of weights (docs/math.md, "Masks")
+        mask = mask * torch.rand(batch, seq_len, generator=g, dtype=torch.float64)
+    per_token = draw(st.booleans())
+    advantages = torch.randn(*((batch, seq_len) if per_token else (batch,)), generator=g, dtype=torch.float64)
+    if draw(st.booleans()):
+        advantages[torch.rand(advantages.shape, generator=g) < 0.3] = 0.0  # zero-std groups, ties at rho = 1
+    loss_type = draw(st.sampled_from(LOSS_TYPES))
+    beta = draw(st.sampled_from([0.0, 0.04, 0.5]))
+    options = dict(
+        loss_type=loss_type,
+        importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+        old_logps=near() if draw(st.booleans()) else None,
+        ref_logps=near() if beta != 0.0 or draw(st.booleans()) else None,
+        beta=beta,
+        kl_estimator=draw(st.sampled_from(["k1", "k2", "k3"])),
+        kl_clamp=draw(st.sampled_from([None, 0.5, 10.0])),
+        use_bias_correction_kl=draw(st.booleans()),
+        epsilon=draw(st.sampled_from([0.0, 0.2])),
+        epsilon_high=draw(st.sampled_from([None, 0.0, 0.28, 3.0])),
+        delta=draw(st.sampled_from([None, 1.5, 4.0])),
+        is_weights=0.5 + torch.rand(batch, seq_len, generator=g, dtype=torch.float64) if draw(st.booleans()) else None,
+        policy_weights=torch.rand(batch, generator=g, dtype=torch.float64) if draw(st.booleans()) else None,
+        sample_mask=torch.rand(batch, generator=g) < 0.8 if draw(st.booleans()) else None,
+        skip_empty_rows=draw(st.booleans()),
+        max_completion_length=draw(st.sampled_from([None, seq_len + 3])),
+        num_items_in_batch=draw(st.sampled_from([None, 7.0])),
+        loss_scale=draw(st.sampled_from([1.0, 0.25, -2.0])),
+        sapo_temperature_pos=draw(st.sampled_from([1.0, 0.5])),
+        sapo_temperature_neg=draw(st.sampled_from([1.05, 2.0])),
+        vespo_k_pos=draw(st.sampled_from([2.0, 0.5])),
+        vespo_lambda_pos=draw(st.sampled_from([3.0, 1.0])),
+        vespo_k_neg=draw(st.sampled_from([3.0, 1.0])),
+        vespo_lambda_neg=draw(st.sampled_from([2.0, 0.5])),
+    )
+    if options["epsilon_high"] == 3.0 and loss_type != "cispo":
+        options["epsilon_high"] = 0.28  # an absolute cap is cispo's reading of epsilon_high only
+    return logps, advantages, mask, options
+
+
+def _assert_same_outputs(got, expected, got_grads, expected_grads, names) -> None:
+    """Loss, metrics and gradients equal to the float64 reference's, NaN where it is NaN."""
+    assert_close(got.loss, expected.loss, rtol=1e-9, atol=1e-11, equal_nan=True, msg="loss")
+    for name, value in expected.metrics.items():
+        assert_close(got.metrics[name], value, rtol=1e-9, atol=1e-11, equal_nan=True, msg=name)
+    for name, grad, want in zip(names, got_grads, expected_grads, strict=True):
+        assert_close(grad, want, rtol=1e-8, atol=1e-11, equal_nan=True, msg=f"d loss / d {name}")
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=loss_problems())
+def test_random_options_match_reference(problem):
+    """Every loss option drawn at once (masks of weights, per-token advantages, ties, clamps, caps, normalizers,
+    row weights), float64: grpo_loss equals the reference in its loss, metrics and gradient."""
+    logps, advantages, mask, options = problem
+    results = []
+    for impl in (reference, grpo_ext):
+        x = logps.clone().requires_grad_(True)
+        out = impl.grpo_loss(x, advantages, mask, **options)
+        out.loss.backward()
+        results.append((out, x.grad))
+    (expected, expected_grad), (got, grad) = results
+    _assert_same_outputs(got, expected, (grad,), (expected_grad,), ("logps",))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    problem=loss_problems(seq_len_max=5),
+    vocab=st.integers(2, 70),
+    temperature=st.sampled_from([1.0, 0.7]),
+    logit_scale=st.sampled_from([1.0, 0.6]),
+    logit_softcap=st.sampled_from([None, 3.0]),
+    entropy_coef=st.sampled_from([0.0, 0.1, -0.2]),
+    hidden_chunk=st.sampled_from([None, 1, 4]),
+)
+def test_random_logits_problems_match_reference(problem, vocab, temperature, logit_scale, logit_softcap, entropy_coef,
+                                                hidden_chunk):  # fmt: skip
+    """The fused losses under every loss option and logit option drawn at once, float64: grpo_loss_from_logits, and
+    grpo_loss_from_hidden in chunks, equal the reference (materialized logits) in loss, metrics and gradients."""
+    _, advantages, mask, options = problem
+    batch, seq_len = mask.shape
+    g = torch.Generator().manual_seed(vocab * 131 + seq_len)
+    size = 8
+    hidden = torch.randn(batch, seq_len, size, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, size, generator=g, dtype=torch.float64) / 2
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
+    logit_options = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                         entropy_coef=entropy_coef)  # fmt: skip
+    results = []
+    for impl in (reference, grpo_ext):
+        logits = (hidden @ weight.T).requires_grad_(True)
+        out = impl.grpo_loss_from_logits(logits, ids, advantages, mask, **options, **logit_options)
+        out.loss.backward()
+        results.append((out, logits.grad))
+    (expected, expected_grad), (got, grad) = results
+    _assert_same_outputs(got, expected, (grad,), (expected_grad,), ("logits",))
+
+    results = []
+    for impl, chunk in ((reference, None), (grpo_ext, hidden_chunk)):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = impl.grpo_loss_from_hidden(h, w, ids, advantages, mask, chunk_size=chunk, **options, **logit_options)
+        out.loss.backward()
+        results.append((out, (h.grad, w.grad)))
+    (expected, expected_grads), (got, grads) = results
+    _assert_same_outputs(got, expected, grads, expected_grads, ("hidden", "weight"))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     num_groups=st.integers(1, 8),
