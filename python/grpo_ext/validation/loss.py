@@ -24,7 +24,7 @@ from .options import (
     KL_ESTIMATORS,
     LOSS_TYPES,
     NATIVE_OPTION_NAMES,
-    SPLIT_TENSOR_NAMES,
+    SPLIT_NUMBERS,
     LossOptions,
 )
 from .tensors import (
@@ -303,9 +303,9 @@ def _resolve_fast(
         fields, args = list(options), list(option_args)
         for name, value in per_call.items():
             fields[_FIELD_INDEX[name]] = value
-            if name in SPLIT_TENSOR_NAMES:  # as LossOptions.op_args splits it
-                args[_ARG_INDEX[name]] = 1.0 if name == "loss_scale" else None
-                args[_ARG_INDEX[SPLIT_TENSOR_NAMES[name]]] = value
+            if name in SPLIT_NUMBERS:  # as LossOptions.op_args splits it
+                split = SPLIT_NUMBERS[name]
+                args[_ARG_INDEX[name]], args[_ARG_INDEX[split.tensor_arg]] = split.placeholder, value
             else:
                 args[_ARG_INDEX[name]] = value
         if options.max_completion_length is None:  # its default, T

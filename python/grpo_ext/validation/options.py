@@ -145,9 +145,9 @@ class LossOptions(NamedTuple):
         """
         values: list[Any] = []
         for name, kind, value in zip(self._fields, _NUMBER_KINDS, self, strict=True):
-            if name in _SPLIT_NUMBERS:
+            if name in SPLIT_NUMBERS:
                 is_tensor = isinstance(value, Tensor)
-                number = _SPLIT_NUMBERS[name] if is_tensor or value is None else float(value)
+                number = SPLIT_NUMBERS[name].placeholder if is_tensor or value is None else float(value)
                 values += [number, value if is_tensor else None]
             elif value is not None and kind is not None:
                 values.append(number_of(kind, value))
@@ -161,7 +161,7 @@ class LossOptions(NamedTuple):
         fields, rest = [], iter(values)
         for name in cls._fields:
             value = next(rest)
-            if name in _SPLIT_NUMBERS:
+            if name in SPLIT_NUMBERS:
                 tensor = next(rest)
                 value = tensor if tensor is not None else value
             fields.append(value)
@@ -185,16 +185,24 @@ _NUMBER_KINDS: tuple[type | None, ...] = tuple(
     {"float": float, "int": int}.get(_ANNOTATIONS[name].split(" ")[0]) for name in LossOptions._fields
 )
 
-#: The options that are a number or a 0-dim tensor, passed to the native ops as two arguments: the number (this
-#: placeholder beside a tensor) and the tensor (None beside a number).
-_SPLIT_NUMBERS: dict[str, float | None] = {"num_items_in_batch": None, "loss_scale": 1.0}
-#: The tensor argument of each split number, named as in the schema.
-SPLIT_TENSOR_NAMES: dict[str, str] = {"num_items_in_batch": "num_items_tensor", "loss_scale": "loss_scale_tensor"}
+class SplitNumber(NamedTuple):
+    """How the native ops take an option that is a number or a 0-dim tensor: as two arguments, the number (or
+    ``placeholder`` beside a tensor) and the tensor argument ``tensor_arg`` (None beside a number)."""
+
+    tensor_arg: str
+    placeholder: float | None
+
+
+#: The options passed to the native ops as two arguments (:class:`SplitNumber`), by name.
+SPLIT_NUMBERS: dict[str, SplitNumber] = {
+    "num_items_in_batch": SplitNumber("num_items_tensor", None),
+    "loss_scale": SplitNumber("loss_scale_tensor", 1.0),
+}
 
 #: The native ops' option names, in schema order (must equal ``_native.LOSS_OPTIONS_SCHEMA``'s; a test checks it).
 NATIVE_OPTION_NAMES: tuple[str, ...] = tuple(
     name for field in LossOptions._fields
-    for name in ((field, SPLIT_TENSOR_NAMES[field]) if field in SPLIT_TENSOR_NAMES else (field,))
+    for name in ((field, SPLIT_NUMBERS[field].tensor_arg) if field in SPLIT_NUMBERS else (field,))
 )  # fmt: skip
 
 _F = TypeVar("_F", bound=Callable[..., Any])
