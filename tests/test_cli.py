@@ -194,3 +194,37 @@ def test_a_bad_lora_mapping_is_named(inputs, tmp_path, capsys, value, message):
     assert message in line
     if value.startswith("{"):
         assert "rank" in line
+
+
+def test_an_abbreviated_flag_is_not_taken_for_overwrite(inputs, tmp_path, capsys):
+    """argparse would read --over as --overwrite, which deletes a run's outputs (an outside audit, 2026-11-29)."""
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs), "--over", "true")
+    assert "the run config has no field 'over'" in line  # an unknown key, not --overwrite
+
+
+def test_fsdp_false_overrides_a_run_file(inputs, tmp_path, capsys, monkeypatch):
+    """``--fsdp`` alone turns FSDP2 on; ``--fsdp false`` turns off a run file's ``fsdp: true`` (an outside audit,
+    2026-11-29: "expected --key value, got 'false'")."""
+    from grpo_ext.trainer import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "train_from_options", lambda options, resume=None: seen.append(options["fsdp"]))
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(good_run(inputs) + "fsdp: true\n")
+    for flag, expected in (([], True), (["--fsdp", "false"], False), (["--fsdp"], True), (["--fsdp=false"], False)):
+        assert cli_main(["train", "--config", str(run_file), *flag]) == 0
+        assert seen.pop() is expected, flag
+    with pytest.raises(SystemExit):  # argparse's usage error, naming the flag
+        cli_main(["train", "--config", str(run_file), "--fsdp", "maybe"])
+    assert "argument --fsdp: expected true or false, got 'maybe'" in capsys.readouterr().err
+
+
+def test_run_file_paths_may_start_with_home(inputs, tmp_path, capsys, monkeypatch):
+    """``~/...`` in a run file's model, dataset and output paths is the home folder, as a shell would read it (an
+    outside audit, 2026-11-29: the model was looked up as a Hub repo id, the output written to a folder named ~)."""
+    monkeypatch.setenv("HOME", str(inputs))
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(good_run(inputs, "model_name_or_path", "dataset", "output_dir") +
+                        "model_name_or_path: ~/model\ndataset: ~/data.jsonl\noutput_dir: ~/home-run\n")  # fmt: skip
+    assert cli_main(["train", "--config", str(run_file)]) == 0
+    assert (inputs / "home-run" / "final_model").is_dir()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 from grpo_ext.trainer import checkpoint as checkpoint_module
+from grpo_ext.trainer import run_folder as run_folder_module
 from grpo_ext.trainer.checkpoint import CheckpointWriteError
 from grpo_ext.trainer.cli import main as cli_main
 from grpo_ext.trainer.demo import reversal_reward
@@ -33,7 +35,15 @@ from grpo_ext.trainer.guards import NonFiniteStepsError, TrainingInterrupted
 from grpo_ext.trainer.metrics import plot_metrics
 from grpo_ext.trainer.rewards import RewardFunctionError
 from grpo_ext.trainer.run_folder import LOCK_NAME, OutputFolderError, RunFolderLock
-from trainer_utils import make_trainer, read_metrics, small_config, without_timing, write_cli_inputs
+from trainer_utils import (
+    Killed,
+    kill_after_rename_to,
+    make_trainer,
+    read_metrics,
+    small_config,
+    without_timing,
+    write_cli_inputs,
+)
 
 TESTS = Path(__file__).parent
 CHILD_TIMEOUT_S = 180
@@ -198,6 +208,70 @@ def test_torn_last_metrics_line_is_dropped_and_temp_leftovers_removed(tmp_path):
     (out / "metrics.jsonl").write_text("\n".join([lines[0], lines[1][:20], lines[2]]) + "\n")
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON line"):  # not torn by a kill: an error
         make_trainer(config).train(resume_from_checkpoint=True)
+
+
+def test_a_failed_metrics_rewrite_keeps_every_line(tmp_path, monkeypatch):
+    """A resume rewrites metrics.jsonl without the lines after its checkpoint, in one rename: a full disk (or a
+    kill) in the middle leaves the old file whole (an outside audit, 2026-11-29: it was truncated, then written)."""
+    out = tmp_path / "run"
+    config = small_config(tmp_path, max_steps=3, save_steps=2)
+    make_trainer(config).train()
+    shutil.rmtree(out / "checkpoint-3", ignore_errors=True)  # as if killed after step 3 was logged: resume at 2
+    before = (out / "metrics.jsonl").read_text()
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_folder_module.os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        make_trainer(config).train(resume_from_checkpoint=True)
+    monkeypatch.undo()
+    assert (out / "metrics.jsonl").read_text() == before
+    assert not list(out.glob(".tmp-*"))
+    make_trainer(config).train(resume_from_checkpoint=True)
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path):
+    """A run resumed from checkpoint-2 while checkpoint-4 exists abandons the run that wrote it: checkpoint-4 and
+    that run's metrics go to abandoned-after-step-2/, so that save_total_limit keeps the new checkpoint-3 and the
+    next --resume continues the new run (an outside audit, 2026-11-29: checkpoint-3 was pruned as the oldest)."""
+    out = tmp_path / "run"
+    make_trainer(small_config(tmp_path, max_steps=4, save_steps=2, save_total_limit=2)).train()
+    abandoned_rows = read_metrics(out / "metrics.jsonl")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+    resumed = make_trainer(small_config(tmp_path, max_steps=3, save_steps=1, save_total_limit=1))
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    aside = out / "abandoned-after-step-2"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert (aside / "checkpoint-4" / "trainer_state.pt").is_file()
+    assert read_metrics(aside / "metrics.jsonl") == abandoned_rows
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    assert resumed.latest_checkpoint() == out / "checkpoint-3"
+    with pytest.raises(OutputFolderError, match=r"abandoned-after-step-2"):  # an output of the run's, to a fresh run
+        make_trainer(small_config(tmp_path, max_steps=1)).train()
+
+
+def test_a_checkpoint_saved_again_is_replaced_without_a_moment_with_none(tmp_path, monkeypatch):
+    """Saving a step that has a checkpoint (a resumed run's first save) moves the old one aside before the new one
+    takes its place: killed between the two renames, the old one comes back when the next run starts (it was
+    deleted first, so that a kill in the deletion left half a checkpoint)."""
+    out = tmp_path / "run"
+    trainer = make_trainer(small_config(tmp_path, max_steps=2, save_steps=2))
+    trainer.train()
+    saved = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=False)["step"]
+    kill_after_rename_to(monkeypatch, "checkpoint-2.previous")
+    with pytest.raises(Killed):
+        trainer.save_checkpoint()
+    monkeypatch.undo()
+    assert not (out / "checkpoint-2").exists() and (out / "checkpoint-2.previous").is_dir()
+    resumed = make_trainer(small_config(tmp_path, max_steps=2))
+    resumed.train(resume_from_checkpoint=True)  # puts checkpoint-2 back first, then resumes from it
+    assert torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=False)["step"] == saved
+    assert not (out / "checkpoint-2.previous").exists()
+    assert not list(out.glob(".tmp-*"))
 
 
 def test_full_disk_names_the_folder_and_the_space_needed(tmp_path, monkeypatch):

@@ -55,6 +55,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
         ("gradient_checkpointing_kwargs", {"use_reentrant": "no"}),
         ("gradient_checkpointing_kwargs", {"determinism_check": "always"}),
         ("gradient_checkpointing_kwargs", {"use_reentrant": True, "debug": True}),
+        # beyond what the generators take, and a 1 / temperature that is no normal float32 (an outside audit,
+        # 2026-11-29: each failed after the model loaded, in numpy's or the op's words)
+        ("seed", 2**32), ("seed", 10**20), ("temperature", 1e-39), ("temperature", 1e39),
     ],
 )  # fmt: skip
 def test_config_rejects_bad_values_naming_the_field(field, value):
@@ -89,6 +92,12 @@ def test_config_refuses_out_of_range_loss_options_as_the_loss_does(field, value)
     with pytest.raises(ValueError, match=rf"^{field} ") as loss_error:
         grpo_ext.grpo_loss(logps, torch.ones(2), torch.ones(2, 3), ref_logps=logps, **{field: value})
     assert str(config_error.value) == f"GRPOConfig.{loss_error.value}"
+
+
+def test_config_expands_a_home_output_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert GRPOConfig(output_dir="~/runs/a").output_dir == str(tmp_path / "runs" / "a")
+    assert GRPOConfig(seed=2**32 - 1, temperature=1e-38).seed == 2**32 - 1  # the bounds themselves are taken
 
 
 def test_config_generation_batch_must_hold_whole_groups():
@@ -314,6 +323,22 @@ def test_resume_follows_a_new_schedule_and_refuses_changes_that_redefine_the_run
         make_trainer(changed).train(resume_from_checkpoint=True)
 
 
+def test_resume_refuses_another_dataset_naming_it(tmp_path):
+    """A checkpoint's prompt order indexes its run's rows: a resume on fewer rows, or on as many other ones, is
+    refused naming ``dataset`` (an outside audit, 2026-11-29: an IndexError, and a silent run on other prompts)."""
+    options = dict(max_steps=2, save_steps=1)
+    make_trainer(small_config(tmp_path, **options)).train()
+    rows, _ = reversal_dataset(seed=0)
+    tokenizer = build_tokenizer()
+    changed = {"fewer rows": rows[:3], "other rows": [{**row, "answer": row["answer"] + "0"} for row in rows]}
+    for dataset in changed.values():
+        trainer = GRPOTrainer(build_model(tokenizer, seed=0), [reversal_reward], dataset,
+                              small_config(tmp_path, **{**options, "max_steps": 3}), tokenizer=tokenizer)  # fmt: skip
+        with pytest.raises(ValueError, match=rf"dataset: the checkpoint's run trained on other rows \({len(rows)} "
+                                             rf"rows, sha256 [0-9a-f]{{12}}\) than this run's \({len(dataset)} rows"):
+            trainer.train(resume_from_checkpoint=True)
+
+
 def test_num_iterations_two_clips_and_one_does_not(tmp_path):
     on_policy = make_trainer(small_config(tmp_path / "a", max_steps=4, learning_rate=2e-2)).train()
     assert all(r["clip_ratio/region_mean"] == 0 for r in on_policy)  # ratio is exactly 1 on-policy
@@ -321,6 +346,16 @@ def test_num_iterations_two_clips_and_one_does_not(tmp_path):
     # Even steps re-use the previous step's rollouts after an update: the ratio leaves [1 - eps, 1 + eps].
     assert all(r["clip_ratio/region_mean"] == 0 for r in reused[0::2])
     assert max(r["clip_ratio/region_mean"] for r in reused[1::2]) > 0
+
+
+def test_tokens_per_second_counts_the_tokens_each_step_trains_on(tmp_path):
+    """One generation batch cut over 2 steps and passed over twice: its 4 steps train on its tokens twice in all, so
+    each counts half of them (an outside audit, 2026-11-29: each step counted the whole batch, 4x in all)."""
+    rows = make_trainer(small_config(tmp_path, max_steps=4, steps_per_generation=2, num_iterations=2)).train()
+    assert len({r["num_tokens"] for r in rows}) == 1  # one generation batch
+    trained = [r["tokens_per_second"] * r["step_time"] for r in rows]
+    assert sum(trained) == pytest.approx(2 * rows[0]["num_tokens"], rel=1e-9)
+    assert trained == pytest.approx([rows[0]["num_tokens"] / 2] * 4, rel=1e-9)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
@@ -373,6 +408,12 @@ def test_parse_overrides_reads_yaml_values():
     assert parse_overrides(["--learning_rate", "1e-5", "--bf16", "false", "--reward-weights", "[1, 0.5]",
                             "--output_dir=x"]) == {"learning_rate": 1e-5, "bf16": False, "reward_weights": [1, 0.5],
                                                    "output_dir": "x"}  # fmt: skip
+    # --key=value keeps its value as given: dashes in paths, negative numbers and exponents (an outside audit,
+    # 2026-11-29: every '-' of the value became '_', so runs/my-run was written to runs/my_run)
+    assert parse_overrides(["--output-dir=runs/my-run", "--learning_rate=1e-5", "--model_name_or_path=/m/Smol-135M",
+                            "--reward_weights=[1,-1]", "--seed=-1"]) == {
+        "output_dir": "runs/my-run", "learning_rate": 1e-5, "model_name_or_path": "/m/Smol-135M",
+        "reward_weights": [1, -1], "seed": -1}  # fmt: skip
 
 
 def test_run_files_read_exponent_floats_as_numbers():

@@ -167,3 +167,15 @@ def test_the_run_file_key_and_its_override(tmp_path, monkeypatch):
     assert saved["gradient_checkpointing"] is False
     assert cli_main([*argv, "--output_dir", str(tmp_path / "on"), "--gradient_checkpointing", "true"]) == 0
     assert enabled == [{"use_reentrant": True}]
+
+
+def test_the_readme_lists_the_fields_a_resume_may_change():
+    """README's "Changing the config on --resume" names exactly RESUMABLE_FIELDS (an outside audit, 2026-11-29: two
+    were missing)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    paragraph = readme.split("**Changing the config on `--resume`.**", 1)[1].split("`RESUMABLE_FIELDS`", 1)[0]
+    listed = set(re.findall(r"`([a-z_0-9]+)`", paragraph)) - {"GRPOConfig"}
+    assert listed == RESUMABLE_FIELDS

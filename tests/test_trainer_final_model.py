@@ -16,13 +16,12 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_ext.trainer import final_model as final_model_module
 from grpo_ext.trainer.cli import main as cli_main
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward
 from grpo_ext.trainer.final_model import FinalModelWriteError
 from grpo_ext.trainer.run_folder import OutputFolderError, prepare_output_dir
 from grpo_ext.trainer.trainer import GRPOTrainer
-from trainer_utils import gloo_rank, make_trainer, small_config, write_cli_inputs
+from trainer_utils import Killed, gloo_rank, kill_after_rename_to, make_trainer, small_config, write_cli_inputs
 
 # the tiny models gain nothing from threads; one keeps the tests cheap on shared cores (conftest.one_thread)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,10 +77,6 @@ def test_a_time_stop_leaves_the_final_model_and_a_checkpoint_to_resume_from(tmp_
     assert resumed.latest_checkpoint() == tmp_path / "run" / "checkpoint-1"  # it reached max_steps: no new one
 
 
-class Killed(BaseException):
-    """What a ``kill -9`` leaves is a save stopped at one point: nothing after it runs (no ``except``, no cleanup)."""
-
-
 def test_replacing_the_final_model_never_loses_the_earlier_one(tmp_path, monkeypatch):
     """A resumed run replaces the final model. A failed save (a full disk) keeps the earlier one in place; a save
     killed between its two renames leaves the earlier one as final_model.previous, which the next run restores."""
@@ -107,21 +102,15 @@ def test_replacing_the_final_model_never_loses_the_earlier_one(tmp_path, monkeyp
     assert_loads_as(final, step_4)
 
     # Killed right after the earlier final model was moved aside: it is complete, and the next run puts it back.
-    replace = final_model_module.os.replace
-
-    def killed_after_first_rename(source, target):
-        replace(source, target)
-        if Path(target).name == "final_model.previous":
-            raise Killed
-
-    monkeypatch.setattr(final_model_module.os, "replace", killed_after_first_rename)
+    kill_after_rename_to(monkeypatch, "final_model.previous")
     with pytest.raises(Killed):
         resumed.save_final_model()
     monkeypatch.undo()
     assert not final.exists()
     assert_loads_as(out / "final_model.previous", step_4)
-    with pytest.raises(OutputFolderError, match=r"run \(checkpoint-2, final_model\.previous, metrics\.jsonl\)"):
-        prepare_output_dir(out, resume=False, overwrite=False)  # a fresh run still sees it as an output
+    with pytest.raises(OutputFolderError, match=r"run \(checkpoint-2, final_model, metrics\.jsonl\)"):
+        prepare_output_dir(out, resume=False, overwrite=False)  # a fresh run puts it back first, then sees it
+    assert_loads_as(final, step_4)
     prepare_output_dir(out, resume=True, overwrite=False).release()  # what a resumed run does first
     assert_loads_as(final, step_4)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "final_model", "metrics.jsonl"]

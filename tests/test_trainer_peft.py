@@ -206,6 +206,14 @@ def test_lora_checkpoint_saves_the_adapter_and_resumes_exactly(tmp_path):
     with pytest.raises(ValueError, match=r"adapter does not match the model's .*missing \[\] \(0\), unexpected "
                                          r"\['base_model\.model\.model\.layers\.0\.mlp\.down_proj"):  # fmt: skip
         other.train(resume_from_checkpoint=str(checkpoint))
+    # The same modules with another scaling or rank would train another adapter: refused, naming the options (an
+    # outside audit, 2026-11-29: lora_alpha 8 -> 64 resumed silently; r 4 -> 8 failed in load_state_dict's words)
+    for changed, message in ((dict(lora_alpha=64), r"lora_alpha: 8 -> 64"), (dict(r=8), r"r: 4 -> 8"),
+                             (dict(r=8, lora_alpha=16), r"lora_alpha: 8 -> 16; r: 4 -> 8")):  # fmt: skip
+        other = lora_trainer(tmp_path, lora_model(moved_b=False, **changed), "fused", **options)
+        with pytest.raises(ValueError, match=rf"lora: the checkpoint's adapter .* has another config than this "
+                                             rf"run's \({message}\): resume with the same lora options"):  # fmt: skip
+            other.train(resume_from_checkpoint=str(checkpoint))
 
 
 def test_a_lora_run_leaves_its_adapter_alone_as_the_final_model(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -129,3 +130,20 @@ def step_loss_and_grads(trainer: GRPOTrainer, fused: bool) -> tuple[torch.Tensor
         loss = grpo_ext.grpo_loss(logps, mb["advantages"], mb["completion_mask"], **options).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+class Killed(BaseException):
+    """What a ``kill -9`` leaves is a save stopped at one point: nothing after it runs (no ``except``, no cleanup)."""
+
+
+def kill_after_rename_to(monkeypatch, name: str) -> None:
+    """Make ``os.replace`` raise :class:`Killed` right after a rename into a path named ``name`` (a save killed
+    between its two renames); ``monkeypatch.undo()`` restores it."""
+    replace = os.replace
+
+    def killed_after_rename(source, target):
+        replace(source, target)
+        if Path(target).name == name:
+            raise Killed
+
+    monkeypatch.setattr(os, "replace", killed_after_rename)

@@ -26,7 +26,7 @@ from .config import GRPOConfig, check_resume_config
 from .model_files import full_model_state_dict, full_state_options, write_pretrained
 from .optimizer import scheduler_step
 from .policy_logps import is_peft_model
-from .run_folder import CHECKPOINT_RE, TEMP_CHECKPOINT_PREFIX, remove_temp_checkpoints
+from .run_folder import CHECKPOINT_RE, TEMP_CHECKPOINT_PREFIX, remove_temp_checkpoints, replace_folder
 from .seeding import rng_state, set_rng_state
 
 
@@ -147,10 +147,8 @@ class CheckpointManager:
             write_pretrained(tmp, self.model, self.tokenizer, model_state, self.config.fsdp, self.model_class_name)
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / "config.grpo.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        self._prune()
+        replace_folder(tmp, final)  # flushed to the disk, and an older checkpoint-<step> deleted only after it
+        self._prune(keep=final)
         remove_temp_checkpoints(self.output_dir)  # any a killed save left
 
     def _saved_model_state(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -179,13 +177,15 @@ class CheckpointManager:
             return None, None
         return model_state, self.optimizer.state_dict()
 
-    def _prune(self) -> None:
-        """Delete the oldest ``checkpoint-N`` folders beyond ``save_total_limit``."""
+    def _prune(self, keep: Path) -> None:
+        """Delete the oldest ``checkpoint-N`` folders beyond ``save_total_limit``, never ``keep`` (the one just
+        written)."""
         limit = self.config.save_total_limit
         if limit is None:
             return
         found = sorted((int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
-        for _, path in found[:-limit]:
+        others = [path for _, path in found if path != keep]
+        for path in others[: max(len(others) - (limit - 1), 0)]:
             shutil.rmtree(path)
 
     def load(self, path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -221,6 +221,7 @@ class CheckpointManager:
             state = torch.load(path / "trainer_state.pt", map_location=location, weights_only=False)
             if adapter_only:
                 problem = _adapter_state_problem(model_state, self.model, self.param_names, path)
+                problem = problem or _adapter_config_problem(path, self.model)
         # Every rank raises (none waits in a collective for rank 0), before anything is loaded.
         adapter_only, problem = dist_utils.broadcast_object((adapter_only, problem))
         if problem is not None:
@@ -367,6 +368,43 @@ def _adapter_state_problem(state: dict[str, Any], model: torch.nn.Module, names:
         return (f"{path}'s adapter does not match the model's (another LoRA config?): missing {missing[:3]} "
                 f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})")  # fmt: skip
     return None
+
+
+#: adapter_config.json entries that do not define the adapter a run trains (where it was loaded from, how its
+#: weights were first drawn: a resumed run loads them), or that peft fills in by version.
+_ADAPTER_CONFIG_IGNORED = frozenset({
+    "base_model_name_or_path", "revision", "inference_mode", "peft_version", "init_lora_weights", "loftq_config",
+    "eva_config", "corda_config", "lora_ga_config", "auto_mapping",
+})  # fmt: skip
+
+
+def _json_value(value: Any) -> Any:
+    """An adapter config value as adapter_config.json holds it, lists of names sorted (peft keeps sets)."""
+    if isinstance(value, (set, frozenset, list, tuple)):
+        items = [_json_value(v) for v in value]
+        return sorted(items) if all(isinstance(v, str) for v in items) else items
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(getattr(value, "value", value))  # peft's enums (PeftType, TaskType)
+
+
+def _adapter_config_problem(path: Path, model: torch.nn.Module) -> str | None:
+    """Why the checkpoint's adapter (``adapter_config.json``) is not the model's (``lora_alpha``, ``r``,
+    ``target_modules``, ...: a resumed run would train another adapter), or None."""
+    saved_file = path / "adapter_config.json"
+    peft_config = getattr(model, "peft_config", {}).get("default")
+    if not saved_file.is_file() or peft_config is None:
+        return None
+    saved = {k: _json_value(v) for k, v in json.loads(saved_file.read_text()).items()}
+    mine = {k: _json_value(v) for k, v in peft_config.to_dict().items()}
+    changed = [f"{key}: {saved[key]!r} -> {mine[key]!r}" for key in sorted(saved.keys() & mine.keys())
+               if key not in _ADAPTER_CONFIG_IGNORED and saved[key] != mine[key]]  # fmt: skip
+    if not changed:
+        return None
+    return (f"lora: the checkpoint's adapter ({saved_file}) has another config than this run's ({'; '.join(changed)}): "
+            "resume with the same lora options, or start a new run from the checkpoint's model folder")
 
 
 def _reshard_queues(

@@ -28,6 +28,7 @@ import gc
 import importlib
 import itertools
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -121,8 +122,8 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
         token = tokens[i]
         if not token.startswith("--") or len(token) == 2:
             raise SystemExit(f"grpo-ext: expected --key value, got {token!r}")
-        key = token[2:].replace("-", "_")
-        if "=" in key:
+        key = token[2:]
+        if "=" in key:  # --key=value: the value is kept as given (only the key's dashes are underscores)
             key, raw = key.split("=", 1)
             i += 1
         elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
@@ -130,6 +131,7 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
             i += 2
         else:
             raise SystemExit(f"grpo-ext: --{key} needs a value")
+        key = key.replace("-", "_")
         try:
             overrides[key] = load_yaml(raw)
         except Exception as err:  # yaml.YAMLError: a value that is not YAML, or a mapping with a duplicate key
@@ -344,6 +346,11 @@ def check_model_folder(path: Any) -> None:
         raise ValueError(f"model_name_or_path: {path} has no config.json (is it a model folder?)")
 
 
+def _expand_user(path: Any) -> Any:
+    """``~`` and ``~user`` at the start of a path string expanded; anything else (None, a number) as it is."""
+    return os.path.expanduser(path) if isinstance(path, str) else path
+
+
 def train_from_options(options: dict[str, Any], resume: str | bool | None = None) -> list[dict[str, float]]:
     """Build model, tokenizer, dataset, rewards and config from a run's options and train.
 
@@ -369,10 +376,12 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     missing = [key for key in RUN_KEYS if options.get(key) is None]
     if missing:
         raise ValueError(f"the run config lacks {', '.join(missing)} (give it in the run file or as --key value)")
-    model_path = options.pop("model_name_or_path")
+    # A run file's paths are not expanded by a shell: ~ is the home folder here too (transformers would read a
+    # literal ~/models/x as a Hub repo id)
+    model_path = _expand_user(options.pop("model_name_or_path"))
     gguf_file = options.pop("gguf_file", None)
-    dataset_path = options.pop("dataset")
-    eval_path = options.pop("eval_dataset", None)
+    dataset_path = _expand_user(options.pop("dataset"))
+    eval_path = _expand_user(options.pop("eval_dataset", None))
     lora = options.pop("lora", None)
     reward_specs = reward_spec_list(options.pop("reward_funcs"))
     config = GRPOConfig.from_dict(options)
@@ -424,16 +433,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from .guards import TrainingInterrupted
 
-    parser = argparse.ArgumentParser(prog="grpo-ext", description="GRPO training with grpo_ext's kernels")
+    # allow_abbrev=False: a prefix such as --over must not be read as --overwrite (which deletes a run's outputs)
+    parser = argparse.ArgumentParser(prog="grpo-ext", description="GRPO training with grpo_ext's kernels",
+                                     allow_abbrev=False)  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a local model on a JSONL dataset")
+    train = sub.add_parser("train", help="train a local model on a JSONL dataset", allow_abbrev=False)
     train.add_argument("--config", required=True, help="YAML run file")
     train.add_argument(
         "--resume", nargs="?", const=True, default=None, help="resume from the latest checkpoint (or the one given)"
     )
     train.add_argument("--overwrite", action="store_true", help="delete a previous run's outputs in output_dir first")
-    train.add_argument("--fsdp", action="store_true", help="under torchrun: shard the model with FSDP2 (not DDP)")
-    demo = sub.add_parser("demo", help="the embedded default: a tiny LLaMA learns to reverse digits")
+    train.add_argument("--fsdp", nargs="?", const=True, default=None, type=_flag_value, metavar="true|false",
+                       help="under torchrun: shard the model with FSDP2 (not DDP); --fsdp false overrides a run file")
+    demo = sub.add_parser("demo", help="the embedded default: a tiny LLaMA learns to reverse digits",
+                          allow_abbrev=False)  # fmt: skip
     demo.add_argument("--num-threads", type=int, default=None)
     for command in (train, demo):
         command.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -448,6 +461,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"grpo-ext: error: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
         return 1
+
+
+def _flag_value(text: str) -> bool:
+    """A command-line flag's value: true or false (as YAML spells them), else argparse's error naming the flag."""
+    value = load_yaml(text)
+    if not isinstance(value, bool):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def _one_line(err: BaseException) -> str:
@@ -468,8 +489,8 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         raise ValueError("--overwrite starts over, --resume continues: give one of them")
     options = load_run_file(args.config)
     options.update(overrides)
-    if args.fsdp:
-        options["fsdp"] = True
+    if args.fsdp is not None:
+        options["fsdp"] = args.fsdp
     if args.overwrite:
         options["overwrite_output_dir"] = True
     train_from_options(options, resume=args.resume)

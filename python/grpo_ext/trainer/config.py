@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from ..validation import check_finite, validate_loss_option_values  # and their ranges
 from ..validation.options import SCALE_REWARDS, LossOptions  # the loss options' defaults, defined once
 
 _LOSS_DEFAULTS = LossOptions._field_defaults
+_MAX_SEED = 2**32 - 1
 
 LR_SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
 
@@ -80,8 +84,9 @@ class GRPOConfig:
     output_dir: str = "grpo_output"
     seed: int = 42
     max_steps: int = 100
-    # A safety net only (runs are capped by steps): training stops early past it, saving a checkpoint (--resume with
-    # a larger max_time_s continues) and the final model.
+    # A safety net only (runs are capped by steps): training stops early past it, saving a checkpoint (--resume
+    # continues) and the final model. Seconds of this process's training (a scheduler's slot), not of the whole run:
+    # each resume trains for up to max_time_s again.
     max_time_s: float | None = None
 
     # Generation
@@ -236,6 +241,13 @@ class GRPOConfig:
         for name in ("temperature", "learning_rate", "adam_epsilon"):
             if number(name) <= 0:
                 _fail(name, "must be > 0", getattr(self, name))
+        # The sampler and the fused loss scale the logits by 1 / temperature in float32, which must be a normal number
+        float32 = torch.finfo(torch.float32)
+        if not float32.tiny <= 1.0 / self.temperature <= float32.max:
+            _fail("temperature", f"must be in [{1 / float32.max:.3g}, {1 / float32.tiny:.3g}] (1 / temperature "
+                  "scales the logits in float32, as a normal number)", self.temperature)  # fmt: skip
+        if self.seed > _MAX_SEED:  # numpy's and torch's generators take a seed below 2**32
+            _fail("seed", f"must be <= {_MAX_SEED} (2**32 - 1)", self.seed)
         if number("weight_decay") < 0:
             _fail("weight_decay", "must be >= 0", self.weight_decay)
         if not 0 < number("top_p") <= 1:
@@ -272,6 +284,7 @@ class GRPOConfig:
             )
         if not isinstance(self.output_dir, str) or not self.output_dir:
             _fail("output_dir", "must be a non-empty path", self.output_dir)
+        self.output_dir = os.path.expanduser(self.output_dir)  # a run file's ~/runs/x, not a folder named ~
         self._validate_checkpointing_kwargs()
 
     def _validate_checkpointing_kwargs(self) -> None:

@@ -9,8 +9,8 @@ model.
 
 The folder is written as a checkpoint is: the full state gathered to rank 0 (:mod:`.model_files`), which alone writes,
 into a temporary folder renamed into place. A final model already there (a resumed run's earlier one) is replaced
-without a moment where no complete one exists (:func:`.run_folder.recover_final_model` finishes a replacement a kill
-interrupted).
+without a moment where no complete one exists (:func:`.run_folder.replace_folder`;
+:func:`.run_folder.recover_replaced_folders` finishes a replacement a kill interrupted).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from . import distributed as dist_utils
 from .config import GRPOConfig
 from .model_files import full_model_state_dict, write_pretrained
-from .run_folder import FINAL_MODEL_NAME, PREVIOUS_FINAL_MODEL_NAME, TEMP_FINAL_MODEL_PREFIX, recover_final_model
+from .run_folder import FINAL_MODEL_NAME, TEMP_FINAL_MODEL_PREFIX, recover_replaced_folders, replace_folder
 
 
 class FinalModelWriteError(OSError):
@@ -68,10 +68,10 @@ def save_final_model(
             tmp.mkdir(parents=True)
             write_pretrained(tmp, model, tokenizer, model_state, config.fsdp, model_class_name)
             (tmp / "config.grpo.json").write_text(json.dumps(config.to_dict(), indent=2))
-            _replace_folder(tmp, final)
+            replace_folder(tmp, final)
         except (OSError, RuntimeError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            recover_final_model(output_dir)  # an earlier final model moved aside goes back
+            recover_replaced_folders(output_dir)  # an earlier final model moved aside goes back
             failure = (f"could not write the final model to {final}: {type(err).__name__}: {err}. The checkpoints "
                        "and an earlier final model are intact")  # fmt: skip
     del model_state
@@ -81,12 +81,3 @@ def save_final_model(
         raise FinalModelWriteError(failure)
     return final
 
-
-def _replace_folder(new: Path, final: Path) -> None:
-    """Move the complete folder ``new`` to ``final``, an older ``final`` aside first and deleted last."""
-    recover_final_model(final.parent)  # an interrupted replacement's leftover: deleted, or restored as final
-    previous = final.with_name(PREVIOUS_FINAL_MODEL_NAME)
-    if final.exists():
-        os.replace(final, previous)
-    os.replace(new, final)
-    shutil.rmtree(previous, ignore_errors=True)

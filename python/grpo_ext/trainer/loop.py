@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from . import distributed as dist_utils
 from .guards import StopSignals, TrainingInterrupted
-from .run_folder import claim_output_dir
+from .run_folder import claim_output_dir, set_aside_later_checkpoints
 
 
 class TrainingLoopMixin:
@@ -53,6 +53,11 @@ class TrainingLoopMixin:
             if resume:
                 self.load_checkpoint(self.checkpoints.resume_path(resume_from_checkpoint))
             if self.is_main_process:
+                if resume:  # from an earlier checkpoint than the latest: the run that wrote the later ones is left
+                    aside = set_aside_later_checkpoints(self.output_dir, self.global_step)
+                    if aside is not None:
+                        tqdm.write(f"resumed at step {self.global_step}: the later checkpoints (and the metrics "
+                                   f"of the run that wrote them) were moved to {aside}")  # fmt: skip
                 self.metrics_logger.open(self.global_step)
             with StopSignals(verbose=self.is_main_process) as stop:
                 history = self._run_steps(stop)
@@ -87,7 +92,11 @@ class TrainingLoopMixin:
                 self.global_step += 1
                 metrics.update(self._rollout_metrics)
                 metrics["step_time"] = time.perf_counter() - step_start
-                metrics["tokens_per_second"] = self._rollout_metrics["num_tokens"] / metrics["step_time"]
+                # The tokens this step trained on (all processes): its gradient_accumulation_steps micro-batches of
+                # the steps_per_generation that one generation batch (num_tokens) is cut into; a step that reuses a
+                # batch (num_iterations > 1, or later steps of one generation) counts its own share, not the batch
+                share = cfg.gradient_accumulation_steps / cfg.steps_per_generation
+                metrics["tokens_per_second"] = self._rollout_metrics["num_tokens"] * share / metrics["step_time"]
                 metrics["nonfinite_steps"] = float(self.nonfinite.total)
                 metrics["step"] = self.global_step
                 bar.update(1)

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from ..results import GroupAdvantages
 from . import distributed as dist_utils
 from .config import GRPOConfig
+from .run_folder import write_text_atomic
 
 # Metrics that depend on the wall clock: they differ between two otherwise identical runs.
 TIMING_METRICS = ("step_time", "tokens_per_second")
@@ -195,6 +196,7 @@ class MetricsLogger:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(metrics) + "\n")
                 f.flush()
+                os.fsync(f.fileno())  # on the disk before a later checkpoint is: a power loss keeps the lines it has
         except OSError as err:
             raise OSError(err.errno, f"cannot append step {step} to {self.metrics_path}: {err.strerror}; free some "
                           "space and resume with --resume") from err  # fmt: skip
@@ -211,8 +213,8 @@ class MetricsLogger:
         kept = [row for row in rows if row["step"] <= step]
         if torn:
             tqdm.write(f"{self.metrics_path}: dropped a torn last line (a run killed while writing it)")
-        if torn or len(kept) != len(rows):
-            self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        if torn or len(kept) != len(rows):  # in one rename: a kill or a full disk here loses no line
+            write_text_atomic(self.metrics_path, "".join(json.dumps(row) + "\n" for row in kept))
 
     def print_completions(self, step: int, samples: list[tuple[str, str, float]]) -> None:
         """Print the first ``num_completions_to_print`` of ``(prompt, completion, reward)`` above the progress bar."""

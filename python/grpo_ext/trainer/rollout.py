@@ -6,6 +6,8 @@ The prompts' token ids are in ``prompts.py``, the sampler in ``sampling.py``, th
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +71,7 @@ class RolloutGenerator:
         self.model = model
         self.tokenizer = tokenizer
         self.train_dataset = train_dataset
+        self._dataset_fingerprint: dict[str, Any] | None = None
         self.config = config
         self.score = score
         self.logps = logps
@@ -90,14 +93,37 @@ class RolloutGenerator:
 
     def state_dict(self) -> dict[str, Any]:
         """``prompt_order``, ``prompt_pos`` and ``generation``: where a resumed run continues (the data generator's
-        state is saved with the RNG states)."""
-        return {"prompt_order": self.prompt_order, "prompt_pos": self.prompt_pos, "generation": self.generation}
+        state is saved with the RNG states); and ``dataset``, the training rows' count and digest."""
+        return {"prompt_order": self.prompt_order, "prompt_pos": self.prompt_pos, "generation": self.generation,
+                "dataset": self.dataset_fingerprint()}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (``generation`` 0 when absent)."""
+        """Restore what :meth:`state_dict` returned (``generation`` 0 when absent).
+
+        Raises:
+            ValueError: naming ``dataset`` when the checkpoint's run trained on other rows (their count or digest
+                differ, or its prompt order points past this dataset): it would continue on other prompts.
+        """
+        saved, mine = state.get("dataset"), self.dataset_fingerprint()
+        past_the_end = any(i >= mine["rows"] for i in state["prompt_order"])
+        if (saved is not None and saved != mine) or past_the_end:
+            was = f"{saved['rows']} rows, sha256 {saved['sha256'][:12]}" if saved is not None else "more rows"
+            raise ValueError(f"dataset: the checkpoint's run trained on other rows ({was}) than this run's "
+                             f"({mine['rows']} rows, sha256 {mine['sha256'][:12]}): resume with the same dataset, or "
+                             "start a new run from the checkpoint's model folder")  # fmt: skip
         self.prompt_order = state["prompt_order"]
         self.prompt_pos = state["prompt_pos"]
         self.generation = state.get("generation", 0)
+
+    def dataset_fingerprint(self) -> dict[str, Any]:
+        """``{"rows": N, "sha256": hex}`` of the training rows (each as sorted-key JSON), computed once."""
+        if self._dataset_fingerprint is None:
+            digest = hashlib.sha256()
+            for row in self.train_dataset:
+                digest.update(json.dumps(row, sort_keys=True, default=repr).encode())
+                digest.update(b"\n")
+            self._dataset_fingerprint = {"rows": len(self.train_dataset), "sha256": digest.hexdigest()}
+        return self._dataset_fingerprint
 
     def next_prompt_rows(self, num_prompts: int) -> list[dict[str, Any]]:
         """Dataset rows without replacement within an epoch, reshuffled each epoch (the same on every rank)."""

@@ -1,14 +1,17 @@
 """The output folder of a run: one run at a time (a lock file), no silent overwrite, no leftovers of killed saves.
 
-A run's outputs are ``checkpoint-N/``, ``final_model/`` (and ``final_model.previous/``, see
-:func:`recover_final_model`), ``metrics.jsonl``, ``metrics.png`` and TensorBoard's ``runs/``; other files in the folder
-(a run file, notes) are the user's and are never touched. ``.tmp-checkpoint-*`` and ``.tmp-final_model-*`` folders
-are saves that a kill interrupted: never read, removed when a run starts and after each save.
+A run's outputs are ``checkpoint-N/``, ``final_model/`` (and ``<name>.previous/`` of either while a new one
+replaces it, see :func:`replace_folder`), ``metrics.jsonl``, ``metrics.png`` and TensorBoard's ``runs/``; other files
+in the folder (a run file, notes) are the user's and are never touched. ``.tmp-checkpoint-*`` and
+``.tmp-final_model-*`` folders (and a ``.tmp-metrics.jsonl-*`` file) are writes that a kill interrupted: never read,
+removed when a run starts and after each save. Every folder and file is flushed to the disk before it is renamed
+into place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -19,11 +22,15 @@ from pathlib import Path
 
 LOCK_NAME = ".grpo-ext.lock"
 FINAL_MODEL_NAME = "final_model"  # the model at the end of a run (grpo_ext.trainer.final_model)
-PREVIOUS_FINAL_MODEL_NAME = FINAL_MODEL_NAME + ".previous"  # the one it replaces, until the new one is in place
+PREVIOUS_SUFFIX = ".previous"  # a folder being replaced (final_model, a checkpoint-N saved again), deleted last
+PREVIOUS_FINAL_MODEL_NAME = FINAL_MODEL_NAME + PREVIOUS_SUFFIX  # the one it replaces, until the new one is in place
+_REWRITTEN_FILES = ("metrics.jsonl",)  # rewritten with write_text_atomic (a resume drops lines after its step)
 _OUTPUT_FILES = ("metrics.jsonl", "metrics.png", "runs", FINAL_MODEL_NAME, PREVIOUS_FINAL_MODEL_NAME)
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+ABANDONED_RE = re.compile(r"^abandoned-after-step-(\d+)(-\d+)?$")  # set_aside_later_checkpoints' folders
 TEMP_CHECKPOINT_PREFIX = ".tmp-checkpoint-"
 TEMP_FINAL_MODEL_PREFIX = f".tmp-{FINAL_MODEL_NAME}-"
+TEMP_FILE_PREFIX = ".tmp-"  # of a file rewritten in one rename (metrics.jsonl): .tmp-metrics.jsonl-<pid>
 
 
 class OutputFolderError(RuntimeError):
@@ -34,34 +41,128 @@ def previous_outputs(folder: Path) -> list[Path]:
     """The outputs of an earlier run in ``folder`` (checkpoints, metrics, plot, TensorBoard events), sorted."""
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.name in _OUTPUT_FILES or CHECKPOINT_RE.match(p.name))
+    return sorted(p for p in folder.iterdir()
+                  if p.name in _OUTPUT_FILES or CHECKPOINT_RE.match(p.name) or ABANDONED_RE.match(p.name))  # fmt: skip
 
 
 def remove_temp_checkpoints(folder: Path) -> list[Path]:
-    """Delete the ``.tmp-checkpoint-*`` and ``.tmp-final_model-*`` folders that killed saves left; returns them."""
+    """Delete the ``.tmp-checkpoint-*`` and ``.tmp-final_model-*`` folders that killed saves left, and a
+    ``.tmp-metrics.jsonl-*`` file of a killed rewrite; returns them."""
     if not folder.is_dir():
         return []
     found = sorted(p for prefix in (TEMP_CHECKPOINT_PREFIX, TEMP_FINAL_MODEL_PREFIX) for p in folder.glob(prefix + "*"))
     for path in found:
         shutil.rmtree(path, ignore_errors=True)
-    return found
+    patterns = [f"{TEMP_FILE_PREFIX}{name}-*" for name in _REWRITTEN_FILES]
+    found_files = sorted(p for pattern in patterns for p in folder.glob(pattern) if p.is_file())
+    for path in found_files:
+        path.unlink(missing_ok=True)
+    return found + found_files
 
 
-def recover_final_model(folder: Path) -> None:
-    """Finish a replacement of ``final_model`` that a kill interrupted.
+def recover_replaced_folders(folder: Path) -> None:
+    """Finish the replacements of ``final_model`` and of ``checkpoint-N`` folders that a kill interrupted.
 
-    A new final model replaces the old one in two renames (:func:`.final_model.save_final_model`): the old folder to
-    ``final_model.previous``, then the new one to ``final_model``; ``final_model.previous`` is deleted last. Killed
-    between the renames, only ``final_model.previous`` (a complete model) is left: it is renamed back. Killed after
-    them, both are there: the previous one is deleted.
+    A new folder replaces an old one in two renames (:func:`replace_folder`): the old one to ``<name>.previous``, then
+    the new one to ``<name>``; ``<name>.previous`` is deleted last. Killed between the renames, only
+    ``<name>.previous`` (complete) is left: it is renamed back. Killed after them, both are there: the previous one
+    is deleted.
     """
-    previous, final = folder / PREVIOUS_FINAL_MODEL_NAME, folder / FINAL_MODEL_NAME
-    if not previous.is_dir():
+    if not folder.is_dir():
         return
-    if final.is_dir():
-        shutil.rmtree(previous)
-    else:
-        os.replace(previous, final)
+    for previous in folder.glob("*" + PREVIOUS_SUFFIX):
+        name = previous.name[: -len(PREVIOUS_SUFFIX)]
+        if previous.is_dir() and (name == FINAL_MODEL_NAME or CHECKPOINT_RE.match(name)):
+            final = folder / name
+            if final.is_dir():
+                shutil.rmtree(previous)
+            else:
+                os.replace(previous, final)
+
+
+def replace_folder(new: Path, final: Path) -> None:
+    """Move the complete folder ``new`` to ``final``, flushed to the disk first; an older ``final`` is moved aside
+    and deleted last, so that a kill or a power loss at any moment leaves a complete ``final`` or
+    ``final.previous`` (which :func:`recover_replaced_folders` puts back)."""
+    fsync_tree(new)
+    recover_replaced_folders(final.parent)  # an interrupted replacement's leftover: deleted, or restored as final
+    previous = final.with_name(final.name + PREVIOUS_SUFFIX)
+    if final.exists():
+        os.replace(final, previous)
+    os.replace(new, final)
+    _fsync_folder(final.parent)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file below ``folder``, and the folders themselves, to the disk: renamed into place afterwards,
+    a power loss finds them complete, not empty (a rename alone orders nothing against the data's writes)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_folder(Path(root))
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename in it) to the disk, where the file system allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a folder; their renames are then as durable as they get
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace the file ``path`` with ``text`` in one rename: a kill or a full disk at any moment leaves the old
+    file or the new one, never a truncated one. The temporary ``.tmp-<name>-<pid>`` is removed on an error (and by
+    :func:`remove_temp_checkpoints` if a kill left it)."""
+    tmp = path.with_name(f"{TEMP_FILE_PREFIX}{path.name}-{os.getpid()}")
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+
+
+def set_aside_later_checkpoints(folder: Path, step: int) -> Path | None:
+    """Move the ``checkpoint-N`` folders with ``N > step`` to ``folder/abandoned-after-step-<step>/`` (``-2``, ...
+    when that exists), with a copy of ``metrics.jsonl`` as it stands; returns that folder, or None when there are none.
+
+    A run resumed from an earlier checkpoint than the latest abandons the run that wrote the later ones: its
+    ``--resume`` must not pick them up, nor ``save_total_limit`` keep them over the new run's. They stay whole, with
+    their metrics' lines, which the resumed run drops from its own ``metrics.jsonl``.
+    """
+    later = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
+    later = [path for n, path in later if n > step]
+    if not later:
+        return None
+    target = folder / f"abandoned-after-step-{step}"
+    for k in itertools.count(2):
+        if not target.exists():
+            break
+        target = folder / f"abandoned-after-step-{step}-{k}"
+    target.mkdir()
+    metrics = folder / "metrics.jsonl"
+    if metrics.is_file():
+        shutil.copy2(metrics, target / metrics.name)
+    for path in later:
+        os.replace(path, target / path.name)
+    _fsync_folder(folder)
+    return target
 
 
 def _pid_alive(pid: int) -> bool:
@@ -165,6 +266,7 @@ def prepare_output_dir(folder: Path, resume: bool, overwrite: bool) -> RunFolder
     lock = RunFolderLock(folder)
     lock.acquire()
     try:
+        recover_replaced_folders(folder)  # first: a checkpoint a kill left as checkpoint-N.previous is one again
         check_fresh_run(folder, resume, overwrite)
         if not resume:
             for path in previous_outputs(folder):  # only with overwrite, after check_fresh_run
@@ -173,7 +275,6 @@ def prepare_output_dir(folder: Path, resume: bool, overwrite: bool) -> RunFolder
                 else:
                     path.unlink()
         remove_temp_checkpoints(folder)
-        recover_final_model(folder)
     except BaseException:
         lock.release()
         raise
