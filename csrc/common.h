@@ -14,6 +14,12 @@
 
 namespace grpo_ext {
 
+// selective_log_softmax's per-row statistics, which its forward keeps for the backward ([N, kSoftmaxStats]): the
+// row's largest z, log sum_v exp(z_v - max) and E_p[z] - max. Relative to the max, so that the backward takes each z
+// as z - max (exact near it) and large logits keep their precision, where z - lse with lse rounded costs an ulp of
+// |z| (1e-3 at z = 1e4).
+constexpr int kSoftmaxStats = 3;
+
 // Element types a kernel can read; the bindings map torch dtypes onto these tags.
 enum class DType : int32_t { kFloat32 = 0, kFloat64, kBFloat16, kFloat16, kBool, kUInt8, kInt8, kInt32, kInt64 };
 

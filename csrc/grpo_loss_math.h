@@ -310,9 +310,11 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
     }
     const T dkl_dl = passes ? -dkl_dr : T(0);
     if constexpr (kBias) {  // bias correction (DeepSeek-V3.2): KL * rho, rho carrying its gradient
-      out.kl = rho * kl;
+      // The limits of a large finite rho where rho overflowed: a factor exactly 0 (KL = 0 at l_ref == l, a KL
+      // gradient a clamp cut) makes its product 0, not 0 * inf = NaN (docs/math.md section 8)
+      out.kl = kl == T(0) ? T(0) : rho * kl;
       out.dloss_drho += c.beta * kl;
-      out.dloss_dl += c.beta * (rho * dkl_dl);
+      out.dloss_dl += c.beta * (dkl_dl == T(0) ? T(0) : rho * dkl_dl);
     } else {
       out.kl = kl;
       out.dloss_dl += c.beta * dkl_dl;

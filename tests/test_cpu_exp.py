@@ -1,10 +1,10 @@
 """The float exp of the CPU softmax rows (csrc/fast_math.h: host_expf_rows, used by cpu::row_softmax and the CPU
 backward of selective_log_softmax) against float64 exp rounded to float32: at most 2 ulp.
 
-Two views of it: the shipped kernel, whose backward writes exp(z - lse) itself when handed row statistics lse = 0,
-mean_z = 0 and grad_logps = -1 (every float of (-100, 0] with a stride, the whole range the rows use); and the
-function alone, compiled here with the build's flags (special values, overflow and underflow, and its baseline and
-AVX2 copies writing the same bits).
+Two views of it: the shipped kernel, whose backward writes exp((z - max) - log(sum)) itself when handed row
+statistics max = log(sum) = E_p[z] - max = 0 and grad_logps = -1 (every float of (-100, 0] with a stride, the whole
+range the rows use); and the function alone, compiled here with the build's flags (special values, overflow and
+underflow, and its baseline and AVX2 copies writing the same bits).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def ulp_distance(got: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_exp(x: torch.Tensor, vocab: int = 4096) -> torch.Tensor:
-    """exp(x) as the CPU backward of selective_log_softmax computes it: rows of x with lse = 0 (row_stats given),
+    """exp(x) as the CPU backward of selective_log_softmax computes it: rows of x with zero row_stats (max, log(sum)),
     grad_logps = -1, no entropy gradient; column 0 holds each row's id (its entry is d logp / dz, not exp)."""
     n = x.numel()
     rows = -(-n // (vocab - 1))
@@ -47,7 +47,7 @@ def kernel_exp(x: torch.Tensor, vocab: int = 4096) -> torch.Tensor:
     flat = torch.cat([x, torch.full((rows * (vocab - 1) - n,), -1.0)])
     logits[:, 1:] = flat.view(rows, vocab - 1)
     ids = torch.zeros(rows, dtype=torch.int64)
-    stats = torch.zeros(rows, 2)
+    stats = torch.zeros(rows, 3)  # max = 0, log(sum) = 0, E_p[z] - max = 0
     grad = torch.ops.grpo_ext.selective_log_softmax_backward(-torch.ones(rows), None, logits, ids, stats, 1.0, 1.0, 0.0)
     return grad[:, 1:].reshape(-1)[:n]
 

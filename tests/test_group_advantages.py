@@ -217,6 +217,10 @@ def test_rewards_near_the_largest_finite_values(device, scale, baseline, aggrega
         assert_close(got.advantages[:4], torch.tensor([1.0, 1.0, -1.0, -1.0]) * 0.75**0.5, rtol=1e-6, atol=0)
     runs = [grpo_ext.group_advantages(rewards.to(device), 4, **kwargs).advantages for _ in range(2)]
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], got.advantages)
+    # The reference in the rewards' own dtype gives the same advantages (an outside audit, 2026-11-29: float32
+    # rewards gave it an infinite std, so advantages of 0)
+    assert_close(reference.group_advantages(rewards, 4, **kwargs).advantages, expected.advantages.to(dtype),
+                 rtol=1e-6, atol=1e-6)  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -376,3 +380,20 @@ def test_verl_singleton_groups_with_normalize_then_sum_is_refused(impl, grouping
     with pytest.raises(ValueError, match=r"singleton_groups='verl'.*multi_objective_aggregation='normalize_then_sum'"):
         impl.group_advantages(torch.rand(4, 2, dtype=torch.float64), singleton_groups="verl",
                               multi_objective_aggregation="normalize_then_sum", **grouping)  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", [grpo_ext, reference], ids=["kernel", "reference"])
+def test_advantages_are_constants_and_weights_are_numbers(impl):
+    """Rewards that require grad give advantages that do not (no gradient reaches the rewards, in both; the kernel's
+    used to require grad with no autograd formula behind it: a backward gave None and a warning); integer weight
+    tensors are numbers as a list of ints is; bool weights and rewards without columns are refused, naming them."""
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]], requires_grad=True)
+    out = impl.group_advantages(rewards, 2, reward_weights=torch.tensor([2, 1]))
+    assert not any(t.requires_grad for t in (out.advantages, out.group_mean, out.group_std))
+    assert torch.equal(out.advantages, impl.group_advantages(rewards.detach(), 2, reward_weights=[2.0, 1.0]).advantages)
+    step = impl.process_advantages(rewards, torch.tensor([[0, 1]] * 4), 2, 2)
+    assert not step.requires_grad
+    with pytest.raises(ValueError, match=r"reward_weights must hold real numbers, got a torch\.bool tensor"):
+        impl.group_advantages(rewards, 2, reward_weights=torch.tensor([True, False]))
+    with pytest.raises(ValueError, match=r"rewards has no reward column \(K == 0\)"):
+        impl.group_advantages(torch.zeros(4, 0), 2)

@@ -308,6 +308,39 @@ def test_loss_scale_as_tensor(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [grpo_ext, reference], ids=["kernel", "reference"])
+def test_only_the_log_probs_get_a_gradient(impl, device):
+    """Every tensor argument but the log-probs is a constant (docs/math.md, Notation): given tensors that require
+    grad, the log-probs' gradient is the one with detached copies, and no other tensor gets a gradient."""
+    batch = make_loss_batch(seed=5).to(device, torch.float32)
+    rows = batch.logps.shape[0]
+    gen = torch.Generator().manual_seed(5)
+    constants = {
+        "advantages": batch.advantages,
+        "old_logps": batch.old_logps,
+        "ref_logps": batch.ref_logps,
+        "is_weights": (0.5 + torch.rand(batch.logps.shape, generator=gen)).to(device),
+        "policy_weights": (0.5 + torch.rand(rows, generator=gen)).to(device),
+        "loss_scale": torch.tensor(2.5, device=device),
+        "num_items_in_batch": torch.tensor(19.0, device=device),
+    }
+
+    def run(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = batch.logps.clone().requires_grad_(True)
+        args = dict(tensors)
+        out = impl.grpo_loss(logps, args.pop("advantages"), batch.mask, beta=0.04, loss_type="dapo", **args)
+        out.loss.backward()
+        return out.loss.detach(), logps.grad
+
+    loss, grad = run(constants)
+    leaves = {name: t.clone().requires_grad_(True) for name, t in constants.items()}
+    leaf_loss, leaf_grad = run(leaves)
+    assert torch.equal(leaf_loss, loss)
+    assert torch.equal(leaf_grad, grad)
+    assert {name: t.grad for name, t in leaves.items()} == dict.fromkeys(leaves)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_grad_mode_and_grad_scaling(device):
     batch = make_loss_batch(seed=4).to(device, torch.float32)
     with torch.no_grad():

@@ -208,6 +208,20 @@ def test_float32_ratio_near_and_beyond_overflow_matches_reference(device, log_ra
 # in float64, so the float64 reference is the limit the contract asks for, rounded once; float64: d = 3000
 # overflows in the reference too, whose ratio_exp states the rule.
 OVERFLOW_LOG_RATIO = {torch.float32: 300.0, torch.float64: 3000.0}
+
+
+def kernel_and_float64_reference(device, dtype, logps, adv, mask, kwargs) -> tuple:
+    """``(kernel output, its gradient, reference output, its gradient in dtype)``: the kernel on ``device`` in
+    ``dtype``, the reference on the float64 inputs."""
+    leaf = logps.to(device, dtype, copy=True).requires_grad_(True)
+    out = grpo_ext.grpo_loss(leaf, adv.to(device, dtype), mask.to(device), **cast_kwargs(device, dtype, kwargs))
+    out.loss.backward()
+    truth_leaf = logps.clone().requires_grad_(True)
+    truth = reference.grpo_loss(truth_leaf, adv, mask, **kwargs)
+    truth.loss.backward()
+    return out, leaf.grad.cpu(), truth, truth_leaf.grad.to(dtype)
+
+
 OVERFLOW_CASES = {
     "clip": dict(loss_type="dapo"),
     "clip_delta": dict(loss_type="dapo", delta=2.0),
@@ -231,13 +245,7 @@ def test_overflowing_ratio_gives_the_limit_not_nan(device, case, dtype):
     logps = torch.full((3, 3), -1.0, dtype=torch.float64)
     adv, mask = torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64), torch.ones(3, 3)
     kwargs = dict(OVERFLOW_CASES[case], old_logps=logps - d)
-    leaf = logps.to(device, dtype, copy=True).requires_grad_(True)
-    out = grpo_ext.grpo_loss(leaf, adv.to(device, dtype), mask.to(device), **cast_kwargs(device, dtype, kwargs))
-    out.loss.backward()
-    truth_leaf = logps.clone().requires_grad_(True)
-    truth = reference.grpo_loss(truth_leaf, adv, mask, **kwargs)
-    truth.loss.backward()
-    grad, want = leaf.grad.cpu(), truth_leaf.grad.to(dtype)
+    out, grad, truth, want = kernel_and_float64_reference(device, dtype, logps, adv, mask, kwargs)
     assert not grad.isnan().any() and not out.loss.isnan().item(), grad
     torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(out.loss.cpu(), truth.loss.to(dtype), rtol=1e-5, atol=1e-7)
@@ -246,3 +254,32 @@ def test_overflowing_ratio_gives_the_limit_not_nan(device, case, dtype):
         assert grad[0, 0].item() == 0.0  # A > 0 with rho overflowed: clipped, capped or saturated
     if case in ("clip", "gspo"):  # A < 0 unclipped: +inf, at the token, or at the sequence level the whole row
         assert torch.isinf(grad[2, 0]).item() and math.isinf(out.loss.item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("estimator", ["k3", "k2", "k1", "abs", "low_var_kl", "k3+", "k1+"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_bias_corrected_kl_at_an_overflowed_ratio_gives_the_limit(device, estimator, dtype):
+    """rho * KL where rho overflowed, at the limit of a large finite rho: 0 where KL is exactly 0 (l_ref == l), and
+    rho times a KL gradient that is exactly 0 (r = 0; a KL clamp that cut it) is 0, not 0 * inf = NaN (an outside
+    audit, 2026-11-29: NaN in the loss at l_ref == l, NaN in the gradient past a clamp)."""
+    log_ratio = OVERFLOW_LOG_RATIO[dtype]
+    # token 0: l_ref == l; token 1: l_ref = l + 1, past kl_clamp 0.2; token 2: an ordinary one
+    d = torch.tensor([[log_ratio, log_ratio, 0.1]], dtype=torch.float64)
+    logps = torch.tensor([[-1.0, -2.0, -1.5]], dtype=torch.float64)
+    kwargs = dict(old_logps=logps - d, ref_logps=logps + torch.tensor([[0.0, 1.0, 0.1]], dtype=torch.float64),
+                  beta=0.1, use_bias_correction_kl=True, kl_estimator=estimator, kl_clamp=0.2, loss_type="dapo")
+    adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 3)  # A > 0: the overflowed ratios clipped
+    out, grad, truth, want = kernel_and_float64_reference(device, dtype, logps, adv, mask, kwargs)
+    # k3+: k2's gradient on the raw r, which the clamp does not cut: at token 1 (l < l_ref) the KL term's gradients
+    # through the ratio (+inf) and through the estimate (-inf) meet, the one NaN docs/math.md section 8 keeps
+    # (a float64 reference of float32 inputs holds rho = e^300 finite, and so gives the limit, -inf, there)
+    nan_expected = torch.tensor([[False, estimator == "k3+", False]])
+    assert torch.equal(grad.isnan(), nan_expected), (grad, want)
+    assert not out.loss.isnan().item()
+    compared = [0, 2] if estimator == "k3+" else [0, 1, 2]
+    torch.testing.assert_close(grad[:, compared], want[:, compared], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out.loss.cpu(), truth.loss.to(dtype), rtol=1e-5, atol=1e-7)
+    if estimator not in ("k1", "k1+", "k3+"):  # k1's gradient is 1, the straight-through ones' r_raw (0 here)
+        assert grad[0, 0].item() == 0.0  # KL = 0 and its gradient 0 at r = 0; the ratio's clipped
+    assert math.isinf(out.loss.item())  # KL != 0 times an overflowed ratio

@@ -38,6 +38,9 @@ def test_masked_rows_may_hold_padding_ids_and_unmasked_nan_propagates(device):
                     old_logps=old.float().to(device))  # fmt: skip
     assert_close(got.loss, expected.loss, rtol=2e-5, atol=2e-6)
     assert_close(grad, expected_grad, rtol=1e-4, atol=1e-7)
+    # the reference takes them too (an outside audit, 2026-11-29: its gather raised "index -100 is out of bounds")
+    padded_ref, padded_ref_grad = run(reference, logits, padded, adv, mask, old_logps=old)
+    assert torch.equal(padded_ref.loss, expected.loss) and torch.equal(padded_ref_grad, expected_grad)
     if device == "cpu":  # in a row that counts it is an error (on CUDA a device-side assert, fatal to the context)
         padded[mask] = -100
         with pytest.raises(RuntimeError, match="outside the vocabulary"):

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 from pathlib import Path
 
 import pytest
 
 import grpo_ext
+from cuda_emu.build import KERNEL_NAME  # every kernel's name in a source, with or without launch bounds
 
 ROOT = Path(__file__).resolve().parent.parent
 
 needs_cuda_build = pytest.mark.skipif(not grpo_ext.build_info()["cuda_compiled"], reason="CUDA kernels not compiled")
-
-
-# A kernel's declaration: its launch bounds (one or two numbers, perhaps a comment after them) before its name.
-DECLARED_KERNEL = r"__global__\s+void\s+(?:__launch_bounds__\([\d\s,]+\)\s*(?://[^\n]*\n\s*)?)?(\w+)"
 
 
 def load_report():
@@ -34,7 +30,7 @@ def test_every_kernel_is_reported_with_its_resources():
     kernels = report.collect(str(grpo_ext._native.CUDA_LIBRARY))
     declared = set()
     for header in (ROOT / "csrc" / "cuda").glob("*.cuh"):
-        declared |= set(re.findall(DECLARED_KERNEL, header.read_text()))
+        declared |= set(KERNEL_NAME.findall(header.read_text()))
     archs = {k.arch for k in kernels}
     built = {f"sm_{a.removesuffix('+PTX')}" for a in grpo_ext.build_info()["cuda_archs"].split()}
     assert archs and archs <= built, (archs, built)  # each architecture built with its PTX is reported

@@ -165,6 +165,32 @@ def test_meta_inputs_give_the_output_shapes():
                                        torch.ones(2), torch.ones(2, 3))  # fmt: skip
 
 
+def test_fake_inputs_give_the_output_shapes():
+    """Every op under torch's FakeTensorMode outside torch.compile (shapes, no values: tracers and memory estimators)
+    returns outputs of the right shapes, with float masks, tensor numbers and weights, group_ids with num_groups, and
+    the hidden-state loss's kept rows; group_ids without num_groups is refused naming it (an outside audit,
+    2026-11-29: each raised torch's DataDependentOutputException or DynamicOutputShapeException)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        logps, adv, mask = torch.empty(2, 3), torch.empty(2), torch.ones(2, 3)
+        ids = torch.zeros(2, 3, dtype=torch.int64)
+        out = grpo_ext.grpo_loss(logps, adv, mask, loss_scale=torch.tensor(2.0), num_items_in_batch=torch.tensor(6.0),
+                                 loss_type="dapo")  # fmt: skip
+        assert out.loss.shape == () and all(value.shape == () for value in out.metrics.values())
+        assert grpo_ext.grpo_loss_from_logits(torch.empty(2, 3, 5), ids, adv, mask).loss.shape == ()
+        hidden = torch.empty(2, 3, 4, requires_grad=True)
+        grpo_ext.grpo_loss_from_hidden(hidden, torch.empty(5, 4), ids, adv, mask.bool()).loss.backward()
+        assert hidden.grad.shape == hidden.shape
+        advantages = grpo_ext.group_advantages(torch.empty(8, 2), 4, reward_weights=torch.tensor([1.0, 2.0]))
+        assert advantages.advantages.shape == (8,) and advantages.group_std.shape == (2,)
+        group_ids = torch.zeros(8, dtype=torch.int64)
+        assert grpo_ext.group_advantages(torch.empty(8), group_ids=group_ids, num_groups=2).group_mean.shape == (2,)
+        with pytest.raises(ValueError, match=r"num_groups is required with group_ids on the meta device or fake"):
+            grpo_ext.group_advantages(torch.empty(8), group_ids=group_ids)
+        assert grpo_ext.selective_log_softmax(torch.empty(4, 5), torch.zeros(4, dtype=torch.int64)).logps.shape == (4,)
+
+
 def test_tensor_numbers_reach_the_ops_unread():
     """loss_scale and num_items_in_batch given as tensors go to the native ops as those tensors, beside their number
     arguments' placeholders, in the full validation's arguments and the per-call fast path's alike, and back."""
@@ -230,3 +256,34 @@ def test_loss_options_defined_once():
             assert keywords == LossOptions._field_defaults, function
     with pytest.raises(TypeError, match="unexpected keyword"):
         grpo_ext.grpo_loss(torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), epsilon_low=0.2)
+
+
+def test_torch_func_transforms_name_the_op_and_the_reference_supports_them():
+    """torch.func.grad over a kernel loss raises naming the op and the ways out (an outside audit, 2026-11-29:
+    torch's "must override the setup_context staticmethod" named neither); the reference's gradients under
+    torch.func.grad and nested jacrev equal autograd's (its autograd Functions are torch.func-ready)."""
+    gen = torch.Generator().manual_seed(8)
+    logps = -torch.rand(2, 3, generator=gen, dtype=torch.float64)
+    adv, mask = torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 3)
+    logits, ids = torch.randn(2, 3, 7, generator=gen, dtype=torch.float64), torch.randint(0, 7, (2, 3), generator=gen)
+    hidden, weight = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64), torch.randn(7, 4, generator=gen).double()
+    options = dict(old_logps=logps - 0.1, ref_logps=logps + 0.2, beta=0.1, use_bias_correction_kl=True)
+    losses = {
+        "grpo_loss": (lambda impl, x: impl.grpo_loss(x, adv, mask, **options).loss, logps),
+        "grpo_loss_from_logits": (lambda impl, x: impl.grpo_loss_from_logits(x, ids, adv, mask, entropy_coef=0.1,
+                                                                             **options).loss, logits),
+        "selective_log_softmax": (lambda impl, x: impl.selective_log_softmax(x, ids).logps.sum(), logits),
+        "grpo_loss_from_hidden": (lambda impl, x: impl.grpo_loss_from_hidden(x, weight, ids, adv, mask).loss,
+                                  hidden),
+    }  # fmt: skip
+    for name, (loss, x) in losses.items():
+        with pytest.raises(RuntimeError, match=rf"grpo_ext\.{name} does not support torch\.func's transforms .* "
+                                               rf"grpo_ext\.reference\.{name}, which supports them"):  # fmt: skip
+            torch.func.grad(lambda t, loss=loss: loss(grpo_ext, t))(x)
+        leaf = x.clone().requires_grad_(True)
+        expected = torch.autograd.grad(loss(reference, leaf), leaf)[0]
+        torch.testing.assert_close(torch.func.grad(lambda t, loss=loss: loss(reference, t))(x), expected)
+    second = torch.func.jacrev(torch.func.jacrev(lambda t: losses["grpo_loss"][0](reference, t)))(logps)
+    leaf = logps.clone().requires_grad_(True)
+    (first,) = torch.autograd.grad(losses["grpo_loss"][0](reference, leaf), leaf, create_graph=True)
+    torch.testing.assert_close(second[1, 2], torch.autograd.grad(first[1, 2], leaf)[0])

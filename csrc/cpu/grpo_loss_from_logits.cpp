@@ -133,7 +133,7 @@ void logits_pass_impl(LogitsPassPlan& plan) {
       // d/dz_v of g * logp = g * (onehot - p_v), times dz/dx; the chosen entry as -expm1(logp), exact where p -> 1.
       // The entropy bonus adds e * p_v * (z_v - E_p[z]) (an entry with p_v = 0 adds exactly 0, even at z = -inf).
       const T e = weights.entropy * entropy_weight_at(m, plan.entropy_weights, b, t);
-      const T inv_sum = T(1.0 / s.sum), mean_z = T(s.mean_z);
+      const T inv_sum = T(1.0 / s.sum), z_max = T(s.max), mean_shift = T(s.mean_shift);
       const T* p_exps = exps.data();
       if (e == T(0)) {
         // uncapped, dz/dx is the constant f.slope, folded into the scale
@@ -142,9 +142,9 @@ void logits_pass_impl(LogitsPassPlan& plan) {
         grad_row[id] = In(g * -math_expm1(logp) * f.template slope_of<kCapped>(z[id]));
       } else {
         const T scale = T(-double(g) / s.sum);
-        const T bonus_id = exps[id] == T(0) ? T(0) : exps[id] * inv_sum * (z[id] - mean_z);
-        GRPO_CPU_ISA_CALL(
-            isa, policy_bonus_grad_row<T, In, kCapped>(p_exps, z, vocab, scale, e, inv_sum, mean_z, f, grad_row));
+        const T bonus_id = exps[id] == T(0) ? T(0) : exps[id] * inv_sum * ((z[id] - z_max) - mean_shift);
+        GRPO_CPU_ISA_CALL(isa, policy_bonus_grad_row<T, In, kCapped>(p_exps, z, vocab, scale, e, inv_sum, z_max,
+                                                                     mean_shift, f, grad_row));
         grad_row[id] = In((g * -math_expm1(logp) + e * bonus_id) * f.template slope_of<kCapped>(z[id]));
       }
     }

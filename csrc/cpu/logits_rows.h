@@ -56,7 +56,8 @@ RowSoftmax row_softmax(const T* z, int64_t n, T* exps) {
   } else {
     z_max = softmax_max_sums(z, n, exps, sums);
   }
-  return {sums[0], double(z_max) + std::log(sums[0]), double(z_max) + sums[1] / sums[0]};
+  const double log_sum = std::log(sums[0]), mean_shift = sums[1] / sums[0];
+  return {sums[0], double(z_max) + log_sum, double(z_max) + mean_shift, double(z_max), log_sum, mean_shift};
 }
 
 }  // namespace cpu

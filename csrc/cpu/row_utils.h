@@ -118,9 +118,12 @@ __attribute__((always_inline)) inline T lane_max(const T* x, int64_t n) {
 
 // Softmax statistics of one scaled logits row, finished in double.
 struct RowSoftmax {
-  double sum;     // sum_v exp(z_v - max)
-  double lse;     // log sum_v exp(z_v)
-  double mean_z;  // E_p[z]; the entropy is lse - mean_z
+  double sum;         // sum_v exp(z_v - max)
+  double lse;         // log sum_v exp(z_v)
+  double mean_z;      // E_p[z]; the entropy is lse - mean_z
+  double max;         // max_v z_v (a T value)
+  double log_sum;     // log(sum): lse - max
+  double mean_shift;  // E_p[z] - max: the gradients take every z relative to the max (z - max is exact near it)
 };
 
 // A fixed tree over 16 float lanes, in double: the lanes' sum in 4 dependent adds (a chain of 16 would cost a short

@@ -65,8 +65,10 @@ void forward_impl(SelectiveLogSoftmaxPlan& plan) {
       const cpu::RowSoftmax s = cpu::row_softmax<T>(z, vocab, nullptr);
       logps[row] = T(double(z[id]) - s.lse);
       if (entropy) entropy[row] = T(s.lse - s.mean_z);
-      stats[row * kSoftmaxStats] = T(s.lse);
-      stats[row * kSoftmaxStats + 1] = T(s.mean_z);
+      // exactly the row's largest z; NaN for a NaN row, whose log(sum) is (the vector max skips a NaN), as on CUDA
+      stats[row * kSoftmaxStats] = T(s.max + (s.log_sum - s.log_sum));
+      stats[row * kSoftmaxStats + 1] = T(s.log_sum);
+      stats[row * kSoftmaxStats + 2] = T(s.mean_shift);
     }
   });
   const int64_t bad = bad_row.load();
@@ -113,21 +115,25 @@ void backward_impl(const Tensor& grad_logps, const std::optional<Tensor>& grad_e
         std::fill(out_row, out_row + vocab, Out(0));
         continue;
       }
-      const T lse = stats[row * kSoftmaxStats], mean_z = stats[row * kSoftmaxStats + 1];
+      const T* row_stats = stats + row * kSoftmaxStats;
+      const T z_max = row_stats[0], log_sum = row_stats[1], mean_shift = row_stats[2];
       if (x_view.col_stride == 1) {  // the row as it lies, converted in the loop
         const Out* raw = static_cast<const Out*>(x_view.data) + row * x_view.row_stride;
-        GRPO_CPU_ISA_CALL(isa, selective_grad_row<T, Out, Out, kCapped>(raw, vocab, lse, mean_z, gl, gh, f, out_row));
+        GRPO_CPU_ISA_CALL(
+            isa, selective_grad_row<T, Out, Out, kCapped>(raw, vocab, z_max, log_sum, mean_shift, gl, gh, f, out_row));
       } else {
         const T* x = row_values(x_view, row, vocab, buffer.data());
-        GRPO_CPU_ISA_CALL(isa, selective_grad_row<T, T, Out, kCapped>(x, vocab, lse, mean_z, gl, gh, f, out_row));
+        GRPO_CPU_ISA_CALL(
+            isa, selective_grad_row<T, T, Out, kCapped>(x, vocab, z_max, log_sum, mean_shift, gl, gh, f, out_row));
       }
       const int64_t id = id_view.load<int64_t>(row, 0);
       if (id >= 0 && id < vocab) {  // the chosen token's entry, computed whole so it is rounded once
         const T z = f.template z_of<kCapped>(x_view.load<T>(row, id));
         // p = 0 as above: a -inf chosen logit gets gl * dz/dx (d logp / dz = 1 - 0), not 0 * -inf from the entropy
-        const bool counts = !(z - lse <= T(-100));
-        const T p = counts ? math_exp_rows(z - lse) : T(0);
-        const T spread = counts ? p * (z - mean_z) : T(0);
+        const T shifted = z - z_max, d = shifted - log_sum;
+        const bool counts = !(d <= T(-100));
+        const T p = counts ? math_exp_rows(d) : T(0);
+        const T spread = counts ? p * (shifted - mean_shift) : T(0);
         out_row[id] = Out((gl * (T(1) - p) - gh * spread) * f.template slope_of<kCapped>(z));
       }
     }

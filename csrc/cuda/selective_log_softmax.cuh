@@ -194,21 +194,27 @@ __global__ void __launch_bounds__(1024, 2)
       const T log_sum = log(s.sum), mean_shift = s.weighted / s.sum;
       logps[row] = f.template d_with<kCap>(logits.load<T>(row, id), s.max) - log_sum;
       if (entropy) entropy[row] = log_sum - mean_shift;
-      row_stats[2 * row] = s.max + log_sum;         // lse
-      row_stats[2 * row + 1] = s.max + mean_shift;  // E_p[z]
+      // relative to the max (kSoftmaxStats): the backward takes each d as the FMA above, not z - lse
+      row_stats[kSoftmaxStats * row] = s.max + (log_sum - log_sum);  // NaN for a NaN row, as on the CPU
+      row_stats[kSoftmaxStats * row + 1] = log_sum;
+      row_stats[kSoftmaxStats * row + 2] = mean_shift;
     }
     __syncthreads();  // warp_states is reused by the next row
   }
 }
 
-// kCap as in the forward.
+// kCap as in the forward. Two float blocks an SM (32 registers): without the bound, the third row statistic took
+// sm_80's float32 build from 32 registers to 54 (half the occupancy); with it no float32/bf16/fp16 build spills, but
+// for 4 B on sm_100's capped float32 one (benchmarks/KERNELS.md; sm_86/sm_89/sm_120 SMs cannot hold two such
+// blocks). float64 keeps one block an SM: at 32 registers it spilled 140 B on sm_90.
 template <typename T, typename Out, SoftCap kCap>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(1024, sizeof(T) == 4 ? 2 : 1)
     selective_log_softmax_backward_kernel(StridedMatrix logits, StridedMatrix ids, StridedMatrix grad_logps,
                                           StridedMatrix grad_entropy, const T* __restrict__ row_stats, int64_t rows,
                                           int64_t vocab, LogitTransform<T> f, Out* __restrict__ grad_logits) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T lse = row_stats[2 * row], mean_z = row_stats[2 * row + 1];
+    const T z_max = row_stats[kSoftmaxStats * row], log_sum = row_stats[kSoftmaxStats * row + 1];
+    const T mean_shift = row_stats[kSoftmaxStats * row + 2];
     const T gl = grad_logps.load<T>(row, 0);
     const T gh = grad_entropy.present() ? grad_entropy.load<T>(row, 0) : T(0);
     const int64_t id = ids.load<int64_t>(row, 0);
@@ -222,11 +228,13 @@ __global__ void __launch_bounds__(1024)
     }
     // v: a RowIndex (vector_io.cuh), so that the chosen-token test is one 64-bit compare a vector, not one an element
     const auto grad = [&](RowIndex v, T logit) {
-      const T z = f.template z_with<kCap>(logit);
-      const T p = softmax_exp(z - lse);
+      // d = z - max as the forward's log-prob took it (one FMA without a cap): exact near the max, where z - lse
+      // with lse rounded to T cost an ulp of |z| (1e-3 at z = 1e4)
+      const T d = f.template d_with<kCap>(logit, z_max);
+      const T p = softmax_exp(d - log_sum);
       const T onehot = select_computed(v.is(id), gl, T(0));
-      const T spread = p > T(0) ? p * (z - mean_z) : T(0);  // a -inf logit: p = 0, and not 0 * -inf
-      return (onehot - gl * p - gh * spread) * f.template slope_with<kCap>(z);
+      const T spread = p > T(0) ? p * (d - mean_shift) : T(0);  // a -inf logit: p = 0, and not 0 * -inf
+      return (onehot - gl * p - gh * spread) * f.template slope_with<kCap>(f.template z_with<kCap>(logit));
     };
     if (logits.col_stride == 1) {  // the logits' dtype is Out's (the binding's dispatch)
       // bf16/fp16: one vector in flight (32 registers, 100% occupancy at 1024 threads; two took 52 and 50%): the

@@ -8,9 +8,6 @@
 
 namespace grpo_ext {
 
-// Per-row statistics the forward keeps for the backward: logsumexp(z) and E_p[z].
-constexpr int kSoftmaxStats = 2;
-
 using SelectiveLogSoftmaxResult = std::tuple<Tensor, Tensor, Tensor>;
 
 struct SelectiveLogSoftmaxPlan {
@@ -70,7 +67,8 @@ inline LogitOptions check_selective_log_softmax_backward(const Tensor& grad_logp
   }
   GRPO_CHECK(row_stats.dim() == 2 && row_stats.size(0) == rows && row_stats.size(1) == kSoftmaxStats &&
                  row_stats.is_contiguous(),
-             "row_stats must be the contiguous [N, 2] statistics of the forward, got ", shape(row_stats));
+             "row_stats must be the contiguous [N, ", kSoftmaxStats, "] statistics of the forward, got ",
+             shape(row_stats));
   GRPO_CHECK(row_stats.scalar_type() == accumulate_type(logits.scalar_type()),
              "row_stats must have the forward's statistics dtype");
   check_same_device(row_stats, logits, "row_stats", "logits");

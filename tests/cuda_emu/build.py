@@ -54,7 +54,11 @@ CXXFLAGS = ["-std=c++20", "-O1", "-g", "-fno-omit-frame-pointer", "-ffp-contract
 _SHARED = re.compile(r"__shared__\s+([^;{}]*);")
 _DECLARATOR = re.compile(r"(\w+)\s*((?:\[[^\[\]]+\]\s*)*)")
 # The first argument (max threads per block); a second one (min blocks per SM) is for the compiler's registers only.
-_LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*(\d+)\s*(?:,\s*\d+\s*)?\)\s*(?://[^\n]*\n\s*)?(\w+)")
+# The name of every ``__global__`` function of a source, with or without ``__launch_bounds__`` (whose minimum blocks
+# an SM, which the emulator does not use, may be an expression with one level of parentheses): also read by the
+# suite's kernel coverage (conftest.py) and tests/test_kernel_report.py.
+KERNEL_NAME = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))+\)\s*(?://[^\n]*\n\s*)?)?(\w+)")
+_LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*(\d+)\s*(?:,(?:[^()]|\([^()]*\))*)?\)\s*(?://[^\n]*\n\s*)?(\w+)")
 
 
 class BuildError(RuntimeError):

@@ -13,11 +13,11 @@ the kernels, their instantiations and the cases run on both.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
 
+from .build import KERNEL_NAME
 from .client import SCHEDULES, EmuDevice
 
 CSRC = Path(os.environ.get("GRPO_EMU_CSRC") or Path(__file__).resolve().parents[2] / "csrc")
@@ -37,8 +37,7 @@ def header_kernels(csrc: Path = CSRC) -> set[str]:
     """The name of every ``__global__`` function in ``csrc/cuda/*.cuh``."""
     names = set()
     for path in (csrc / "cuda").glob("*.cuh"):
-        kernels = r"__global__\s+void\s+(?:__launch_bounds__\([\d\s,]+\)\s*(?://[^\n]*\n\s*)?)?(\w+)"
-        names |= set(re.findall(kernels, path.read_text()))
+        names |= set(KERNEL_NAME.findall(path.read_text()))
     return names
 
 

@@ -12,8 +12,6 @@
 namespace cuda_emu {
 namespace {
 
-constexpr int kSoftmaxStats = 2;
-
 // The ops' (temperature, logit_scale, logit_softcap) arguments (logit_softcap 0: no cap; docs/math.md section 2).
 struct LogitArgs {
   double temperature, logit_scale, logit_softcap;
@@ -37,7 +35,7 @@ std::vector<Tensor> selective_log_softmax_forward(Args& a) {
   const grpo_ext::StridedMatrix x = matrix_view(logits, rows, vocab, false), id = matrix_view(ids, rows, 1, true);
   const DType acc = accumulate_type(logits.dtype);
   Tensor logps = empty({rows}, acc), entropy = return_entropy ? empty({rows}, acc) : empty({0}, acc);
-  Tensor row_stats = empty({rows, kSoftmaxStats}, acc);
+  Tensor row_stats = empty({rows, grpo_ext::kSoftmaxStats}, acc);
   if (acc == DType::kFloat64) {
     grpo_ext::launch_selective_log_softmax_forward<double>(
         x, id, rows, vocab, logit.transform<double>(), logps.data_as<double>(),

@@ -25,6 +25,18 @@ def refuse_double_backward(function: str) -> None:
         )
 
 
+def refuse_function_transforms(function: str) -> None:
+    """Raises RuntimeError naming the op when a torch.func transform (grad, jacrev, vjp, vmap over a gradient) is
+    active where the op would compute its gradient: the fused kernel computes it in the forward, which torch.func
+    cannot trace (torch's own message names neither the op nor a way out)."""
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            f"grpo_ext.{function} does not support torch.func's transforms (grad, jacrev, vjp, hessian) where it "
+            "computes a gradient: its fused kernel forms the gradient in the forward pass. Use torch.autograd "
+            f"(loss.backward(), torch.autograd.grad), or grpo_ext.reference.{function}, which supports them."
+        )
+
+
 #: ``with below_autograd():`` calls ops past the autograd dispatch key, as torch.library's autograd wrapper does itself
 #: where no gradient is needed: the ops' eager paths use it where grad mode is off (never under torch.compile), so
 #: that a call does not go through that wrapper's Python on its way to the kernel.

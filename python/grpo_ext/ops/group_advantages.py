@@ -68,10 +68,13 @@ def group_advantages(
     )  # fmt: skip
     if reward_weights is not None:
         num_rewards = rewards.shape[1] if rewards.dim() == 2 else 1
-        weights_dtype = reward_weights.dtype if isinstance(reward_weights, Tensor) else torch.float64
-        reward_weights = reward_weights_tensor(reward_weights, num_rewards, weights_dtype, rewards.device)
+        floating = isinstance(reward_weights, Tensor) and reward_weights.is_floating_point()
+        weights_dtype = reward_weights.dtype if floating else torch.float64  # integer weights as a list's
+        reward_weights = reward_weights_tensor(reward_weights, num_rewards, weights_dtype, rewards.device).detach()
+    # The advantages are constants (no gradient reaches the rewards, as in the reference): detached inputs, so that
+    # rewards that require grad do not give outputs that do, with no autograd formula behind them
     out = torch.ops.grpo_ext.group_advantages(
-        rewards, reward_weights, 0 if group_size is None else group_size, scale_rewards, baseline,
+        rewards.detach(), reward_weights, 0 if group_size is None else group_size, scale_rewards, baseline,
         multi_objective_aggregation, eps, std_ddof, singleton_groups, group_ids, num_groups,
     )  # fmt: skip
     return GroupAdvantages(*out)

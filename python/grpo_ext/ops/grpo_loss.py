@@ -13,7 +13,7 @@ from torch import Tensor
 from ..results import GRPOLossOutput
 from ..validation.loss import resolve_grpo_loss_args
 from ..validation.options import takes_loss_options
-from ._common import accumulate_dtype, below_autograd, refuse_double_backward
+from ._common import accumulate_dtype, below_autograd, refuse_double_backward, refuse_function_transforms
 from .metrics import NUM_METRICS, metrics_dict
 
 # The forward op's overload, resolved once (not through the packet on every call).
@@ -48,6 +48,7 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
             with below_autograd():
                 loss, metrics_vec, _, _ = _FORWARD(logps, advantages, completion_mask, *option_args, False)
     elif logps.requires_grad and not torch.compiler.is_compiling():
+        refuse_function_transforms("grpo_loss")
         loss, metrics_vec = _GRPOLossFunction.apply(logps, advantages, completion_mask, *option_args, True)
     else:  # torch.compile traces the op itself, through its register_autograd registration
         compute_grad = logps.requires_grad

@@ -24,7 +24,7 @@ from ..validation import (
 )
 from ..validation.hidden import RefHead, check_lm_head, check_ref_head
 from ..validation.options import LogitOptions, LossOptions, takes_loss_options
-from ._common import accumulate_dtype, refuse_double_backward
+from ._common import accumulate_dtype, refuse_double_backward, refuse_function_transforms
 from .grpo_loss_from_logits import (
     check_entropy_weights,
     logit_options_from_op_args,
@@ -456,6 +456,7 @@ def hidden_loss(
             *logit.op_args(), chunk_size, entropy_coef, entropy_weights, one_chunk,
         )
     else:
+        refuse_function_transforms("grpo_loss_from_hidden")
         loss, metrics, entropy, token_logps, token_entropy = _HiddenLossFunction.apply(
             flat_hidden, weight, lm_head_bias, flat_ids, advantages, completion_mask, resolved, logit, chunk_size,
             ref_head, entropy_coef, entropy_weights, one_chunk,

@@ -19,7 +19,7 @@ from ..validation.logits import check_ids_and_mask, check_rows_as_mask
 from ..validation.loss import resolve_fused_loss_args
 from ..validation.options import LogitOptions, LossOptions, takes_loss_options
 from ..validation.values import check_bool, check_finite, validate_logit_options
-from ._common import accumulate_dtype, below_autograd, refuse_double_backward
+from ._common import accumulate_dtype, below_autograd, refuse_double_backward, refuse_function_transforms
 from .metrics import NUM_METRICS, metrics_dict
 
 
@@ -358,6 +358,7 @@ def grpo_loss_from_logits(
             entropy_weights, True,
         )  # fmt: skip
     else:
+        refuse_function_transforms("grpo_loss_from_logits")
         detached: list[Tensor] = []
         loss = _LogitsLossFunction.apply(logits, flat_ids, advantages, completion_mask, resolved, logit, inplace_grad,
                                          entropy_coef, entropy_weights, option_args, detached)  # fmt: skip

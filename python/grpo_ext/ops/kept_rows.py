@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..validation.tensors import shapes_only
+
 #: A run of token rows ``[start, end)`` of the flattened ``[N]`` problem.
 Segment = tuple[int, int]
 
@@ -29,10 +31,11 @@ class RowPlan(NamedTuple):
 def plan_rows(kept: Tensor, gather: bool, max_segments: int) -> RowPlan:
     """The rows to score, from the ``[N]`` bool ``kept``: its runs of True (at most ``max_segments``), or every row.
 
-    Reading ``kept`` on the host is the op's one device sync per call. A meta ``kept`` (shapes only) scores every row.
+    Reading ``kept`` on the host is the op's one device sync per call. A meta or fake ``kept`` (shapes only) scores
+    every row.
     """
     rows = kept.numel()
-    if not gather or kept.device.type == "meta":
+    if not gather or shapes_only(kept):
         return RowPlan([(0, rows)] if rows else [], rows, True)
     flags = kept.to("cpu", torch.int8)
     edge = torch.zeros(1, dtype=torch.int8)

@@ -39,7 +39,8 @@ def process_advantages(
     group_size, seq_len, eps, std_ddof = validate_process_advantages_args(
         step_rewards, step_end, group_size, seq_len, eps, std_ddof
     )
-    return torch.ops.grpo_ext.process_advantages(step_rewards, step_end, group_size, seq_len, eps, std_ddof)
+    # constants, as group_advantages' (detached: no output requiring grad without an autograd formula)
+    return torch.ops.grpo_ext.process_advantages(step_rewards.detach(), step_end, group_size, seq_len, eps, std_ddof)
 
 
 @torch.library.register_fake("grpo_ext::process_advantages")

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..results import SelectiveLogSoftmax
 from ..validation import validate_selective_log_softmax_args
-from ._common import accumulate_dtype, below_autograd, refuse_double_backward
+from ._common import accumulate_dtype, below_autograd, refuse_double_backward, refuse_function_transforms
 
 
 def selective_log_softmax(
@@ -48,6 +48,7 @@ def selective_log_softmax(
     flat_ids = ids.reshape(-1)
     args = (flat_logits, flat_ids, *logit.op_args(), bool(return_entropy))
     if torch.is_grad_enabled() and logits.requires_grad and not torch.compiler.is_compiling():
+        refuse_function_transforms("selective_log_softmax")
         logps, entropy = _SelectiveLogSoftmaxFunction.apply(*args)
     elif not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         with below_autograd():  # as in grpo_loss: past the autograd key's Python round trip
@@ -65,7 +66,7 @@ def _selective_log_softmax_forward_fake(logits, ids, temperature, logit_scale, l
     return (
         logits.new_empty((rows,), dtype=dtype),
         logits.new_empty((rows,) if return_entropy else (0,), dtype=dtype),
-        logits.new_empty((rows, 2), dtype=dtype),
+        logits.new_empty((rows, 3), dtype=dtype),
     )
 
 

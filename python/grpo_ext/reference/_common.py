@@ -74,11 +74,15 @@ def absolute(x: Tensor) -> Tensor:
 class _RatioExp(torch.autograd.Function):
     """``exp(d)`` whose backward keeps an exactly-zero incoming gradient 0 where ``exp(d)`` overflowed to +inf."""
 
+    generate_vmap_rule = True  # pure torch: torch.func.vmap (and so jacrev, hessian) batches it
+
     @staticmethod
-    def forward(ctx, d: Tensor) -> Tensor:  # type: ignore[override]
-        rho = torch.exp(d)
-        ctx.save_for_backward(rho)
-        return rho
+    def forward(d: Tensor) -> Tensor:  # type: ignore[override]
+        return torch.exp(d)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # separate: torch.func's transforms need it
+        ctx.save_for_backward(output)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
@@ -102,6 +106,79 @@ def ratio_exp(d: Tensor) -> Tensor:
         ``exp(d)``, ``d``'s shape and dtype.
     """
     return _RatioExp.apply(d)
+
+
+class _WithDerivative(torch.autograd.Function):
+    """``value`` (of ``x``) whose backward is ``grad * derivative``, 0 where ``derivative`` is exactly 0 and ``grad``
+    infinite."""
+
+    generate_vmap_rule = True  # pure torch: torch.func.vmap (and so jacrev, hessian) batches it
+
+    @staticmethod
+    def forward(value: Tensor, x: Tensor, derivative: Tensor) -> Tensor:  # type: ignore[override]
+        return value.detach().clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, Tensor, None]:  # type: ignore[override]
+        (derivative,) = ctx.saved_tensors
+        limit_zero = (derivative == 0) & torch.isinf(grad)  # only there: a finite grad keeps its product's graph
+        return None, torch.where(limit_zero, torch.zeros_like(grad), grad * derivative), None
+
+
+def with_derivative(value: Tensor, x: Tensor, derivative: Tensor) -> Tensor:
+    """``f(x)`` given as its ``value`` and ``derivative = f'(x)``, whose gradient is ``grad * f'(x)``: 0 where
+    ``f'(x) = 0`` even when ``grad`` is infinite (a bias-corrected KL times an overflowed ratio, docs/math.md section
+    8), where autograd through ``f``'s formula would form ``inf * 0 = NaN`` or ``inf - inf``. ``derivative`` built
+    from ``x`` with its graph keeps double backward working.
+
+    Args:
+        value: ``f(x)``, any shape.
+        x: the input, the same shape.
+        derivative: ``f'(x)``, the same shape.
+
+    Returns:
+        ``value``, differentiable with respect to ``x``.
+    """
+    return _WithDerivative.apply(value, x, derivative)
+
+
+class _ScaledByRatio(torch.autograd.Function):
+    """``kl * rho``, 0 where ``kl`` is exactly 0 (also where ``rho`` overflowed to +inf); gradients ``grad * rho``
+    and ``grad * kl``."""
+
+    generate_vmap_rule = True  # pure torch: torch.func.vmap (and so jacrev, hessian) batches it
+
+    @staticmethod
+    def forward(kl: Tensor, rho: Tensor) -> Tensor:  # type: ignore[override]
+        return torch.where(kl == 0, torch.zeros_like(kl), kl * rho)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        kl, rho = ctx.saved_tensors
+        return grad * rho, grad * kl
+
+
+def scaled_by_ratio(kl: Tensor, rho: Tensor) -> Tensor:
+    """The bias-corrected KL ``rho * KL`` at the limit of a large finite ``rho`` (docs/math.md section 8): 0 where
+    ``KL`` is exactly 0, whatever ``rho``; ``KL``'s gradient times ``rho`` (its zeros kept by :func:`with_derivative`),
+    ``rho``'s times ``KL`` (kept by :func:`ratio_exp`). A NaN in either stays NaN.
+
+    Args:
+        kl: ``[B, T]`` KL estimate.
+        rho: ``[B, T]`` importance ratio.
+
+    Returns:
+        ``[B, T]``.
+    """
+    return _ScaledByRatio.apply(kl, rho)
 
 
 def nan_mean_std(x: Tensor, std_ddof: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -104,7 +104,10 @@ def group_advantages(
     def to_rows(x: Tensor) -> Tensor:  # [num_groups, N] -> [B]
         return torch.zeros(batch, dtype=x.dtype, device=x.device).index_put_((members[present],), x[present])
 
-    dtype = compute_dtype(rewards)
+    # The float64 formulas (docs/math.md: "the advantages are those of the float64 formulas"), whatever the rewards'
+    # dtype, so that rewards near float32's largest values (a std beyond its range) still scale; outputs in
+    # out_dtype, the rewards' promoted to at least float32
+    out_dtype, dtype = compute_dtype(rewards), torch.float64
     r = rewards.detach().to(dtype)
     r = torch.where(torch.isfinite(r), r, torch.full_like(r, float("nan")))  # +-inf is not scored, like NaN
     if r.dim() == 1:
@@ -173,4 +176,5 @@ def group_advantages(
     # group statistics of the combined reward (every mode)
     group_mean, group_std, group_count = nan_mean_std(by_group(combined), std_ddof)
     zero_std = (group_count >= 2) & (group_std <= ZERO_STD_TOL)
-    return GroupAdvantages(advantages=advantages, group_mean=group_mean, group_std=group_std, zero_std=zero_std)
+    return GroupAdvantages(advantages=advantages.to(out_dtype), group_mean=group_mean.to(out_dtype),
+                           group_std=group_std.to(out_dtype), zero_std=zero_std)  # fmt: skip

@@ -17,7 +17,7 @@ from ..validation.options import (
     LossOptions,
     takes_loss_options,
 )
-from ._common import absolute, clamp, compute_dtype, minimum, per_row, ratio_exp
+from ._common import absolute, clamp, compute_dtype, minimum, per_row, ratio_exp, scaled_by_ratio, with_derivative
 
 
 def vespo_phi(o: LossOptions, log_w: Tensor, adv: Tensor) -> Tensor:
@@ -163,21 +163,24 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         r = r_raw
         if o.kl_clamp is not None:
             r = clamp(r, -o.kl_clamp, o.kl_clamp)
+        # Each estimate with its derivative stated (with_derivative): with bias correction the gradient reaching it is
+        # rho times the loss's, +inf where rho overflowed, and a zero derivative must keep it 0 (section 8)
         if o.kl_estimator in ("k3", "k3+", "low_var_kl"):
-            kl = torch.exp(r) - r - 1
+            em1 = torch.expm1(r)
+            kl = with_derivative(em1 - r, r, em1)  # exp(r) - r - 1
             if o.kl_estimator != "k3":  # verl clamps the k3 estimate to [-10, 10]; at exactly 10 the gradient passes
                 kl = clamp(kl, -LOW_VAR_KL_CAP, LOW_VAR_KL_CAP)
         elif o.kl_estimator in ("k1", "k1+"):
             kl = -r
         elif o.kl_estimator == "abs":
-            kl = absolute(r)  # gradient sign(r), 0 at r = 0
+            kl = with_derivative(absolute(r), r, torch.where(torch.isnan(r), r, torch.sign(r)))  # 0 at r = 0
         else:  # "k2"
-            kl = r**2 / 2
+            kl = with_derivative(r**2 / 2, r, r)
         if o.kl_estimator.endswith("+"):  # straight-through (verl): this value, the gradient of k2 on the raw r
-            k2 = r_raw**2 / 2
+            k2 = with_derivative(r_raw**2 / 2, r_raw, r_raw)
             kl = k2 - k2.detach() + kl.detach()
         if o.use_bias_correction_kl:
-            kl = rho * kl
+            kl = scaled_by_ratio(kl, rho)
         per_token = per_token + o.beta * kl
 
     # rho is NaN exactly where the ratio saw a non-finite input: the token's own, or at the sequence level its row's

@@ -53,10 +53,13 @@ def grpo_loss_from_logits(
     batch, length = completion_mask.shape
     logits = logits.reshape(batch, length, logits.shape[-1])
     # Masked rows are never read (docs/math.md section 2): NaN there must not reach the gradient through the softmax.
-    logits = torch.where(kept_tokens(completion_mask, options.get("sample_mask")).unsqueeze(-1), logits, 0.0)
+    # Their ids are never read either: a padding id there (-100, or one past V) is as good as any.
+    kept = kept_tokens(completion_mask, options.get("sample_mask"))
+    logits = torch.where(kept.unsqueeze(-1), logits, 0.0)
+    ids = completion_ids.reshape(batch, length)
     selected = selective_log_softmax(
         logits,
-        completion_ids.reshape(batch, length),
+        torch.where(kept, ids, torch.zeros_like(ids)),
         temperature=temperature,
         logit_scale=logit_scale,
         logit_softcap=logit_softcap,

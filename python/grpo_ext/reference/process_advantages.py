@@ -47,7 +47,7 @@ def process_advantages(
     batch, num_steps = step_rewards.shape
     num_groups = batch // group_size
 
-    dtype = compute_dtype(step_rewards)
+    out_dtype, dtype = compute_dtype(step_rewards), torch.float64  # the float64 formulas, as group_advantages'
     r = step_rewards.detach().to(dtype)
     valid = torch.isfinite(r) & (step_end >= 0)  # [B, S]; +-inf is not a valid step reward, like NaN
     r_valid = torch.where(valid, r, torch.full_like(r, float("nan")))  # NaN marks "not a valid step"
@@ -61,4 +61,4 @@ def process_advantages(
     # A[i,t] = sum_j rt[i,j] * [step_end[i,j] >= t]
     positions = torch.arange(seq_len, device=step_rewards.device)  # [T]
     covers = step_end.unsqueeze(2) >= positions.view(1, 1, seq_len)  # [B, S, T]
-    return (rt.unsqueeze(2) * covers.to(dtype)).sum(dim=1)  # [B, T]
+    return (rt.unsqueeze(2) * covers.to(dtype)).sum(dim=1).to(out_dtype)  # [B, T]

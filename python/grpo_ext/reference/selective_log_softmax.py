@@ -62,11 +62,17 @@ class _ZeroUpstreamRowsAreInert(torch.autograd.Function):
     The other rows' gradient is autograd's vector-Jacobian product of :func:`_materialized`, unchanged.
     """
 
+    generate_vmap_rule = True  # pure torch: torch.func.vmap (and so jacrev, hessian) batches it
+
     @staticmethod
-    def forward(ctx, x: Tensor, ids: Tensor, logit: LogitOptions) -> tuple[Tensor, Tensor]:
+    def forward(x: Tensor, ids: Tensor, logit: LogitOptions) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return _materialized(x, ids, logit)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # separate: torch.func's transforms need it
+        x, ids, logit = inputs
         ctx.save_for_backward(x, ids)
         ctx.logit = logit
-        return _materialized(x, ids, logit)
 
     @staticmethod
     def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor) -> tuple[Tensor, None, None]:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .options import BASELINES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, SINGLETON_GROUPS
-from .tensors import check_floating, check_integer, check_same_device, check_shape, check_tensor
+from .tensors import check_floating, check_integer, check_same_device, check_shape, check_tensor, shapes_only
 from .values import check_choice, check_int, check_positive
 
 
@@ -20,6 +20,8 @@ def reward_weights_tensor(
     """Returns the ``[K]`` reward weights in ``dtype`` on ``device`` (ones when None), validating the length."""
     if reward_weights is None:
         return torch.ones(num_rewards, dtype=dtype, device=device)
+    if isinstance(reward_weights, Tensor) and (reward_weights.dtype == torch.bool or reward_weights.is_complex()):
+        raise ValueError(f"reward_weights must hold real numbers, got a {reward_weights.dtype} tensor")
     if isinstance(reward_weights, Tensor) and reward_weights.device != device:
         raise ValueError(
             f"reward_weights is on device {reward_weights.device} but rewards is on device {device}; "
@@ -36,7 +38,7 @@ def reward_weights_tensor(
         raise ValueError(f"reward_weights must have K={num_rewards} entries, got {w.shape[0]}")
     # A list's values, and a CPU tensor's, are read here. A CUDA tensor's are not (that would synchronize the host
     # with the device): there a non-finite weight makes every R_i NaN, so every row is "not scored" (docs/math.md).
-    if (not isinstance(reward_weights, Tensor) or w.device.type == "cpu") and not all(
+    if (not isinstance(reward_weights, Tensor) or (w.device.type == "cpu" and not shapes_only(w))) and not all(
         math.isfinite(x) for x in w.tolist()
     ):
         raise ValueError(f"reward_weights must be finite numbers, got {w.tolist()}")
@@ -71,6 +73,8 @@ def validate_group_advantages_args(
     check_floating("rewards", rewards)
     if rewards.dim() not in (1, 2):
         raise ValueError(f"rewards must have shape [B] or [B,K], got {tuple(rewards.shape)}")
+    if rewards.dim() == 2 and rewards.shape[1] == 0:
+        raise ValueError(f"rewards has no reward column (K == 0), shape {tuple(rewards.shape)}: give at least one")
     batch = rewards.shape[0]
     if group_ids is None:
         if group_size is None:
@@ -112,12 +116,13 @@ def _check_group_ids(rewards: Tensor, group_size: object, group_ids: Tensor, num
     if group_ids.device != rewards.device:
         raise ValueError(f"group_ids is on device {group_ids.device} but rewards is on device {rewards.device}")
     derive = num_groups is None
-    if derive and batch and group_ids.device.type == "meta":  # a shape-only trace: there are no ids to count
-        raise ValueError("num_groups is required with group_ids on the meta device (its default, max(group_ids) + 1, "
-                         "reads the ids): pass num_groups")  # fmt: skip
+    if derive and batch and shapes_only(group_ids):  # a shape-only trace: there are no ids to count
+        raise ValueError("num_groups is required with group_ids on the meta device or fake (its default, "
+                         "max(group_ids) + 1, reads the ids): pass num_groups")  # fmt: skip
     if not derive:
         num_groups = check_int("num_groups", num_groups, 0)
-    if batch and (derive or group_ids.device.type == "cpu"):  # reading the values syncs a CUDA tensor's host
+    # reading the values syncs a CUDA tensor's host; a fake one has none
+    if batch and (derive or group_ids.device.type == "cpu") and not shapes_only(group_ids):
         low, high = int(group_ids.min()), int(group_ids.max())
         if low < 0:
             raise ValueError(f"group_ids must be >= 0, got {low}")

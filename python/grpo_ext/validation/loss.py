@@ -35,6 +35,7 @@ from .tensors import (
     check_scalar_tensor_device,
     check_shape,
     check_tensor,
+    shapes_only,
 )
 from .values import (
     check_bool,
@@ -121,7 +122,7 @@ def check_number_tensor(name: str, t: Tensor, check_value: Callable[[str, object
         raise ValueError(f"{name} must be a Python number or a 0-dim tensor, got a tensor of shape {tuple(t.shape)}")
     if t.dtype == torch.bool or t.is_complex():
         raise ValueError(f"{name} must be a floating or integer tensor (a number), got {t.dtype}")
-    if t.device.type == "cpu" and not torch.compiler.is_compiling():
+    if t.device.type == "cpu" and not torch.compiler.is_compiling() and not shapes_only(t):
         check_value(name, t.item())
 
 
@@ -248,7 +249,8 @@ def _certainly_valid_tensors(
     mask = completion_mask
     if not (isinstance(mask, Tensor) and mask.shape == shape and mask.device == device):
         return False
-    on_cpu = device.type == "cpu"  # only CPU masks are read for NaN and inf (reading a GPU one would sync)
+    # only CPU masks are read for NaN and inf (reading a GPU one would sync; a fake one has no values)
+    on_cpu = device.type == "cpu" and not shapes_only(mask)
     if on_cpu and mask.is_floating_point() and not torch.isfinite(mask).all():
         return False
     if not per_call:

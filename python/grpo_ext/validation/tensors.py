@@ -7,6 +7,13 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+
+def shapes_only(t: Tensor) -> bool:
+    """Whether ``t`` has shapes but no values to read: a meta tensor, or a fake one (torch's ``FakeTensorMode``, which
+    tracers and memory estimators use outside torch.compile too). Value checks skip such a tensor."""
+    return t.device.type == "meta" or is_fake(t)
 
 
 def check_tensor(name: str, value: object) -> Tensor:
@@ -74,7 +81,7 @@ def check_finite_mask(name: str, mask: Tensor) -> None:
     instead. Under torch.compile the native op checks a CPU mask itself when it runs (a value test here would be a
     data-dependent branch in the graph).
     """
-    if not mask.is_floating_point() or mask.device.type != "cpu" or torch.compiler.is_compiling():
+    if not mask.is_floating_point() or mask.device.type != "cpu" or torch.compiler.is_compiling() or is_fake(mask):
         return
     if not bool(torch.isfinite(mask).all()):
         bad = mask[~torch.isfinite(mask)][0].item()
