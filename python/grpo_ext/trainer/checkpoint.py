@@ -26,7 +26,7 @@ from .config import GRPOConfig, check_resume_config
 from .model_files import full_model_state_dict, full_state_options, write_pretrained
 from .optimizer import scheduler_step
 from .policy_logps import is_peft_model
-from .run_folder import CHECKPOINT_RE, TEMP_CHECKPOINT_PREFIX, remove_temp_checkpoints, replace_folder
+from .run_folder import TEMP_CHECKPOINT_PREFIX, numbered_checkpoints, remove_temp_checkpoints, replace_folder
 from .seeding import rng_state, set_rng_state
 
 
@@ -80,8 +80,8 @@ class CheckpointManager:
         """The ``checkpoint-N`` folder of ``output_dir`` with the largest N, or None."""
         if not self.output_dir.is_dir():
             return None
-        found = [(int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := CHECKPOINT_RE.match(p.name))]
-        return max(found)[1] if found else None
+        found = numbered_checkpoints(self.output_dir)
+        return found[-1][1] if found else None
 
     def resume_path(self, resume_from_checkpoint: str | os.PathLike | bool) -> str | os.PathLike:
         """The folder to resume from: ``resume_from_checkpoint`` itself, or for True the latest by rank 0's view.
@@ -183,8 +183,7 @@ class CheckpointManager:
         limit = self.config.save_total_limit
         if limit is None:
             return
-        found = sorted((int(m.group(1)), p) for p in self.output_dir.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
-        others = [path for _, path in found if path != keep]
+        others = [path for _, path in numbered_checkpoints(self.output_dir) if path != keep]
         for path in others[: max(len(others) - (limit - 1), 0)]:
             shutil.rmtree(path)
 

@@ -45,6 +45,11 @@ def previous_outputs(folder: Path) -> list[Path]:
                   if p.name in _OUTPUT_FILES or CHECKPOINT_RE.match(p.name) or ABANDONED_RE.match(p.name))  # fmt: skip
 
 
+def numbered_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """``(N, folder/checkpoint-N)`` of every checkpoint in ``folder``, by step."""
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
+
+
 def remove_temp_checkpoints(folder: Path) -> list[Path]:
     """Delete the ``.tmp-checkpoint-*`` and ``.tmp-final_model-*`` folders that killed saves left, and a
     ``.tmp-metrics.jsonl-*`` file of a killed rewrite; returns them."""
@@ -146,8 +151,7 @@ def set_aside_later_checkpoints(folder: Path, step: int) -> Path | None:
     ``--resume`` must not pick them up, nor ``save_total_limit`` keep them over the new run's. They stay whole, with
     their metrics' lines, which the resumed run drops from its own ``metrics.jsonl``.
     """
-    later = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
-    later = [path for n, path in later if n > step]
+    later = [path for n, path in numbered_checkpoints(folder) if n > step]
     if not later:
         return None
     target = folder / f"abandoned-after-step-{step}"
