@@ -42,6 +42,7 @@ LOSS_CASES = [
     (dict(sample_mask="nan_float_rows"), "sample_mask holds nan"),
     (dict(kl_clamp=0.0, beta=0.1, ref_logps="ref"), "kl_clamp"),
     (dict(max_completion_length=0), "max_completion_length"),
+    (dict(max_completion_length=torch.tensor(5, device="meta")), "max_completion_length must be a Python int or a CPU"),
     (dict(num_items_in_batch=0), "num_items_in_batch"),
     (dict(old_logps="short"), "old_logps"),
     (dict(is_weights="short"), "is_weights"),
@@ -155,6 +156,20 @@ def test_double_backward_is_refused_not_silently_zero(call):
     assert torch.isfinite(first_order).all() and first_order.abs().sum() > 0
 
 
+def test_counts_given_as_cpu_tensors_are_read():
+    rewards = torch.rand(8, 2, dtype=torch.float64)
+    torch.testing.assert_close(
+        grpo_ext.group_advantages(rewards, torch.tensor(4)), reference.group_advantages(rewards, 4)
+    )
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_counts_on_a_cuda_device_are_refused_not_synchronized():
+    rewards = torch.rand(8, 2, device="cuda")
+    with pytest.raises(ValueError, match="group_size must be a Python int or a CPU tensor, got a tensor on cuda"):
+        grpo_ext.group_advantages(rewards, torch.tensor(4, device="cuda"))
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 def test_mixed_devices(batch):
     with pytest.raises(ValueError, match="old_logps is on device"):
@@ -175,6 +190,8 @@ ADVANTAGE_CASES = [
     # a CPU tensor's values are read as a list's are (an outside audit, 2026-11-28: every advantage came out 0)
     (dict(reward_weights=torch.tensor([1.0, float("inf")])), "reward_weights must be finite"),
     (dict(reward_weights=torch.tensor([float("nan"), 1.0])), "reward_weights must be finite"),
+    # a count on a device is refused, not read (reading it is a host synchronization)
+    (dict(group_size=torch.tensor(4, device="meta")), "group_size must be a Python int or a CPU tensor"),
 ]
 
 

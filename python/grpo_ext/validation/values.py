@@ -24,9 +24,18 @@ def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
-    """Returns ``value`` as a Python int, raising ValueError unless it is an integer >= ``minimum``."""
+    """Returns ``value`` as a Python int, raising ValueError unless it is an integer >= ``minimum``.
+
+    A 0-dim integer tensor is taken from the CPU only; on another device its value is refused rather than read (a
+    host synchronization inside an op)."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got bool {value!r}")
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        # read on the host: a device tensor's value would make the host wait for the device
+        raise ValueError(
+            f"{name} must be a Python int or a CPU tensor, got a tensor on {value.device} (reading it would make the "
+            "host wait for the device)"
+        )
     try:
         as_int = operator.index(value)  # accepts int, numpy ints, 0-dim integer tensors
     except TypeError:
