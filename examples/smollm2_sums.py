@@ -95,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv == ["--where"]:
         print(model_folder())
         return 0
-    from grpo_ext.trainer.cli import load_run_file, parse_overrides, train_from_options
+    from grpo_ext.trainer.cli import train_from_options
+    from grpo_ext.trainer.run_file import load_run_file, parse_overrides
 
     options = load_run_file(RUN_FILE)
     options["model_name_or_path"] = model_folder()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ext.trainer import GRPOConfig
-from grpo_ext.trainer.cli import OPTIONAL_RUN_KEYS, RUN_KEYS, load_jsonl, load_run_file, resolve_reward
+from grpo_ext.trainer.run_file import OPTIONAL_RUN_KEYS, RUN_KEYS, load_jsonl, load_run_file, resolve_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from grpo_ext.trainer.cli import load_yaml, parse_overrides
 from grpo_ext.trainer.cli import main as cli_main
 from grpo_ext.trainer.demo import build_model, build_tokenizer, reversal_dataset, reversal_reward, run_demo
 from grpo_ext.trainer.prompts import EmptyPromptError
 from grpo_ext.trainer.rewards import graded_answer_reward
+from grpo_ext.trainer.run_file import load_yaml, parse_overrides
 from grpo_ext.trainer.trainer import GRPOTrainer
 from trainer_utils import make_trainer, read_metrics, small_config, without_timing, write_cli_inputs
 
