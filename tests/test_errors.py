@@ -8,7 +8,7 @@ import torch
 import grpo_ext
 from conftest import HAS_CUDA, make_loss_batch
 from grpo_ext import reference
-from grpo_ext.validation.options import LossOptions
+from grpo_ext.validation.options import LogitOptions, LossOptions
 
 IMPLEMENTATIONS = [grpo_ext, reference]
 
@@ -235,8 +235,6 @@ def test_ids_of_a_dtype_the_kernels_cannot_read_are_a_value_error(impl, dtype):
 def test_native_ops_refuse_a_non_finite_mask(op, which, value):
     """The raw CPU ops refuse a NaN or inf mask value as the Python functions do (issue 40: grpo_loss_from_logits
     returned NaN; an outside audit, 2026-11-28: +inf gave NaN), with the same message."""
-    from grpo_ext.validation.options import LogitOptions
-
     mask, sample_mask = torch.ones(2, 3), torch.ones(2)
     (mask[1, 2] if which == "completion_mask" else sample_mask[1]).fill_(value)
     option_args = LossOptions(epsilon_high=0.2, max_completion_length=3, sample_mask=sample_mask).op_args()
@@ -251,6 +249,12 @@ def test_native_ops_refuse_a_non_finite_mask(op, which, value):
 
 def test_native_ops_check_their_inputs():
     """The raw torch.ops check too (TORCH_CHECK), for callers that skip the Python wrappers."""
+    overlapping = torch.randn(100).as_strided((2, 3, 7), (7, 7, 1))  # rows (0, 1) and (1, 0) share memory
+    option_args = LossOptions(epsilon_high=0.2, max_completion_length=3).op_args()
+    with pytest.raises(RuntimeError, match=r"rows do not overlap in memory, got shape \[2, 3, 7\] with strides"):
+        torch.ops.grpo_ext.grpo_loss_from_logits_(overlapping, torch.zeros(2, 3, dtype=torch.int64), torch.rand(2),
+                                                  torch.ones(2, 3), *option_args, *LogitOptions().op_args(), 0.0,
+                                                  None, True)  # fmt: skip
     with pytest.raises(RuntimeError, match="group_size must be >= 1"):
         torch.ops.grpo_ext.group_advantages(torch.rand(8), None, 0, "group", "mean", "sum_then_normalize", 1e-4, 1)
     with pytest.raises(RuntimeError, match="loss_type must be one of"):

@@ -105,6 +105,44 @@ def test_single_read_and_two_read_passes(monkeypatch, single_read, vocab):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize(
+    ("rows", "vocab", "dtype"),
+    [
+        (64, 1000, torch.float32),  # one block a row: no cluster, no exchange
+        (64, 20000, torch.bfloat16),  # one block a row
+        (4096, 32000, torch.bfloat16),  # clusters of 2 walking many rows when persistent: each inbox slot reused
+        (128, 151936, torch.bfloat16),  # clusters of 6
+    ],
+)
+def test_single_read_pass_over_many_rows_half_masked(monkeypatch, rows, vocab, dtype):
+    """What the emulated device cannot vouch for (it runs one thread at a time, memory sequentially consistent): the
+    single-read pass's mbarrier phases reused row after row, rows skipped by the mask between exchanges, low-precision
+    logits, and a lone block's row; default and persistent clusters must agree bit for bit, and both with the
+    two-read pass (a helper's review, 2026-11-29)."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(rows // 64, 64, vocab, generator=g) * 3).to("cuda", dtype)
+    ids = torch.randint(0, vocab, (rows // 64, 64), generator=g).cuda()
+    adv = torch.randn(rows // 64, generator=g).cuda()
+    mask = (torch.rand(rows // 64, 64, generator=g) < 0.5).float().cuda()
+
+    def run_layout(**env):
+        for name in ("GRPO_EXT_LOGITS_SINGLE_READ", "GRPO_EXT_LOGITS_PERSISTENT"):
+            monkeypatch.setenv(name, env.get(name, "0"))
+        x = logits.clone().requires_grad_(True)
+        out = grpo_ext.grpo_loss_from_logits(x, ids, adv, mask, loss_type="dapo")
+        out.loss.backward()
+        return out.loss, x.grad
+
+    two_read = run_layout()
+    single = run_layout(GRPO_EXT_LOGITS_SINGLE_READ="1")
+    persistent = run_layout(GRPO_EXT_LOGITS_SINGLE_READ="1", GRPO_EXT_LOGITS_PERSISTENT="1")
+    assert torch.equal(single[0], persistent[0]) and torch.equal(single[1], persistent[1])
+    assert torch.count_nonzero(single[1][mask == 0]) == 0
+    assert_close(single[0], two_read[0], rtol=1e-5, atol=1e-6)
+    assert_close(single[1].float(), two_read[1].float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 @pytest.mark.parametrize("full_occupancy", ["1", "0"])
 @pytest.mark.parametrize("low_precision", [torch.bfloat16, torch.float16])
 def test_two_read_full_occupancy_build_error_at_most_twice_reference(monkeypatch, full_occupancy, low_precision):
@@ -175,6 +213,20 @@ def test_inplace_grad_cannot_be_misused_silently(device):
     strided = torch.randn(4, 50, 6, device=device).transpose(1, 2)  # [B, T, V] with stride(-1) == 6
     with pytest.raises(ValueError, match="contiguous in the vocabulary"):
         grpo_ext.grpo_loss_from_logits(strided, ids, adv, mask, inplace_grad=True)
+    # rows sharing memory: every stride at least V, yet rows (0, 1) and (1, 0) are one (a helper's review, 2026-11-29:
+    # the old check let it through, and two blocks would write one row at once); and a row broadcast over T
+    storage = torch.randn(10 * 50, device=device, requires_grad=True) * 1.0  # not a leaf: in place is allowed
+    for overlapping in (storage.as_strided((4, 6, 50), (50, 50, 1)), storage[:50].expand(4, 6, 50)):
+        with pytest.raises(ValueError, match=r"rows do not overlap in memory, got shape \[4, 6, 50\] with strides"):
+            grpo_ext.grpo_loss_from_logits(overlapping, ids, adv, mask, inplace_grad=True)
+    # disjoint rows in other orders are taken: [T, B, V] seen as [B, T, V], and rows with gaps between them
+    for layout in (lambda t: t.transpose(0, 1).contiguous().transpose(0, 1), lambda t: torch.cat([t, t], -1)[..., :50]):
+        leaf = logits.float().to(device).requires_grad_(True)
+        expected = grpo_ext.grpo_loss_from_logits(layout(leaf), ids, adv, mask)
+        (expected_grad,) = torch.autograd.grad(expected.loss, leaf)
+        out = grpo_ext.grpo_loss_from_logits(layout(leaf), ids, adv, mask, inplace_grad=True)
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        assert torch.equal(out.loss, expected.loss) and torch.equal(grad, expected_grad)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -45,7 +45,8 @@ struct SingleReadShared {
 
 // The single-read pass, for rows that fit on chip: a row is split into `slice`-element parts (a multiple of the
 // vector width, so that each part starts at the row's offset from a 16-byte boundary), one per block of a cluster
-// (cluster_num_blocks() blocks, one cluster per row; a single block where the row fits one block's shared memory).
+// (cluster_num_blocks() blocks, one cluster per row; a single block, exchanging nothing, where the row fits one
+// block's shared memory).
 // Each block copies its part into dynamic shared memory (cp.async: the whole part in flight at once) and accumulates
 // the part's softmax state from there; warp 0 of each block pushes that state into every block's inbox
 // (cluster_push: st.async into distributed shared memory, counted on the receiver's mbarrier), waits for the
@@ -64,11 +65,16 @@ __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const 
   CUDA_KERNEL_ASSERT(blocks <= kMaxClusterBlocks);  // the inbox's slots
   const int64_t vocab = a.logits.vocab, lo = rank * slice;
   const int64_t n = lo < vocab ? (vocab - lo < slice ? vocab - lo : slice) : 0;
-  if (threadIdx.x == 0) {
-    mbarrier_init(&sh.inbox_full[0], 1);  // one arrival a phase: this block's thread 0 announcing the bytes
-    mbarrier_init(&sh.inbox_full[1], 1);
+  // A row that fits one block is launched without a cluster and exchanges nothing: PTX leaves st.async into a
+  // one-block cluster's own shared memory undefined (a helper's review, 2026-11-29, from Triton's verifier).
+  const bool exchange = blocks > 1;
+  if (exchange) {
+    if (threadIdx.x == 0) {
+      mbarrier_init(&sh.inbox_full[0], 1);  // one arrival a phase: this block's thread 0 announcing the bytes
+      mbarrier_init(&sh.inbox_full[1], 1);
+    }
+    cluster_sync_mbarrier_init();  // no peer pushes before this block's mbarriers exist
   }
-  cluster_sync_mbarrier_init();  // no peer pushes before this block's mbarriers exist
   // The row's inbox slot: a fast peer may push the next row's state before this block has read this row's.
   unsigned parity = 0, phases = 0;  // phases: each slot's mbarrier phase parity, bit `parity`
   for (int64_t r = blockIdx.x / blocks; r < a.logits.rows; r += gridDim.x / blocks) {
@@ -98,16 +104,23 @@ __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const 
           {__shfl_sync(kFullWarp, s.max, 0), __shfl_sync(kFullWarp, s.sum, 0), __shfl_sync(kFullWarp, s.weighted, 0)},
           T(0)};
       if (id >= lo && id < lo + n) mine.chosen_logit = load_as<T>(staged + (id - lo));
-      Mbarrier* const full = &sh.inbox_full[parity];
-      if (lane == 0) mbarrier_arrive_expect_tx(full, blocks * unsigned(sizeof(PartState<T>)));
-      if (lane < blocks) cluster_push(&sh.inbox[parity][rank], lane, mine, full);
-      mbarrier_wait(full, (phases >> parity) & 1u);
+      SoftmaxState<T> part{T(0), T(0), T(0)};
+      T chosen_logit = mine.chosen_logit;  // a lone block's part is the whole row, chosen token included
+      if (exchange) {
+        Mbarrier* const full = &sh.inbox_full[parity];
+        if (lane == 0) mbarrier_arrive_expect_tx(full, blocks * unsigned(sizeof(PartState<T>)));
+        if (lane < blocks) cluster_push(&sh.inbox[parity][rank], lane, mine, full);
+        mbarrier_wait(full, (phases >> parity) & 1u);
+        part = lane < blocks ? sh.inbox[parity][lane].state : SoftmaxState<T>{T(0), T(0), T(0)};
+        chosen_logit = sh.inbox[parity][id / slice].chosen_logit;
+      } else if (lane == 0) {
+        part = mine.state;
+      }
       // Lane k merges rank k's state by warp_merge's fixed shuffle tree, the same in every block: the same bits
       // everywhere.
-      const SoftmaxState<T> part = lane < blocks ? sh.inbox[parity][lane].state : SoftmaxState<T>{T(0), T(0), T(0)};
       const SoftmaxState<T> total = warp_merge(part);
       if (lane == 0) {
-        const ChosenToken<T> chosen{id, sh.inbox[parity][id / slice].chosen_logit};
+        const ChosenToken<T> chosen{id, chosen_logit};
         finish_row(a, f, row_weight, chosen, total, row, grad_row != nullptr, rank == 0, logps, entropy, sh.pass);
       }
     }

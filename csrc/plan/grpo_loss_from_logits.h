@@ -2,6 +2,7 @@
 // inputs they score, and the outputs (log-probs, entropy, and the gradient in a new buffer or over the logits).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -126,13 +127,24 @@ inline void check_inplace_logits(const Tensor& logits) {
                  logits.scalar_type() == ScalarType::Half || logits.scalar_type() == ScalarType::Double,
              "inplace logits must be float32, bfloat16, float16 or float64, got ", logits.scalar_type());
   GRPO_CHECK(!is_inference(logits), "inplace_grad cannot write into an inference tensor");
-  const int64_t vocab = logits.size(-1);
-  bool rows_disjoint = true;
+  // Rows are disjoint when, taking the row dimensions by increasing stride, each stride clears the span of a row and
+  // of the dimensions before it: a sufficient rule, met by every layout torch makes (a stride of at least V per
+  // dimension is not: sizes [2, 2, V] at strides [V, V, 1] give rows (0, 1) and (1, 0) the same memory).
+  if (logits.dim() != 2 && logits.dim() != 3) return;  // plan_grpo_loss_from_logits refuses the shape
+  std::pair<int64_t, int64_t> row_dims[2];  // (stride, size) of the row dimensions that hold more than one row
+  int n_row_dims = 0;
   for (int64_t d = 0; d + 1 < logits.dim(); ++d) {
-    if (logits.size(d) > 1 && logits.stride(d) < vocab) rows_disjoint = false;
+    if (logits.size(d) > 1) row_dims[n_row_dims++] = {logits.stride(d), logits.size(d)};
   }
-  GRPO_CHECK(rows_disjoint, "inplace_grad needs logits whose rows do not overlap in memory, got strides ",
-             strides(logits));
+  std::sort(row_dims, row_dims + n_row_dims);
+  int64_t span = (std::max<int64_t>(logits.size(-1), 1) - 1) * logits.stride(-1) + 1;
+  bool rows_disjoint = true;
+  for (int i = 0; i < n_row_dims && rows_disjoint; ++i) {
+    rows_disjoint = row_dims[i].first >= span;
+    span += row_dims[i].first * (row_dims[i].second - 1);
+  }
+  GRPO_CHECK(rows_disjoint, "inplace_grad needs logits whose rows do not overlap in memory, got shape ", shape(logits),
+             " with strides ", strides(logits));
 }
 
 }  // namespace grpo_ext

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..results import GRPOLossOutput, GRPOLossTokenOutput
-from ..validation.logits import check_ids_and_mask, check_rows_as_mask
+from ..validation.logits import check_ids_and_mask, check_rows_as_mask, check_rows_disjoint
 from ..validation.loss import resolve_fused_loss_args
 from ..validation.options import LogitOptions, LossOptions, takes_loss_options
 from ..validation.values import check_bool, check_finite, validate_logit_options
@@ -347,6 +347,8 @@ def grpo_loss_from_logits(
                 "inplace_grad=True would overwrite a leaf tensor with its own gradient; pass logits produced by an op "
                 "(e.g. the lm_head's output) or use inplace_grad=False"
             )
+        if compute_grad:
+            check_rows_disjoint("inplace_grad=True", logits)
     if not compute_grad:
         loss, metrics, entropy, _, token_logps, token_entropy = _logits_loss_forward(
             logits, flat_ids, advantages, completion_mask, resolved, logit, False, False, entropy_coef,

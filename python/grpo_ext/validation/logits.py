@@ -71,3 +71,24 @@ def check_rows_as_mask(name: str, rows: Tensor, completion_mask: Tensor) -> None
         last = "V" if name == "logits" else "H"
         raise ValueError(f"{name} must have shape [B, T, {last}] with [B, T]={tuple(completion_mask.shape)} "
                          f"(completion_mask's), got {tuple(rows.shape)}")  # fmt: skip
+
+
+def check_rows_disjoint(name: str, logits: Tensor) -> None:
+    """Raises ValueError unless the rows (last dimension) of ``logits`` ``[..., V]`` lie in disjoint memory, so that a
+    kernel may write each row's gradient over it (``inplace_grad``) without two blocks writing one row.
+
+    The rule: taking the row dimensions by increasing stride, each stride clears the span of a row and of the
+    dimensions before it. It is sufficient, and met by every layout torch makes; a stride of at least ``V`` in each
+    dimension is not (sizes ``[2, 2, V]`` at strides ``[V, V, 1]`` give rows ``(0, 1)`` and ``(1, 0)`` one memory).
+    The native ops check the same rule.
+    """
+    if logits.dim() < 2:
+        return
+    span = (max(logits.shape[-1], 1) - 1) * logits.stride(-1) + 1
+    for stride, size in sorted((logits.stride(d), logits.shape[d]) for d in range(logits.dim() - 1)):
+        if size <= 1:
+            continue
+        if stride < span:
+            raise ValueError(f"{name} needs logits whose rows do not overlap in memory, got shape "
+                             f"{list(logits.shape)} with strides {list(logits.stride())}")  # fmt: skip
+        span += stride * (size - 1)
