@@ -131,6 +131,11 @@ CASES = {
     "no_bias_correction": Case(config=dict(beta=0.04, use_bias_correction_kl=False, loss_type="grpo")),
     "dapo_asymmetric_delta": Case(config=dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, delta=1.5)),
     "cispo_cap_5": Case(config=dict(loss_type="cispo", epsilon_high=5.0)),
+    # TRL applies delta to the clip family only: sapo, cispo and vespo ignore it, whatever its value (an outside
+    # audit, 2026-11-29: these failed at the first step)
+    "sapo_ignores_delta": Case(config=dict(loss_type="sapo", delta=1.0)),
+    "cispo_ignores_delta": Case(config=dict(loss_type="cispo", delta=0.8)),
+    "vespo_ignores_delta": Case(config=dict(loss_type="vespo", delta=0.5)),
     "sapo_temperatures": Case(config=dict(loss_type="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3)),
     "dr_grpo_max_completion_length": Case(config=dict(loss_type="dr_grpo", max_completion_length=10)),
     "on_policy": Case(config=dict(loss_type="dapo", beta=0.04), inputs=dict(old=False)),
@@ -491,10 +496,51 @@ def test_unsupported_settings_raise_naming_them(llama_dir, tokenizer, tmp_path):
         )  # fmt: skip
     with pytest.raises(TypeError, match=r"trainer must be a trl\.GRPOTrainer, got object"):
         grpo_trl.patch(object())
+    # values TRL takes and grpo_ext's losses refuse: named when the trainer is built, not after the first generation
+    for field, value, message in (("delta", 0.9, "delta must exceed 1"), ("beta", -0.01, "beta must be >= 0"),
+                                  ("epsilon_high", -0.05, "epsilon_high must be >= 0")):  # fmt: skip
+        config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_type="dapo")
+        setattr(config, field, value)
+        with pytest.raises(ValueError, match=rf"GRPOConfig\.{message}.*unpatched trl\.GRPOTrainer"):
+            grpo_trl.GRPOExtTrainer(model=str(tmp_path / "missing"), reward_funcs=digit_reward, args=config)
     hidden, weight = torch.randn(3, 4), torch.randn(5, 4)
     with pytest.raises(ValueError, match=r"outputs=.*'is_top1'"):
         grpo_trl._GrpoExtLogProbs.apply(hidden, weight, None, torch.zeros(3, dtype=torch.long), 1.0, 8, None, 1.0,
                                         ("log_probs", "is_top1"))  # fmt: skip
+
+
+class OwnLossTrainer(trl.GRPOTrainer):
+    def _compute_loss(self, model, inputs):
+        return super()._compute_loss(model, inputs) + 100.0
+
+
+class OwnGammaWeightsTrainer(trl.GRPOTrainer):
+    @staticmethod
+    def get_gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, **kwargs):
+        return torch.full_like(advantages if advantages.dim() == 2 else advantages.unsqueeze(1), 0.5)
+
+
+def test_patch_keeps_a_subclass_loss_and_refuses_an_uncallable_hook(llama_dir, tokenizer, tmp_path, grpo_ext_calls):
+    """An outside audit (2026-11-29): patch() replaced a subclass's own _compute_loss and ignored an overridden
+    get_gamma_weights, both silently."""
+    reference = make_trainer(llama_dir, tokenizer, tmp_path, cls=OwnLossTrainer, loss_type="grpo")
+    inputs = make_inputs(reference)
+    want = reference.compute_loss(reference.model, inputs).detach()
+    with pytest.warns(UserWarning, match=r"OwnLossTrainer\._compute_loss is kept"):
+        grpo_trl.patch(reference)
+    got = reference.compute_loss(reference.model, inputs).detach()
+    assert got.item() > 90  # the subclass's +100 is still there
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert grpo_ext_calls.selective_log_softmax >= 1 and grpo_ext_calls.grpo_loss_from_hidden == 0
+    vespo = make_trainer(llama_dir, tokenizer, tmp_path, cls=OwnGammaWeightsTrainer, loss_type="vespo")
+    with pytest.raises(ValueError, match="OwnGammaWeightsTrainer overrides get_gamma_weights"):
+        grpo_trl.patch(vespo)
+    hook = {"get_gamma_weights": OwnGammaWeightsTrainer.get_gamma_weights}
+    ours = type("OwnGammaWeightsExtTrainer", (grpo_trl.GRPOExtTrainer,), hook)
+    config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_type="vespo")
+    with pytest.raises(ValueError, match="OwnGammaWeightsExtTrainer overrides get_gamma_weights"):
+        ours(model=str(tmp_path / "missing"), reward_funcs=digit_reward, args=config)  # before the model loads
+    grpo_trl.patch(make_trainer(llama_dir, tokenizer, tmp_path, cls=OwnGammaWeightsTrainer, loss_type="grpo"))
 
 
 @pytest.mark.parametrize("version", ["1.14.0", "1.14.1", "1.14.2", "1.15.0", "1.16.0", "1.16.5"])

@@ -8,6 +8,7 @@ venv) and runs this file there with GRPO_EXT_REQUIRE_VERL=1, where a missing ver
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -183,7 +184,46 @@ def test_bad_modes_are_named():
     mask = torch.ones(5, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         grpo_verl.loss_options(actor_config("local"), "token-avg", mask)
-    with pytest.raises(ValueError, match="kl_loss_type"):
-        grpo_verl.loss_options(actor_config("local", use_kl_loss=True, kl_loss_type="full"), "token-mean", mask)
+    for kl_loss_type in ("full", "abs+"):  # no grpo_ext estimator: |r|'s value with k2's gradient, the exact KL
+        config = actor_config("local", use_kl_loss=True, kl_loss_type=kl_loss_type)
+        with pytest.raises(ValueError, match=f"kl_loss_type must be one of .* got '{re.escape(kl_loss_type)}'"):
+            grpo_verl.loss_options(config, "token-mean", mask)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         grpo_verl.loss_options(actor_config("local", clip_ratio_c=1.2), "token-mean", mask)
+
+
+@pytest.mark.parametrize("kl_loss_type", ["full", "abs+", "k3+"])
+def test_policy_loss_takes_any_kl_loss_type(kl_loss_type):
+    """verl adds the KL term itself, so the policy loss neither maps nor checks kl_loss_type (an outside audit,
+    2026-11-29: 'abs+' and the other straight-through types were refused)."""
+    log_prob, old, _, adv, mask, _ = make_batch(seed=2)
+    config = actor_config("local", use_kl_loss=True, kl_loss_type=kl_loss_type)
+    want, want_grad, _ = run(core_algos.get_policy_loss_fn("vanilla"), log_prob, old, adv, mask, "token-mean", config)
+    got, got_grad, _ = run(core_algos.get_policy_loss_fn("grpo_ext"), log_prob, old, adv, mask, "token-mean", config)
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_several_processes_without_the_global_count_are_refused_as_verl_refuses_them(loss_agg_mode):
+    log_prob, old, _, adv, mask, _ = make_batch(seed=4)
+    config = actor_config("local")
+    config.global_batch_info.update(dp_size=2)
+    for name in ("vanilla", "grpo_ext"):
+        with pytest.raises(ValueError, match="required when dp_size > 1"):
+            run(core_algos.get_policy_loss_fn(name), log_prob, old, adv, mask, loss_agg_mode, config)
+
+
+def test_nan_at_padding_stays_out_of_the_metrics():
+    log_prob, old, _, adv, mask, _ = make_batch(seed=6)
+    old[~mask] = float("nan")  # padding holds anything
+    config = actor_config("local")
+    want, want_grad, want_metrics = run(core_algos.get_policy_loss_fn("vanilla"), log_prob, old, adv, mask,
+                                        "token-mean", config)  # fmt: skip
+    got, got_grad, got_metrics = run(core_algos.get_policy_loss_fn("grpo_ext"), log_prob, old, adv, mask,
+                                     "token-mean", config)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-12)
+    assert torch.isfinite(got_grad).all() and torch.count_nonzero(got_grad[~mask]) == 0
+    torch.testing.assert_close(got_grad[mask], want_grad[mask], rtol=1e-7, atol=1e-12)
+    assert got_metrics["actor/ppo_kl"] == pytest.approx(want_metrics["actor/ppo_kl"], rel=1e-6)
+    assert all(np.isfinite(value) for value in got_metrics.values())

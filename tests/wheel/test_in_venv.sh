@@ -2,7 +2,9 @@
 # One wheel file installed into a fresh venv holding torch==VERSION, then tested there outside the source tree:
 # tests/wheel/smoke.py and the op tests on the CPU (opcheck and torch.compile included), against the installed wheel.
 # torch is installed without its CUDA libraries: the build venv's nvidia/ folder is linked in instead (the same
-# sonames; a second 3.4 GB copy per torch filled CI's disk). The venv is removed afterwards.
+# sonames; a second 3.4 GB copy per torch filled CI's disk), where its releases are no older than the ones that torch
+# pins (tests/wheel/cuda_libraries.py); a newer torch's own (torch 2.15.0: about 4.5 GB) are installed otherwise.
+# The venv is removed afterwards.
 #
 # usage: tests/wheel/test_in_venv.sh BUILD_PYTHON WHEEL TORCH_VERSION
 set -euo pipefail
@@ -18,7 +20,14 @@ site=$(platlib "$venv/bin/python")
 echo "== torch $version: $(basename "$wheel")"
 "$venv/bin/pip" install -q --no-deps "torch==$version"
 "$venv/bin/pip" install -q sympy networkx jinja2 fsspec filelock typing_extensions numpy "pytest>=8" "hypothesis>=6"
-ln -s "$(platlib "$build_python")/nvidia" "$site/nvidia"
+newer_cuda=$("$build_python" "$root/tests/wheel/cuda_libraries.py" "$site")
+if [[ -z "$newer_cuda" ]]; then
+  ln -s "$(platlib "$build_python")/nvidia" "$site/nvidia"
+else
+  echo "torch $version pins newer CUDA libraries than the build venv's: installing them ($(echo $newer_cuda | tr '\n' ' '))"
+  mapfile -t requirements <<< "$newer_cuda"
+  "$venv/bin/pip" install -q "${requirements[@]}"
+fi
 "$venv/bin/pip" install -q --no-deps "$wheel"
 
 cd /tmp

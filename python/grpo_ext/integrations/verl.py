@@ -15,8 +15,9 @@ verl loads it by itself: grpo_ext declares it under the ``verl.plugins`` entry p
 options (the KL term too, ``kl_loss_type``) for callers of grpo_ext's fused losses.
 
 Known differences, outside the mapped range: verl clamps the log-ratio to +-20 before ``exp`` (grpo_ext does not);
-``token-mean`` over a micro-batch without any kept token is 0 here, NaN in verl. Every ``kl_loss_type`` but
-``full`` maps onto a grpo_ext ``kl_estimator`` (docs/math.md section 4), clamps included.
+a micro-batch without any kept token gives 0 here, NaN in verl (in every ``loss_agg_mode``). Every ``kl_loss_type``
+but ``full`` and ``abs+`` maps onto a grpo_ext ``kl_estimator`` (docs/math.md section 4), clamps included; the
+policy loss ``grpo_ext`` takes those two as well, since verl adds the KL term itself.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ KL_LOSS_TYPES: dict[str, dict[str, Any]] = {
     "low_var_kl": {"kl_estimator": "low_var_kl", "kl_clamp": 20.0},
     "k3": {"kl_estimator": "low_var_kl", "kl_clamp": 20.0},
     "k1+": {"kl_estimator": "k1+"},
+    "kl+": {"kl_estimator": "k1+"},
+    "mse+": {"kl_estimator": "k2"},  # k2's value and k2's gradient: k2
     "k3+": {"kl_estimator": "k3+", "kl_clamp": 20.0},
+    "low_var_kl+": {"kl_estimator": "k3+", "kl_clamp": 20.0},
 }
 
 
@@ -60,7 +64,7 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def loss_options(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict[str, Any]:
+def loss_options(config: Any, loss_agg_mode: str, response_mask: Tensor, with_kl: bool = True) -> dict[str, Any]:
     """grpo_ext's loss options for a verl actor config (``ActorConfig`` or its DictConfig) and ``loss_agg_mode``.
 
     Args:
@@ -69,12 +73,18 @@ def loss_options(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict
             ``global_batch_size``), and for the KL term ``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``.
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
         response_mask: ``[B, T]`` (its shape sets ``seq-mean-token-sum-norm``'s default horizon).
+        with_kl: whether to map the KL term (False: the KL fields are neither read nor checked).
 
     Returns:
         Keyword options of :func:`grpo_ext.grpo_loss` (and the fused losses): ``loss_type``, ``epsilon``,
         ``epsilon_high``, ``delta``, ``num_items_in_batch``, ``loss_scale``, ``skip_empty_rows`` (``seq-mean-*``
         without ``global_batch_size``: verl's mean over the non-empty rows), and ``beta``/``kl_estimator``/
         ``kl_clamp`` when ``use_kl_loss`` (the caller passes ``ref_logps``).
+
+    Raises:
+        ValueError: ``clip_ratio_c`` at most ``1 + clip_ratio_high``, an unknown ``loss_agg_mode``, a ``dp_size``
+            above 1 without the global count its mode divides by (verl's own errors), or a ``kl_loss_type``
+            without a grpo_ext estimator (``full``, ``abs+``).
     """
     clip = _get(config, "clip_ratio", 0.2)
     low, high = _get(config, "clip_ratio_low", clip), _get(config, "clip_ratio_high", clip)
@@ -88,11 +98,15 @@ def loss_options(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict
     batch, length = response_mask.shape
     if loss_agg_mode == "token-mean":
         tokens = info.get("batch_num_tokens")
+        if tokens is None and dp_size > 1:  # verl's agg_loss refuses it alike
+            raise ValueError("global_batch_info.batch_num_tokens is required when dp_size > 1 (token-mean)")
         options.update(loss_type="dapo", num_items_in_batch=None if tokens is None else tokens / dp_size)
     elif loss_agg_mode == "token-sum":
         options.update(loss_type="dapo", num_items_in_batch=1.0, loss_scale=float(dp_size))
     elif loss_agg_mode in LOSS_AGG_MODES:
         sequences = info.get("global_batch_size")
+        if sequences is None and dp_size > 1:  # verl's agg_loss refuses it alike
+            raise ValueError(f"global_batch_info.global_batch_size is required when dp_size > 1 ({loss_agg_mode})")
         scale = 1.0
         if sequences is None:  # verl: the mean over the non-empty rows of the micro-batch
             options["skip_empty_rows"] = True
@@ -103,10 +117,11 @@ def loss_options(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict
         options.update(loss_type="grpo" if loss_agg_mode == "seq-mean-token-mean" else "luspo", loss_scale=scale)
     else:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
-    if _get(config, "use_kl_loss", False):
+    if with_kl and _get(config, "use_kl_loss", False):
         kl_type = _get(config, "kl_loss_type", "low_var_kl")
         if kl_type not in KL_LOSS_TYPES:
-            raise ValueError(f"kl_loss_type must be one of {sorted(KL_LOSS_TYPES)} with grpo_ext, got {kl_type!r}")
+            raise ValueError(f"kl_loss_type must be one of {sorted(KL_LOSS_TYPES)} for grpo_ext's fused KL term, got "
+                             f"{kl_type!r} (verl's policy loss 'grpo_ext' takes any: verl adds the KL)")  # fmt: skip
         options.update(beta=float(_get(config, "kl_loss_coef", 0.001)), **KL_LOSS_TYPES[kl_type])
     return options
 
@@ -137,9 +152,7 @@ def compute_policy_loss(
     """
     if config is None:
         raise ValueError("config (verl's actor config) is required")
-    options = loss_options(config, loss_agg_mode, response_mask)
-    for name in ("beta", "kl_estimator", "kl_clamp"):
-        options.pop(name, None)
+    options = loss_options(config, loss_agg_mode, response_mask, with_kl=False)
     is_weights = None if rollout_is_weights is None else rollout_is_weights.detach()
     out = ops.grpo_loss(log_prob, advantages, response_mask, old_logps=old_log_prob.detach(),
                              is_weights=is_weights, **options)  # fmt: skip
@@ -148,7 +161,7 @@ def compute_policy_loss(
         mask = response_mask.to(dtype)
         tokens = mask.sum().clamp(min=1)
         neg_log_ratio = (old_log_prob - log_prob).to(dtype).clamp(-20.0, 20.0)
-        ppo_kl = (neg_log_ratio * mask).sum() / tokens
+        ppo_kl = torch.where(mask != 0, neg_log_ratio * mask, 0.0).sum() / tokens  # padding's NaN stays out
         adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
         dual_clipped = (neg_log_ratio.neg().exp() > options["delta"]) & (adv < 0)
         clipfrac_lower = (dual_clipped * mask).sum() / tokens

@@ -33,9 +33,12 @@ What changes, and what does not:
   scaling and soft-capping all stay TRL's) and swaps only the tile math for :func:`grpo_ext.selective_log_softmax`,
   in row chunks whose logits are recomputed in the backward, so the ``[N, V]`` logits are never all held at once;
 - **the metrics** keep TRL's names and reductions (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``,
-  ``vespo/phi_seq_mean``).
+  ``vespo/phi_seq_mean``), but for two cases the README lists: the clip metrics test the uncapped ratio (they
+  differ where ``delta <= 1 + epsilon_high``), and a micro-batch of one token column averages over its kept tokens.
 
-Every TRL loss option is supported; a loss type TRL does not have is refused when the trainer is built or patched.
+Every TRL loss option is supported; a loss type TRL does not have, an option value grpo_ext's losses refuse
+(``delta <= 1``, a negative ``beta`` or ``epsilon_high``) and a subclass's VESPO ``get_gamma_weights`` are refused
+when the trainer is built or patched; ``delta`` reaches the clip-family losses only, as in TRL.
 
 **TRL releases**: 1.14.x, 1.15.x and 1.16.x (:func:`check_trl_version` refuses any other, naming the range, and an
 installed release lacking an internal the integration hooks, naming that internal). The loss code is the same in all
@@ -52,6 +55,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -65,11 +69,12 @@ except ImportError as exc:  # pragma: no cover - CI installs trl
         "environment pins)"
     ) from exc
 
-from ...validation.options import LOSS_TYPES
+from ...validation.loss import validate_loss_option_values
+from ...validation.options import LOSS_TYPES, LossOptions
 from . import compat
 from .fused import GrpoExtHead, _log_probs_through_grpo_ext  # noqa: F401  (the tests reach the first here)
 from .log_probs import _GrpoExtLogProbs  # noqa: F401  (the tests reach it here)
-from .loss import _compute_loss
+from .loss import _compute_loss, _delta
 
 __all__ = [
     "LOGPS_BACKENDS",
@@ -134,11 +139,59 @@ def check_trl_version(version: str | None = None) -> None:
 
 
 def _check_config(args: Any) -> None:
-    """Raises ValueError naming the ``trl.GRPOConfig`` field grpo_ext cannot honour."""
+    """Raises ValueError naming the ``trl.GRPOConfig`` field grpo_ext cannot honour.
+
+    The loss options are checked here, when the trainer is built or patched, by the ranges grpo_ext's losses
+    accept (docs/math.md), rather than at the first step after a generation: TRL itself takes some values the
+    kernels refuse (``delta <= 1``, a negative ``beta`` or ``epsilon_high``).
+    """
     if args.loss_type not in SUPPORTED_LOSS_TYPES:
         raise ValueError(
             f"GRPOConfig.loss_type={args.loss_type!r} is not supported by grpo_ext.integrations.trl (supported: "
             f"{', '.join(SUPPORTED_LOSS_TYPES)}); train with the unpatched trl.GRPOTrainer for it"
+        )
+    options = LossOptions(
+        loss_type=args.loss_type,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,  # TRL's resolution
+        delta=_delta(args.loss_type, args.delta),
+        beta=args.beta,
+        use_bias_correction_kl=args.use_bias_correction_kl,
+        importance_sampling_level=args.importance_sampling_level,
+        **{name: getattr(args, name) for name in _TRL_LOSS_FIELDS},
+    )
+    try:
+        validate_loss_option_values(options)
+    except ValueError as err:
+        raise ValueError(f"GRPOConfig.{err} (grpo_ext.integrations.trl computes the loss with grpo_ext, which refuses "
+                         "it; train with the unpatched trl.GRPOTrainer for it)") from None  # fmt: skip
+
+
+#: GRPOConfig fields that go to grpo_ext's loss options under their own names and as they are.
+_TRL_LOSS_FIELDS = (
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
+
+
+def _check_hooks(trainer: Any, loss_type: str) -> None:
+    """Raises ValueError where ``trainer`` (an instance or a class) overrides a ``trl.GRPOTrainer`` hook of the loss
+    that grpo_ext cannot call.
+
+    TRL's loss calls three overridable hooks: grpo_ext's calls ``get_high_entropy_mask`` and ``get_off_policy_mask``
+    too, but computes VESPO's ``get_gamma_weights`` inside its kernels, so an override would be ignored.
+    """
+    if loss_type == "vespo" and getattr(trainer, "get_gamma_weights", None) is not getattr(
+        trl.GRPOTrainer, "get_gamma_weights", None
+    ):
+        name = trainer.__name__ if isinstance(trainer, type) else type(trainer).__name__
+        raise ValueError(
+            f"{name} overrides get_gamma_weights, which grpo_ext.integrations.trl cannot call (its kernels compute "
+            "VESPO's gamma weights, docs/math.md section 3): train with the unpatched trl.GRPOTrainer for it"
         )
 
 
@@ -165,8 +218,10 @@ class GRPOExtTrainer(trl.GRPOTrainer):
             config = None  # let TRL's constructor report the bad call
         if config is not None:
             _check_config(config)
+            _check_hooks(type(self), config.loss_type)
         super().__init__(*args, **kwargs)
         _check_config(self.args)
+        _check_hooks(self, self.args.loss_type)
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
         with _log_probs_through_grpo_ext():
@@ -180,7 +235,8 @@ def patch(trainer: trl.GRPOTrainer, logps_backend: str = "fused") -> trl.GRPOTra
     """Makes an existing ``trl.GRPOTrainer`` compute its loss and log-prob passes with grpo_ext, in place.
 
     Only this instance changes (its ``_compute_loss`` and ``_get_per_token_logps_and_entropies``); a subclass's own
-    ``_get_per_token_logps_and_entropies`` is kept and wrapped. Patching twice is a no-op.
+    ``_get_per_token_logps_and_entropies`` is kept and wrapped. A subclass's own ``_compute_loss`` is kept too, with a
+    warning: its loss stays its own, and grpo_ext computes the log-prob passes it calls. Patching twice is a no-op.
 
     Args:
         trainer: a ``trl.GRPOTrainer`` (or subclass) instance.
@@ -193,13 +249,15 @@ def patch(trainer: trl.GRPOTrainer, logps_backend: str = "fused") -> trl.GRPOTra
     Raises:
         TypeError: ``trainer`` is not a ``trl.GRPOTrainer``.
         RuntimeError: the installed TRL is not a supported release.
-        ValueError: its config asks for a loss type grpo_ext does not compute, or
-            ``logps_backend`` is not one of :data:`LOGPS_BACKENDS`.
+        ValueError: its config asks for a loss type grpo_ext does not compute or an option value grpo_ext refuses,
+            its class overrides VESPO's ``get_gamma_weights`` with ``loss_type="vespo"``, or ``logps_backend`` is
+            not one of :data:`LOGPS_BACKENDS`.
     """
     if not isinstance(trainer, trl.GRPOTrainer):
         raise TypeError(f"trainer must be a trl.GRPOTrainer, got {type(trainer).__name__}")
     check_trl_version()
     _check_config(trainer.args)
+    _check_hooks(trainer, trainer.args.loss_type)
     _check_backend(logps_backend)
     if is_patched(trainer):
         trainer.logps_backend = logps_backend
@@ -212,7 +270,14 @@ def patch(trainer: trl.GRPOTrainer, logps_backend: str = "fused") -> trl.GRPOTra
             return original(*args, **kwargs)
 
     trainer._get_per_token_logps_and_entropies = per_token_logps_and_entropies
-    trainer._compute_loss = types.MethodType(_compute_loss, trainer)
+    if type(trainer)._compute_loss is trl.GRPOTrainer._compute_loss:
+        trainer._compute_loss = types.MethodType(_compute_loss, trainer)
+    else:  # replacing a subclass's loss would drop what it adds, silently
+        warnings.warn(
+            f"grpo_ext.integrations.trl.patch: {type(trainer).__name__}._compute_loss is kept (the loss stays the "
+            "subclass's own); grpo_ext computes only the log-prob passes it calls",
+            stacklevel=2,
+        )
     trainer.logps_backend = logps_backend
     setattr(trainer, _PATCH_MARK, True)
     return trainer

@@ -185,7 +185,7 @@ def _loss_options(trainer: trl.GRPOTrainer, inputs: dict[str, Any], mode: str, a
         loss_type=trainer.loss_type,
         epsilon=trainer.epsilon_low,
         epsilon_high=trainer.epsilon_high,  # resolved by TRL (None -> epsilon), also as cispo's cap
-        delta=trainer.args.delta,
+        delta=_delta(trainer.loss_type, trainer.args.delta),
         beta=trainer.beta,
         kl_estimator="k3",  # TRL's only estimator
         use_bias_correction_kl=trainer.args.use_bias_correction_kl,
@@ -200,6 +200,11 @@ def _loss_options(trainer: trl.GRPOTrainer, inputs: dict[str, Any], mode: str, a
         vespo_lambda_neg=trainer.args.vespo_lambda_neg,
         loss_scale=loss_scale,
     )
+
+
+def _delta(loss_type: str, delta: float | None) -> float | None:
+    """TRL's ``delta`` where TRL applies it: the clip-family loss types only (sapo, cispo and vespo ignore it)."""
+    return delta if loss_type in CLIP_FAMILY_LOSS_TYPES else None
 
 
 def _entropy_bonus_coef(trainer: trl.GRPOTrainer) -> float | None:
