@@ -166,13 +166,19 @@ def test_every_block_of_a_cluster_uses_the_same_row_statistics(emu_small_blocks,
     rows = 6
     slice_ = math.ceil(vocab / blocks / 4) * 4  # small_block_layout's part (float32)
     logits, ids, adv, mask, old, _ = make_problem(2, 3, vocab, seed=5, per_token_adv=True)
-    x = (3 * logits.reshape(rows, vocab)).float()
-    x[:, 1 : vocab : slice_] = 0.25  # position 1 of every part
+    x = 3 * logits.reshape(rows, vocab)
+    # Position 1 of every part at its row's E_p[z] (pass_args' temperature 0.9), and only the entropy bonus's
+    # gradient (zero advantages): there the gradient is p * (z - E_p[z]) up to factors, so a last-bit change of the
+    # merged sums moves E_p[z] and shows. The saved statistics ([max, log(sum), E_p[z] - max]) round such a change away
+    # from the log-prob's gradient, which the check used before (2026-11-29: a rank-rotated merge then passed it).
+    for _ in range(4):
+        z = x / 0.9
+        x[:, 1 : vocab : slice_] = 0.9 * (torch.softmax(z, -1) * z).sum(-1, keepdim=True)
+    x = x.float()
     ids = ids.reshape(-1) % slice_
     ids[ids == 1] = 0
-    # With the entropy bonus, whose term takes E_p[z] = weighted / sum: a last-bit change of either sum shows in the
-    # gradient (the log-prob's log(sum) mostly rounds it away).
-    args = pass_args(x, ids, adv.float(), mask, old_logps=old.float(), loss_type="dapo", entropy_coef=0.5)
+    args = pass_args(x, ids, torch.zeros_like(adv).float(), mask, old_logps=old.float(), loss_type="dapo",
+                     entropy_coef=0.5)  # fmt: skip
     _, _, grad = check_op(emu_small_blocks, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
     kept = mask.reshape(-1)
     same = grad[kept][:, 1 : vocab : slice_]
