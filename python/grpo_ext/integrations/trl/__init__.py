@@ -74,7 +74,7 @@ from ...validation.options import LOSS_TYPES, LossOptions
 from . import compat
 from .fused import GrpoExtHead, _log_probs_through_grpo_ext  # noqa: F401  (the tests reach the first here)
 from .log_probs import _GrpoExtLogProbs  # noqa: F401  (the tests reach it here)
-from .loss import _compute_loss, _delta
+from .loss import _compute_loss, config_loss_options
 
 __all__ = [
     "LOGPS_BACKENDS",
@@ -154,28 +154,15 @@ def _check_config(args: Any) -> None:
         loss_type=args.loss_type,
         epsilon=args.epsilon,
         epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,  # TRL's resolution
-        delta=_delta(args.loss_type, args.delta),
         beta=args.beta,
-        use_bias_correction_kl=args.use_bias_correction_kl,
         importance_sampling_level=args.importance_sampling_level,
-        **{name: getattr(args, name) for name in _TRL_LOSS_FIELDS},
+        **config_loss_options(args),
     )
     try:
         validate_loss_option_values(options)
     except ValueError as err:
         raise ValueError(f"GRPOConfig.{err} (grpo_ext.integrations.trl computes the loss with grpo_ext, which refuses "
                          "it; train with the unpatched trl.GRPOTrainer for it)") from None  # fmt: skip
-
-
-#: GRPOConfig fields that go to grpo_ext's loss options under their own names and as they are.
-_TRL_LOSS_FIELDS = (
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
-    "vespo_k_pos",
-    "vespo_lambda_pos",
-    "vespo_k_neg",
-    "vespo_lambda_neg",
-)
 
 
 def _check_hooks(trainer: Any, loss_type: str) -> None:

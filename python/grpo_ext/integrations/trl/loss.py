@@ -185,26 +185,33 @@ def _loss_options(trainer: trl.GRPOTrainer, inputs: dict[str, Any], mode: str, a
         loss_type=trainer.loss_type,
         epsilon=trainer.epsilon_low,
         epsilon_high=trainer.epsilon_high,  # resolved by TRL (None -> epsilon), also as cispo's cap
-        delta=_delta(trainer.loss_type, trainer.args.delta),
         beta=trainer.beta,
         kl_estimator="k3",  # TRL's only estimator
-        use_bias_correction_kl=trainer.args.use_bias_correction_kl,
         importance_sampling_level=trainer.importance_sampling_level,
         max_completion_length=trainer.max_completion_length,
         num_items_in_batch=num_items,
-        sapo_temperature_pos=trainer.args.sapo_temperature_pos,
-        sapo_temperature_neg=trainer.args.sapo_temperature_neg,
-        vespo_k_pos=trainer.args.vespo_k_pos,
-        vespo_lambda_pos=trainer.args.vespo_lambda_pos,
-        vespo_k_neg=trainer.args.vespo_k_neg,
-        vespo_lambda_neg=trainer.args.vespo_lambda_neg,
         loss_scale=loss_scale,
+        **config_loss_options(trainer.args),
     )
 
 
-def _delta(loss_type: str, delta: float | None) -> float | None:
-    """TRL's ``delta`` where TRL applies it: the clip-family loss types only (sapo, cispo and vespo ignore it)."""
-    return delta if loss_type in CLIP_FAMILY_LOSS_TYPES else None
+#: GRPOConfig fields that reach grpo_ext's loss options under their own names, as they are.
+_TRL_LOSS_FIELDS = (
+    "use_bias_correction_kl",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
+
+
+def config_loss_options(args: Any) -> dict[str, Any]:
+    """The loss options read off a ``trl.GRPOConfig`` as they are: :data:`_TRL_LOSS_FIELDS`, and ``delta`` where TRL
+    applies it (the clip-family loss types only: sapo, cispo and vespo ignore it)."""
+    delta = args.delta if args.loss_type in CLIP_FAMILY_LOSS_TYPES else None
+    return {"delta": delta, **{name: getattr(args, name) for name in _TRL_LOSS_FIELDS}}
 
 
 def _entropy_bonus_coef(trainer: trl.GRPOTrainer) -> float | None:
