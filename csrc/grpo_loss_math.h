@@ -148,10 +148,15 @@ struct TokenConsts {
 
 template <typename T>
 struct TokenTerms {
-  T loss;                      // P = L * is_weight + beta * KL
-  T kl;                        // KL term as logged (times rho when bias-corrected)
-  T dloss_drho;                // dP/drho, holding l fixed
-  T dloss_dl;                  // dP/dl through every path except rho
+  T loss;        // P = L * is_weight + beta * KL
+  T kl;          // KL term as logged (times rho when bias-corrected)
+  T dloss_drho;  // dP/drho, holding l fixed
+  T dloss_dl;    // dP/dl through every path except rho
+  // Where rho is the token's own exp(l - l_old): dP/dl = token_dl + token_drho * rho (token_level_grad). With bias
+  // correction the KL's own path, rho * dKL/dl, joins rho's factor: beta * (KL + dKL/dl) taken as one (for k3
+  // l - l_ref, where exp(r) - r - 1 and 1 - exp(r) cancel to noise past r ~ 15 in float32), so that an overflowed
+  // rho gives the limit, not inf - inf (docs/math.md section 8).
+  T token_dl, token_drho;
   T low, high, cispo_clipped;  // clip-metric conditions (docs/math.md section 7) as 0/1; they test the uncapped rho
 };
 
@@ -270,6 +275,8 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
   constexpr bool kStopsRatioGrad = kFamily == PolicyFamily::kCispo || kFamily == PolicyFamily::kVespo;
   out.dloss_drho = kStopsRatioGrad ? T(0) : dpolicy_drho * is_weight;
   out.dloss_dl = dpolicy_dl * is_weight;
+  out.token_drho = out.dloss_drho;
+  out.token_dl = out.dloss_dl;
   out.kl = T(0);
 
   if constexpr (kKL != KLKind::kNone) {
@@ -315,17 +322,28 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
       out.kl = kl == T(0) ? T(0) : rho * kl;
       out.dloss_drho += c.beta * kl;
       out.dloss_dl += c.beta * (dkl_dl == T(0) ? T(0) : rho * dkl_dl);
+      // KL + dKL/dl: k3's (exp(r) - r - 1) + (1 - exp(r)) is exactly -r wherever its gradient passes
+      T kl_and_slope;
+      if constexpr (kKL == KLKind::kK3 || kKL == KLKind::kLowVarKL) {
+        kl_and_slope = passes ? -r : kl;
+      } else {
+        kl_and_slope = kl + dkl_dl;
+      }
+      out.token_drho += c.beta * kl_and_slope;
     } else {
       out.kl = kl;
       out.dloss_dl += c.beta * dkl_dl;
+      out.token_dl += c.beta * dkl_dl;
     }
     out.loss += c.beta * out.kl;
   }
   out.loss += poison;
   out.kl += poison;
   out.dloss_dl += poison;
+  out.token_dl += poison;
   if constexpr (!kStopsRatioGrad || (kKL != KLKind::kNone && kBias)) {
     out.dloss_drho += poison;  // cispo's and vespo's ratios are stop-gradient weights: no gradient flows through them
+    out.token_drho += poison;
   }
 
   clip_flags(c, rho, adv, &out.low, &out.high, &out.cispo_clipped);
@@ -382,6 +400,12 @@ GRPO_HD TokenTerms<T> token_terms(const TokenConsts<T>& c, PolicyFamily family, 
   dispatch_token_terms<T>(family, kl, bias_correction,
                           [&](auto terms) { out = terms(c, l, l_ref, adv, is_weight, rho); });
   return out;
+}
+
+// dP/dl of a token whose ratio is its own, rho = exp(l - l_old) (every level but the sequence's).
+template <typename T>
+GRPO_HD T token_level_grad(const TokenTerms<T>& tt, T rho) {
+  return tt.token_dl + through_ratio_exp(tt.token_drho, rho);
 }
 
 // The global factor applied to the sum of row partials (and, in backward, to the raw gradient). `non_empty_rows`:

@@ -70,7 +70,7 @@ GRPO_HD T token_logp_grad(const TokenConsts<T>& c, PolicyFamily family, KLKind k
                           T l, T l_old, T l_ref, T adv, T is_weight) {
   const T rho = math_exp(log_ratio_of(l, has_old ? l_old : l));  // 1 on-policy (NaN for a non-finite l)
   const TokenTerms<T> tt = token_terms<T>(c, family, kl, bias_correction, l, l_ref, adv, is_weight, rho);
-  return tt.dloss_dl + through_ratio_exp(tt.dloss_drho, rho);
+  return token_level_grad(tt, rho);
 }
 
 }  // namespace grpo_ext

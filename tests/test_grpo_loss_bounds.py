@@ -262,7 +262,9 @@ def test_overflowing_ratio_gives_the_limit_not_nan(device, case, dtype):
 def test_bias_corrected_kl_at_an_overflowed_ratio_gives_the_limit(device, estimator, dtype):
     """rho * KL where rho overflowed, at the limit of a large finite rho: 0 where KL is exactly 0 (l_ref == l), and
     rho times a KL gradient that is exactly 0 (r = 0; a KL clamp that cut it) is 0, not 0 * inf = NaN (an outside
-    audit, 2026-11-29: NaN in the loss at l_ref == l, NaN in the gradient past a clamp)."""
+    audit, 2026-11-29: NaN in the loss at l_ref == l, NaN in the gradient past a clamp). Where both of the KL term's
+    gradients are infinite (k1+ and k3+ past the clamp: k2's gradient on the raw r is not cut), their sum's sign
+    decides: -inf at l < l_ref, not inf - inf = NaN (the kernels' last NaN here, 2026-11-29)."""
     log_ratio = OVERFLOW_LOG_RATIO[dtype]
     # token 0: l_ref == l; token 1: l_ref = l + 1, past kl_clamp 0.2; token 2: an ordinary one
     d = torch.tensor([[log_ratio, log_ratio, 0.1]], dtype=torch.float64)
@@ -271,15 +273,77 @@ def test_bias_corrected_kl_at_an_overflowed_ratio_gives_the_limit(device, estima
                   beta=0.1, use_bias_correction_kl=True, kl_estimator=estimator, kl_clamp=0.2, loss_type="dapo")
     adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 3)  # A > 0: the overflowed ratios clipped
     out, grad, truth, want = kernel_and_float64_reference(device, dtype, logps, adv, mask, kwargs)
-    # k3+: k2's gradient on the raw r, which the clamp does not cut: at token 1 (l < l_ref) the KL term's gradients
-    # through the ratio (+inf) and through the estimate (-inf) meet, the one NaN docs/math.md section 8 keeps
-    # (a float64 reference of float32 inputs holds rho = e^300 finite, and so gives the limit, -inf, there)
-    nan_expected = torch.tensor([[False, estimator == "k3+", False]])
-    assert torch.equal(grad.isnan(), nan_expected), (grad, want)
-    assert not out.loss.isnan().item()
-    compared = [0, 2] if estimator == "k3+" else [0, 1, 2]
+    assert not grad.isnan().any() and not out.loss.isnan().item(), grad
+    # a float64 reference of float32 inputs holds rho = e^300 finite, so it gives the limit everywhere; at d = 3000
+    # its own ratio overflows and its two autograd paths meet as inf - inf at k1+'s and k3+'s token 1 (section 8)
+    compared = [0, 2] if dtype == torch.float64 and estimator.endswith("+") else [0, 1, 2]
     torch.testing.assert_close(grad[:, compared], want[:, compared], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(out.loss.cpu(), truth.loss.to(dtype), rtol=1e-5, atol=1e-7)
+    if estimator.endswith("+"):  # beta * rho * (KL + dKL/dl) with dKL/dl = -r_raw = -1 and KL <= 0.03
+        assert grad[0, 1].item() == -math.inf
     if estimator not in ("k1", "k1+", "k3+"):  # k1's gradient is 1, the straight-through ones' r_raw (0 here)
         assert grad[0, 0].item() == 0.0  # KL = 0 and its gradient 0 at r = 0; the ratio's clipped
     assert math.isinf(out.loss.item())  # KL != 0 times an overflowed ratio
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kl_gap", [2.0, 5.0, 20.0])
+def test_bias_corrected_kl_and_an_unclipped_ratio_overflowing_together_give_the_signed_limit(device, kl_gap):
+    """A < 0 unclipped (the policy's gradient through rho is -A * rho = +inf) beside the bias-corrected k3 term
+    (beta * rho * (l - l_ref) = -inf at l < l_ref): the limit is rho times the sum of their factors, 1 - 0.1 * gap,
+    so +inf at a gap of 2 and 5, -inf at 20; before, inf - inf = NaN. float32 against the float64 reference, whose
+    rho = e^300 is finite."""
+    logps = torch.full((1, 1), -1.0, dtype=torch.float64)
+    kwargs = dict(old_logps=logps - 300.0, ref_logps=logps + kl_gap, beta=0.1, use_bias_correction_kl=True,
+                  loss_type="bnpo")  # fmt: skip
+    adv, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1)
+    out, grad, truth, want = kernel_and_float64_reference(device, torch.float32, logps, adv, mask, kwargs)
+    assert grad.item() == (math.inf if kl_gap < 10 else -math.inf), grad
+    assert torch.equal(grad, want)
+    assert out.loss.item() == truth.loss.to(torch.float32).item() == math.inf
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("kl_gap", [1.0, 10.0, 20.0, 30.0, 60.0])
+def test_bias_corrected_k3_gradient_keeps_its_precision_far_from_the_reference(device, dtype, kl_gap):
+    """The bias-corrected k3 term's gradient is beta * rho * (l - l_ref) in closed form (docs/math.md section 8):
+    formed as rho * (exp(r) - r - 1) plus rho * (1 - exp(r)) it cancels to rounding noise once exp(r) outgrows r
+    by the dtype's precision (float32: -4.0 for -3.32 at r = 20, 0 for -4.42 at r = 30; an outside check,
+    2026-11-29). Against that closed form in float64, at l_ref - l up to 60."""
+    logps = torch.tensor([[-30.0, -20.0, -45.0]], dtype=torch.float64)
+    d = torch.tensor([[0.1, -0.05, 0.02]], dtype=torch.float64)
+    adv, mask, beta = torch.tensor([0.5], dtype=torch.float64), torch.ones(1, 3), 0.1
+    kwargs = dict(old_logps=logps - d, ref_logps=logps + kl_gap, beta=beta, use_bias_correction_kl=True,
+                  loss_type="bnpo")  # fmt: skip
+    leaf = logps.to(device, dtype, copy=True).requires_grad_(True)
+    out = grpo_ext.grpo_loss(leaf, adv.to(device, dtype), mask.to(device), **cast_kwargs(device, dtype, kwargs))
+    out.loss.backward()
+    rho = d.exp()  # every ratio inside [0.8, 1.2]: the policy term's gradient is -A * rho
+    want = (-adv * rho + beta * rho * -kl_gap) / 3
+    torch.testing.assert_close(leaf.grad.cpu().double(), want, rtol=2e-6 if dtype == torch.float32 else 1e-12, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_bias_corrected_k3_gradient_from_logits_keeps_its_precision(device, dtype):
+    """The same closed form through the fused logits pass (its own token loop, shared with the hidden-state pass):
+    dL/dz = dL/dl * (onehot - softmax), dL/dl = (-A * rho + beta * rho * (l - l_ref)) / n at l_ref - l = 30."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 3, 11, generator=gen, dtype=torch.float64) * 3).to(dtype).double()  # exact in dtype
+    ids = torch.randint(0, 11, (2, 3), generator=gen)
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    d = torch.tensor([[0.1, -0.05, 0.02], [0.0, 0.15, -0.1]], dtype=torch.float64)
+    adv, mask, beta = torch.tensor([0.5, -1.0], dtype=torch.float64), torch.ones(2, 3), 0.1
+    kwargs = dict(old_logps=logps - d, ref_logps=logps + 30.0, beta=beta, use_bias_correction_kl=True,
+                  loss_type="bnpo")  # fmt: skip
+    leaf = logits.to(device, dtype).requires_grad_(True)
+    out = grpo_ext.grpo_loss_from_logits(leaf, ids.to(device), adv.to(device), mask.to(device),
+                                         **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    out.loss.backward()
+    rho = d.exp()  # every ratio inside [0.8, 1.2]
+    dloss_dl = (-adv.unsqueeze(1) * rho + beta * rho * -30.0) / 6
+    probs = torch.softmax(logits, dim=-1)
+    want = dloss_dl.unsqueeze(-1) * (torch.nn.functional.one_hot(ids, 11).double() - probs)
+    tolerance = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(leaf.grad.cpu().double(), want, **tolerance)

@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(256)
             acc[kNumRowSlots] += w * tt.dloss_drho;
             put(g, k, w * tt.dloss_dl);
           } else {
-            put(g, k, w * (tt.dloss_dl + through_ratio_exp(tt.dloss_drho, rho)));
+            put(g, k, w * token_level_grad(tt, rho));
           }
         }
       }
