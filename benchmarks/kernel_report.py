@@ -39,13 +39,15 @@ TOOLS = ("cuobjdump", "ptxas", "cu++filt")
 
 # Kernels whose loops stream a [rows, V] logits tensor (or a [B, T] one): their loads are the bandwidth.
 BANDWIDTH_BOUND = ("selective_log_softmax", "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_small_block_kernel",
-                   "grpo_loss_from_logits_full_occupancy_kernel", "scale_rows", "grpo_loss_rows",
-                   "grpo_loss_backward")  # fmt: skip
+                   "grpo_loss_from_logits_lone_block_kernel", "grpo_loss_from_logits_full_occupancy_kernel",
+                   "scale_rows", "grpo_loss_rows", "grpo_loss_backward")  # fmt: skip
 
 # Kernels whose occupancy the launcher's dynamic shared memory sets, not the static figures of the table.
 DYNAMIC_SHARED = {
     "grpo_loss_from_logits_small_block_kernel": "plus dynamic shared memory: its part of a row, 1/16 to 1/2 of the "
     "row (the small-block layout section below gives the blocks per SM at each shape)",
+    "grpo_loss_from_logits_lone_block_kernel": "plus dynamic shared memory: its whole row (a row that fits one block "
+    "of the small-block layout)",
 }
 
 # Bandwidth-bound kernels whose loops keep scalar loads on purpose, and why (printed in the note column instead of

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # The row kernels of the logits ops (their loops stream [rows, V]), and what an H100 gives them.
 ROW_LOOP_KERNELS = ("selective_log_softmax_forward_kernel", "selective_log_softmax_backward_kernel",
                     "grpo_loss_from_logits_kernel", "grpo_loss_from_logits_small_block_kernel",
+                    "grpo_loss_from_logits_lone_block_kernel",
                     "grpo_loss_from_logits_full_occupancy_kernel")  # fmt: skip
 VECTORS_IN_FLIGHT = 2  # vector_io.cuh kRowUnroll: 16-byte loads each thread issues before using the first
 

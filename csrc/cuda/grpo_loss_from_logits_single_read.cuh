@@ -45,8 +45,10 @@ struct SingleReadShared {
 
 // The single-read pass, for rows that fit on chip: a row is split into `slice`-element parts (a multiple of the
 // vector width, so that each part starts at the row's offset from a 16-byte boundary), one per block of a cluster
-// (cluster_num_blocks() blocks, one cluster per row; a single block, exchanging nothing, where the row fits one
-// block's shared memory).
+// (kExchange: cluster_num_blocks() blocks, 2 to 16, one cluster per row), or a lone block holding the whole row where
+// it fits one block's shared memory (!kExchange: launched without a cluster, exchanging nothing, since PTX leaves
+// st.async into a one-block cluster's own shared memory undefined; a compile-time choice, so that the clusters'
+// kernel carries none of the lone block's code: benchmarks/NOTES.md, "The lone block as its own kernel").
 // Each block copies its part into dynamic shared memory (cp.async: the whole part in flight at once) and accumulates
 // the part's softmax state from there; warp 0 of each block pushes that state into every block's inbox
 // (cluster_push: st.async into distributed shared memory, counted on the receiver's mbarrier), waits for the
@@ -56,19 +58,17 @@ struct SingleReadShared {
 // block receives pushes only for rows it waits on, so nothing lands after it exits, and no block reads a peer's
 // shared memory. The small-block kernel runs it (256 threads, clusters of up to 16, several blocks per SM:
 // small_block_layout).
-template <typename T, typename In>
+template <bool kExchange, typename T, typename In>
 __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const LogitTransform<T>& f,
                                                  const T* __restrict__ row_weight, In* grad, T* __restrict__ logps,
                                                  T* __restrict__ entropy, int64_t slice, SingleReadShared<T>& sh) {
   In* const staged_base = dynamic_shared<In>();  // slice + one vector of elements
-  const unsigned rank = cluster_block_rank(), blocks = cluster_num_blocks();
-  CUDA_KERNEL_ASSERT(blocks <= kMaxClusterBlocks);  // the inbox's slots
+  const unsigned rank = kExchange ? cluster_block_rank() : 0u, blocks = kExchange ? cluster_num_blocks() : 1u;
+  // the inbox's slots; and no st.async to itself: a cluster kernel always runs in a cluster of at least 2
+  CUDA_KERNEL_ASSERT(kExchange ? blocks > 1 && blocks <= kMaxClusterBlocks : cluster_num_blocks() == 1);
   const int64_t vocab = a.logits.vocab, lo = rank * slice;
   const int64_t n = lo < vocab ? (vocab - lo < slice ? vocab - lo : slice) : 0;
-  // A row that fits one block is launched without a cluster and exchanges nothing: PTX leaves st.async into a
-  // one-block cluster's own shared memory undefined (a helper's review, 2026-11-29, from Triton's verifier).
-  const bool exchange = blocks > 1;
-  if (exchange) {
+  if constexpr (kExchange) {
     if (threadIdx.x == 0) {
       mbarrier_init(&sh.inbox_full[0], 1);  // one arrival a phase: this block's thread 0 announcing the bytes
       mbarrier_init(&sh.inbox_full[1], 1);
@@ -106,15 +106,15 @@ __device__ __forceinline__ void single_read_pass(const LogitsPassArgs& a, const 
       if (id >= lo && id < lo + n) mine.chosen_logit = load_as<T>(staged + (id - lo));
       SoftmaxState<T> part{T(0), T(0), T(0)};
       T chosen_logit = mine.chosen_logit;  // a lone block's part is the whole row, chosen token included
-      if (exchange) {
+      if constexpr (kExchange) {
         Mbarrier* const full = &sh.inbox_full[parity];
         if (lane == 0) mbarrier_arrive_expect_tx(full, blocks * unsigned(sizeof(PartState<T>)));
         if (lane < blocks) cluster_push(&sh.inbox[parity][rank], lane, mine, full);
         mbarrier_wait(full, (phases >> parity) & 1u);
         part = lane < blocks ? sh.inbox[parity][lane].state : SoftmaxState<T>{T(0), T(0), T(0)};
         chosen_logit = sh.inbox[parity][id / slice].chosen_logit;
-      } else if (lane == 0) {
-        part = mine.state;
+      } else {
+        if (lane == 0) part = mine.state;
       }
       // Lane k merges rank k's state by warp_merge's fixed shuffle tree, the same in every block: the same bits
       // everywhere.
@@ -147,7 +147,16 @@ __global__ void __launch_bounds__(256, 4)  // kSmallBlockThreads, kSmallBlocksPe
     grpo_loss_from_logits_small_block_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight,
                                              In* grad, T* __restrict__ logps, T* __restrict__ entropy, int64_t slice) {
   __shared__ SingleReadShared<T> sh;
-  single_read_pass(a, f, row_weight, grad, logps, entropy, slice, sh);
+  single_read_pass<true>(a, f, row_weight, grad, logps, entropy, slice, sh);
+}
+
+// The same pass for a row that fits one block (cluster_blocks == 1 in small_block_layout): no cluster, no exchange.
+template <typename T, typename In>
+__global__ void __launch_bounds__(256, 4)  // kSmallBlockThreads, kSmallBlocksPerSm (tests/cuda_emu reads numbers)
+    grpo_loss_from_logits_lone_block_kernel(LogitsPassArgs a, LogitTransform<T> f, const T* __restrict__ row_weight,
+                                            In* grad, T* __restrict__ logps, T* __restrict__ entropy, int64_t slice) {
+  __shared__ SingleReadShared<T> sh;
+  single_read_pass<false>(a, f, row_weight, grad, logps, entropy, slice, sh);
 }
 
 // How the single-read kernel splits a row of `vocab` elements: `cluster_blocks` blocks of `slice` elements each, with
@@ -215,38 +224,67 @@ inline SmallBlockLayout small_block_layout(int64_t vocab, const RowResidency& de
   return {};
 }
 
-// The small-block kernel over every row where its layout fits the row and the device runs at least one such cluster
-// at a time (cudaOccupancyMaxActiveClusters: a cluster of 16 needs its blocks' shared memory free on one GPC);
-// false (any error left pending for the caller to clear) where it did not launch.
+// The single-read launch's steps for one kernel, written by the caller as `allow_shared()`, `max_active(&active,
+// grid)` and `start(grid)` around the launch macros (each macro names its kernel, as the emulated device's launch
+// record asks): the dynamic shared memory allowed where the block's static and dynamic bytes pass the 48 KiB
+// default, the occupancy API's clusters at once (none: false), then one cluster a row, or with persistent clusters
+// no more than run at once, each walking rows (the kernel's grid-stride loop).
+template <typename T, typename AllowShared, typename MaxActive, typename Start>
+bool launch_single_read(const SmallBlockLayout& layout, int64_t rows, bool persistent, AllowShared&& allow_shared,
+                        MaxActive&& max_active, Start&& start) {
+  const int64_t max_rows = int64_t(0x7fffffff) / layout.cluster_blocks;  // grid.x < 2^31; grid-stride beyond
+  int64_t clusters = rows < max_rows ? rows : max_rows;                  // one per row
+  constexpr size_t kDefaultShared = 48 * 1024;
+  cudaError_t status = cudaSuccess;
+  if (layout.shared_bytes + sizeof(SingleReadShared<T>) > kDefaultShared) status = allow_shared();
+  int active = 0;
+  if (status == cudaSuccess) status = max_active(&active, unsigned(clusters * layout.cluster_blocks));
+  if (status != cudaSuccess || active < 1) return false;
+  if (persistent && active < clusters) clusters = active;
+  return start(unsigned(clusters * layout.cluster_blocks)) == cudaSuccess;
+}
+
+// The small-block kernel (clusters of 2 to 16) or the lone-block kernel (a row in one block) over every row where
+// its layout fits the row and the device runs at least one such cluster at a time (cudaOccupancyMaxActiveClusters:
+// a cluster of 16 needs its blocks' shared memory free on one GPC); false (any error left pending for the caller to
+// clear) where it did not launch.
 template <typename T, typename In>
 bool launch_small_blocks(const LogitsPassArgs& a, const LogitTransform<T>& f, const T* row_weight, In* grad, T* logps,
                          T* entropy, const RowResidency& device, cudaStream_t stream) {
   const SmallBlockLayout layout = small_block_layout<T, In>(a.logits.vocab, device);
   if (layout.cluster_blocks == 0) return false;
-  const int64_t max_rows = int64_t(0x7fffffff) / layout.cluster_blocks;    // grid.x < 2^31; grid-stride beyond
-  int64_t clusters = a.logits.rows < max_rows ? a.logits.rows : max_rows;  // one per row
-  const unsigned grid = unsigned(clusters * layout.cluster_blocks);
-  constexpr size_t kDefaultShared = 48 * 1024;
-  cudaError_t status = cudaSuccess;
-  if (layout.shared_bytes + sizeof(SingleReadShared<T>) > kDefaultShared) {
-    status = GRPO_ALLOW_DYNAMIC_SHARED(layout.shared_bytes, grpo_loss_from_logits_small_block_kernel<T, In>);
+  const size_t bytes = layout.shared_bytes;
+  const int threads = layout.threads;
+  const unsigned blocks = layout.cluster_blocks;
+  if (blocks == 1) {
+    return launch_single_read<T>(
+        layout, a.logits.rows, device.persistent_clusters,
+        [&] { return GRPO_ALLOW_DYNAMIC_SHARED(bytes, grpo_loss_from_logits_lone_block_kernel<T, In>); },
+        [&](int* active, unsigned grid) {
+          return GRPO_MAX_ACTIVE_CLUSTERS(active, grid, threads, 1, bytes, stream,
+                                          grpo_loss_from_logits_lone_block_kernel<T, In>);
+        },
+        [&](unsigned grid) {
+          return GRPO_LAUNCH_CLUSTER(grid, threads, 1, bytes, stream, grpo_loss_from_logits_lone_block_kernel<T, In>)(
+              a, f, row_weight, grad, logps, entropy, layout.slice);
+        });
   }
-  if (status == cudaSuccess && layout.cluster_blocks > 8) {  // over the portable size
-    status = GRPO_ALLOW_NONPORTABLE_CLUSTER(grpo_loss_from_logits_small_block_kernel<T, In>);
-  }
-  int active = 0;
-  if (status == cudaSuccess) {
-    status = GRPO_MAX_ACTIVE_CLUSTERS(&active, grid, layout.threads, layout.cluster_blocks, layout.shared_bytes, stream,
-                                      grpo_loss_from_logits_small_block_kernel<T, In>);
-  }
-  if (status != cudaSuccess || active < 1) return false;
-  // Persistent: no more clusters than run at once, each walking rows (the kernel's grid-stride loop), so that no
-  // cluster waits to be placed on a GPC after the first wave.
-  if (device.persistent_clusters && active < clusters) clusters = active;
-  status = GRPO_LAUNCH_CLUSTER(unsigned(clusters * layout.cluster_blocks), layout.threads, layout.cluster_blocks,
-                               layout.shared_bytes, stream, grpo_loss_from_logits_small_block_kernel<T, In>)(
-      a, f, row_weight, grad, logps, entropy, layout.slice);
-  return status == cudaSuccess;
+  return launch_single_read<T>(
+      layout, a.logits.rows, device.persistent_clusters,
+      [&] { return GRPO_ALLOW_DYNAMIC_SHARED(bytes, grpo_loss_from_logits_small_block_kernel<T, In>); },
+      [&](int* active, unsigned grid) {
+        if (blocks > 8) {  // over the portable size
+          const cudaError_t status = GRPO_ALLOW_NONPORTABLE_CLUSTER(grpo_loss_from_logits_small_block_kernel<T, In>);
+          if (status != cudaSuccess) return status;
+        }
+        return GRPO_MAX_ACTIVE_CLUSTERS(active, grid, threads, blocks, bytes, stream,
+                                        grpo_loss_from_logits_small_block_kernel<T, In>);
+      },
+      [&](unsigned grid) {
+        return GRPO_LAUNCH_CLUSTER(grid, threads, blocks, bytes, stream,
+                                   grpo_loss_from_logits_small_block_kernel<T, In>)(a, f, row_weight, grad, logps,
+                                                                                    entropy, layout.slice);
+      });
 }
 
 }  // namespace grpo_ext

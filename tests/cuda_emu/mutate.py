@@ -214,16 +214,24 @@ MUTATIONS = [
              "const T d = f.template z_with<kCap>(logit) - z_max;"),
     # docs/math.md section 8, "An overflowing ratio": a zero dP/drho times an overflowed rho is 0, not NaN.
     Mutation("0 * inf", "loss kernel: the gradient through an overflowed ratio as dP/drho * rho (NaN where a clipped "
-             "token's dP/drho is 0)", "cuda/grpo_loss.cuh", "w * (tt.dloss_dl + through_ratio_exp(tt.dloss_drho, rho))",
-             "w * (tt.dloss_dl + tt.dloss_drho * rho)"),
+             "token's dP/drho is 0)", "cuda/grpo_loss.cuh", "w * token_level_grad(tt, rho)",
+             "w * (tt.token_dl + tt.token_drho * rho)"),
     Mutation("0 * inf", "logits pass: a token's dP/dl through an overflowed ratio as dP/drho * rho",
-             "logits_loss_math.h", "return tt.dloss_dl + through_ratio_exp(tt.dloss_drho, rho);",
-             "return tt.dloss_dl + tt.dloss_drho * rho;"),
+             "logits_loss_math.h", "return token_level_grad(tt, rho);", "return tt.token_dl + tt.token_drho * rho;"),
     Mutation("launch over the bound", "logits pass: the full-occupancy build (__launch_bounds__(256, 8)) launched with "
              "blocks of more than 256 threads", "cuda/grpo_loss_from_logits.cuh",
              "if (device.full_occupancy && threads <= 256) {", "if (device.full_occupancy) {"),
     Mutation("host value", "a number given as a device tensor (loss_scale, num_items_in_batch) not read by the kernel",
              "grpo_loss_math.h", "return device != nullptr ? double(device[0]) : value;", "return value;"),
+    # A row that fits one block: its own kernel, which pushes nothing (st.async into a one-block cluster is undefined).
+    Mutation("one-block cluster", "logits pass: one-block rows launched on the clusters' kernel (it pushes its "
+             "state to itself)", "cuda/grpo_loss_from_logits_single_read.cuh",
+             "  if (blocks == 1) {\n    return launch_single", "  if (blocks == 0) {\n    return launch_single"),
+    Mutation("one-block cluster", "logits pass: the lone-block kernel compiled with the clusters' exchange",
+             "cuda/grpo_loss_from_logits_single_read.cuh", "single_read_pass<false>(", "single_read_pass<true>("),
+    # docs/math.md section 8: the bias-corrected k3 term's KL + dKL/dl is -r in closed form, not a cancellation.
+    Mutation("cancellation", "loss kernels: the bias-corrected k3 term's KL + dKL/dl formed as (exp(r) - r - 1) + (1 - "
+             "exp(r))", "grpo_loss_math.h", "kl_and_slope = passes ? -r : kl;", "kl_and_slope = kl + dkl_dl;"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

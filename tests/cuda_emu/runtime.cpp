@@ -787,6 +787,11 @@ void mbarrier_arrive_expect_tx(void* bar, unsigned bytes) {
 
 void cluster_push(void* slot, unsigned rank, const void* value, size_t bytes, void* bar) {
   if (rt.current == nullptr) throw LaunchError("cluster_push outside a kernel");
+  if (rt.blocks.size() == 1) {  // Triton's verifier refuses it too (triton-lang/triton PR 10357)
+    fail(
+        "cluster_push in a launch without a cluster of at least 2 blocks: PTX leaves st.async into a one-block "
+        "cluster's own shared memory undefined");
+  }
   void* to = map_shared(slot, rank);  // fails unless slot is this block's shared memory and block `rank` is live
   const void* at = map_shared(bar, rank);
   if (reinterpret_cast<uintptr_t>(to) % 16 != 0) fail("cluster_push to an address not 16-byte aligned");

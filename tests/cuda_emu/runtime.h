@@ -40,7 +40,8 @@
 //   push to a peer's mbarrier before a cluster barrier followed that mbarrier's initialization
 //   (cluster_sync_mbarrier_init, or cluster_sync), an arrival at a phase that has all of its, a push into a block that
 //   has exited, and a block that exits with a phase of one of its mbarriers begun (arrivals or bytes outstanding, or
-//   bytes landed that no arrival announced).
+//   bytes landed that no arrival announced), and a push in a launch of one-block clusters (st.async to the block's
+//   own shared memory, undefined in PTX for a one-block cluster).
 // - __syncthreads() parks a thread until every thread of the block has arrived at the same call site (file, line,
 //   column). Arriving at another site, or exiting while others wait, is reported as a divergent barrier.
 // - __shfl_sync/_up/_down/_xor, __syncwarp, __ballot_sync, __any_sync, __all_sync wait for every live lane named

@@ -20,7 +20,7 @@ from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 # - one vector of elements (396 float32, 792 bf16/fp16, 82 float64), a cluster holds up to 16 blocks (over 8: the
 # non-portable size); a larger row takes the two-read kernel.
 CLUSTER_CASES = [
-    (torch.float32, 33, "single-read"),  # one block
+    (torch.float32, 33, "single-read lone block"),  # one block: its own kernel, exchanging nothing
     (torch.float32, 1000, "single-read"),  # a cluster of 3
     (torch.float32, 3001, "single-read"),  # of 8
     (torch.float32, 4099, "single-read"),  # of 11: over the portable size
@@ -31,7 +31,9 @@ CLUSTER_CASES = [
     (torch.float64, 1000, "single-read"),  # 13
     (torch.float64, 2501, "two-read"),  # 31
 ]
-PASS_KERNELS = {"single-read": "grpo_loss_from_logits_small_block_kernel", "two-read": "grpo_loss_from_logits_kernel",
+PASS_KERNELS = {"single-read": "grpo_loss_from_logits_small_block_kernel",
+                "single-read lone block": "grpo_loss_from_logits_lone_block_kernel",
+                "two-read": "grpo_loss_from_logits_kernel",
                 "two-read full occupancy": "grpo_loss_from_logits_full_occupancy_kernel"}
 
 

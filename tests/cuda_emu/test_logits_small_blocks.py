@@ -22,6 +22,7 @@ from .test_logits import PASS_NAMES, PASS_TOL, pass_args
 SMALL_BLOCKS = {"GRPO_EXT_LOGITS_SINGLE_READ": "small-blocks"}
 PASS_KERNELS = {
     "small-blocks": "grpo_loss_from_logits_small_block_kernel",
+    "lone block": "grpo_loss_from_logits_lone_block_kernel",  # a row that fits one block: no cluster, no exchange
     "two-read": "grpo_loss_from_logits_kernel",
 }
 SINGLE_READ_SHARED = {4: 944, 8: 1872}  # sizeof(SingleReadShared<T>) by accumulation bytes (float, double)
@@ -93,7 +94,7 @@ def test_small_block_pass_in_clusters_of_up_to_16(emu_small_blocks, dtype, vocab
     args = pass_args(x, ids.reshape(-1), adv.to(acc), mask, temperature=temperature, logit=logit, **options)
     device = emu_small_blocks
     launched = kernels_launched(device, lambda: check_op(device, op, *args, tol=PASS_TOL, names=names))
-    assert launched & set(PASS_KERNELS.values()) == {PASS_KERNELS["small-blocks"]}
+    assert launched & set(PASS_KERNELS.values()) == {PASS_KERNELS["lone block" if blocks == 1 else "small-blocks"]}
 
 
 def test_small_block_pass_grid_stride_and_sequence_gradients(emu_small_blocks):
@@ -199,6 +200,8 @@ def test_every_block_of_a_cluster_uses_the_same_row_statistics(emu_small_blocks,
         (SMALL_BLOCKS, {"max_cluster": 4}, 150, "small-blocks"),  # 3 blocks
         (SMALL_BLOCKS, {"max_nonportable_cluster": 8}, 1000, "two-read"),  # a device that takes 8 at most
         (SMALL_BLOCKS, {"max_cluster": 0}, 300, "two-read"),  # no cluster launch
+        (SMALL_BLOCKS, {}, 33, "lone block"),  # one block: the lone block's kernel
+        (SMALL_BLOCKS, {"max_cluster": 0}, 33, "two-read"),  # a device without clusters: no single-read pass at all
     ],
 )
 def test_the_launcher_picks_the_layout_for_the_env_and_device(env, limits, vocab, path):
