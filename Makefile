@@ -113,7 +113,7 @@ test: build verl-env trl-envs
 	GRPO_EXT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl_integration.py
 	set -e; for version in $(TRL_EXTRA_VERSIONS); do \
 	    GRPO_EXT_REQUIRE_TRL=1 GRPO_EXT_REQUIRE_TRL_VERSION=$$version $(VENV)-trl$$version/bin/python -m pytest -q \
-	        -p no:cacheprovider tests/test_trl_integration.py; \
+	        -p no:cacheprovider tests/test_trl_integration.py tests/test_trl_patching.py; \
 	done
 endif
 

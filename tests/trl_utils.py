@@ -1,6 +1,6 @@
-"""Helpers of the TRL integration tests (tests/test_trl_integration.py, tests/test_trl_distributed.py and its child
-process): tiny models saved to a folder, TRL trainers on them, a hand-built batch, and the comparisons of a patched
-``compute_loss`` with TRL's own.
+"""Helpers of the TRL integration tests (tests/test_trl_integration.py, tests/test_trl_patching.py,
+tests/test_trl_distributed.py and its child process): tiny models saved to a folder, TRL trainers on them, a
+hand-built batch, the comparisons of a patched ``compute_loss`` with TRL's own, and the fixtures that build them.
 
 Importing this module skips the importing test module when trl is missing or unsupported (it fails instead when
 ``GRPO_EXT_REQUIRE_TRL=1``, as ``make test`` sets; ``GRPO_EXT_REQUIRE_TRL_VERSION=1.14.0`` also fails it unless that
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,8 +35,10 @@ if REQUIRE_TRL:
 else:
     trl = pytest.importorskip("trl")
 
+import grpo_ext  # noqa: E402
 from grpo_ext.integrations import trl as grpo_trl  # noqa: E402
 from grpo_ext.integrations.trl import loss as grpo_trl_loss  # noqa: E402
+from grpo_ext.trainer.demo import build_tokenizer  # noqa: E402
 
 try:
     grpo_trl.check_trl_version()
@@ -197,6 +200,40 @@ class Calls:
     grpo_loss: int = 0
     grpo_loss_from_hidden: int = 0
     selective_log_softmax: int = 0
+
+
+# The fixtures of tests/test_trl_integration.py and tests/test_trl_patching.py, which import them (the functions'
+# names differ from the fixtures', so that a test's parameter does not shadow an import).
+@pytest.fixture(scope="module", name="tokenizer")
+def tokenizer_fixture():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module", name="llama_dir")
+def llama_dir_fixture(tmp_path_factory, tokenizer) -> str:
+    return save_model(tmp_path_factory.mktemp("llama"), tokenizer)
+
+
+@pytest.fixture(name="grpo_ext_calls")
+def grpo_ext_calls_fixture(monkeypatch) -> Calls:
+    """Counts the grpo_ext ops the integration calls (so a patch that did nothing cannot pass a parity test)."""
+    calls = Calls()
+
+    def spy(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            setattr(calls, name, getattr(calls, name) + 1)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(grpo_ext.ops, "grpo_loss", spy("grpo_loss", grpo_ext.ops.grpo_loss))
+    monkeypatch.setattr(
+        grpo_ext.ops, "grpo_loss_from_hidden", spy("grpo_loss_from_hidden", grpo_ext.ops.grpo_loss_from_hidden)
+    )
+    monkeypatch.setattr(
+        grpo_ext.ops, "selective_log_softmax", spy("selective_log_softmax", grpo_ext.ops.selective_log_softmax)
+    )
+    return calls
 
 
 def loss_and_grads(trainer, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
