@@ -156,6 +156,47 @@ def test_double_backward_is_refused_not_silently_zero(call):
     assert torch.isfinite(first_order).all() and first_order.abs().sum() > 0
 
 
+FORWARD_MODE_CALLS = {
+    "grpo_loss": lambda impl, x, ids, m: impl.grpo_loss(x.logsumexp(-1) - 3.0, torch.ones(2), m).loss,
+    "selective_log_softmax": lambda impl, x, ids, m: impl.selective_log_softmax(x, ids).logps.sum(),
+    "grpo_loss_from_logits": lambda impl, x, ids, m: impl.grpo_loss_from_logits(x, ids, torch.ones(2), m).loss,
+    "grpo_loss_from_hidden": lambda impl, x, ids, m: impl.grpo_loss_from_hidden(
+        x, torch.eye(5, dtype=x.dtype), ids, torch.ones(2), m).loss,
+}  # fmt: skip
+
+
+def dual_tangent(function, x: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor | None:
+    """``function``'s output tangent under torch.autograd.forward_ad."""
+    with torch.autograd.forward_ad.dual_level():
+        return torch.autograd.forward_ad.unpack_dual(function(torch.autograd.forward_ad.make_dual(x, tangent))).tangent
+
+
+@pytest.mark.parametrize("op", list(FORWARD_MODE_CALLS))
+@pytest.mark.parametrize("mode", ["jvp", "jacfwd", "forward_ad"])
+def test_forward_mode_is_refused_not_silently_zero(op, mode):
+    """torch.func.jvp, jacfwd and torch.autograd.forward_ad over a kernel op: it raises naming the op and the ways
+    out (an outside check, 2026-11-29: the tangent was dropped, a zero jvp and a zero jacfwd given silently); the
+    reference's forward-mode derivative is the gradient's dot product with the tangent; a call without a tangent
+    is unaffected."""
+    gen = torch.Generator().manual_seed(4)
+    logits, tangent = torch.randn(2, 3, 5, generator=gen).double(), torch.randn(2, 3, 5, generator=gen).double()
+    ids, mask = torch.randint(0, 5, (2, 3), generator=gen), torch.ones(2, 3)
+    call = FORWARD_MODE_CALLS[op]
+    runs = {
+        "jvp": lambda f: torch.func.jvp(f, (logits,), (tangent,))[1],
+        "jacfwd": lambda f: (torch.func.jacfwd(f)(logits) * tangent).sum(),
+        "forward_ad": lambda f: dual_tangent(f, logits, tangent),
+    }
+    with pytest.raises(RuntimeError, match=rf"grpo_ext\.{op} does not support forward-mode AD .* "
+                                           rf"grpo_ext\.reference\.{op}, which supports both"):  # fmt: skip
+        runs[mode](lambda x: call(grpo_ext, x, ids, mask))
+    want = (torch.func.grad(lambda x: call(reference, x, ids, mask))(logits) * tangent).sum()
+    torch.testing.assert_close(runs[mode](lambda x: call(reference, x, ids, mask)), want)
+    leaf = logits.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(call(grpo_ext, leaf, ids, mask), leaf)  # reverse mode, as before
+    torch.testing.assert_close(grad, torch.func.grad(lambda x: call(reference, x, ids, mask))(logits))
+
+
 def test_counts_given_as_cpu_tensors_are_read():
     rewards = torch.rand(8, 2, dtype=torch.float64)
     torch.testing.assert_close(

@@ -4,6 +4,8 @@ calls' way past the autograd key."""
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+from torch.autograd import forward_ad
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,6 +36,21 @@ def refuse_function_transforms(function: str) -> None:
             f"grpo_ext.{function} does not support torch.func's transforms (grad, jacrev, vjp, hessian) where it "
             "computes a gradient: its fused kernel forms the gradient in the forward pass. Use torch.autograd "
             f"(loss.backward(), torch.autograd.grad), or grpo_ext.reference.{function}, which supports them."
+        )
+
+
+def refuse_forward_mode(function: str, *inputs: Tensor | None) -> None:
+    """Raises RuntimeError naming the op when one of its differentiable ``inputs`` carries a forward-mode tangent
+    (torch.func.jvp, jacfwd, hessian's outer pass, torch.autograd.forward_ad): the kernels have no forward derivative,
+    and the call would drop the tangent, a zero derivative given silently (an outside check, 2026-11-29)."""
+    if forward_ad._current_level < 0:  # no dual level open: nothing carries a tangent (one attribute read)
+        return
+    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in inputs):
+        raise RuntimeError(
+            f"grpo_ext.{function} does not support forward-mode AD (torch.func.jvp, jacfwd, hessian, "
+            "torch.autograd.forward_ad): its kernels have no forward derivative, and the tangent would be dropped. "
+            f"Use reverse mode (loss.backward(), torch.autograd.grad), or grpo_ext.reference.{function}, which "
+            "supports both."
         )
 
 

@@ -13,7 +13,13 @@ from torch import Tensor
 from ..results import GRPOLossOutput
 from ..validation.loss import resolve_grpo_loss_args
 from ..validation.options import takes_loss_options
-from ._common import accumulate_dtype, below_autograd, refuse_double_backward, refuse_function_transforms
+from ._common import (
+    accumulate_dtype,
+    below_autograd,
+    refuse_double_backward,
+    refuse_forward_mode,
+    refuse_function_transforms,
+)
 from .metrics import NUM_METRICS, metrics_dict
 
 # The forward op's overload, resolved once (not through the packet on every call).
@@ -39,6 +45,7 @@ def grpo_loss(logps: Tensor, advantages: Tensor, completion_mask: Tensor, **opti
         ``metrics`` (0-dim, detached) under TRL's names.
     """
     resolved, option_args = resolve_grpo_loss_args("grpo_loss", logps, advantages, completion_mask, options)
+    refuse_forward_mode("grpo_loss", logps)
     # Only logps is differentiated: an advantages (or old_logps, ...) that requires grad must not make the loss one
     # that needs a gradient the forward did not compute.
     if not torch.is_grad_enabled() or (not logps.requires_grad and not torch.compiler.is_compiling()):

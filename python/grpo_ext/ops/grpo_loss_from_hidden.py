@@ -24,7 +24,7 @@ from ..validation import (
 )
 from ..validation.hidden import RefHead, check_lm_head, check_ref_head
 from ..validation.options import LogitOptions, LossOptions, takes_loss_options
-from ._common import accumulate_dtype, refuse_double_backward, refuse_function_transforms
+from ._common import accumulate_dtype, refuse_double_backward, refuse_forward_mode, refuse_function_transforms
 from .grpo_loss_from_logits import (
     check_entropy_weights,
     logit_options_from_op_args,
@@ -408,6 +408,7 @@ def hidden_loss(
         raise ValueError("pass either ref_logps or a reference head (ref_input/ref_weight), not both")
     compute_dtype = check_compute_dtype(compute_dtype)
     vocab = check_lm_head(hidden, lm_head_weight, lm_head_bias, compute_dtype)
+    refuse_forward_mode("grpo_loss_from_hidden", hidden, lm_head_weight, lm_head_bias)
     if compute_dtype is not None:  # autograd casts the small gradients back; the weight is cast inside the op
         hidden = hidden.to(compute_dtype)
         lm_head_bias = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)

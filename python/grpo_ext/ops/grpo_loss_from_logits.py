@@ -19,7 +19,13 @@ from ..validation.logits import check_ids_and_mask, check_rows_as_mask, check_ro
 from ..validation.loss import resolve_fused_loss_args
 from ..validation.options import LogitOptions, LossOptions, takes_loss_options
 from ..validation.values import check_bool, check_finite, validate_logit_options
-from ._common import accumulate_dtype, below_autograd, refuse_double_backward, refuse_function_transforms
+from ._common import (
+    accumulate_dtype,
+    below_autograd,
+    refuse_double_backward,
+    refuse_forward_mode,
+    refuse_function_transforms,
+)
 from .metrics import NUM_METRICS, metrics_dict
 
 
@@ -324,6 +330,7 @@ def grpo_loss_from_logits(
         ``return_token_logps=True``.
     """
     flat_ids = check_logits_shapes(logits, completion_ids, completion_mask)
+    refuse_forward_mode("grpo_loss_from_logits", logits)
     logit = validate_logit_options(temperature, logit_scale, logit_softcap)
     if entropy_coef.__class__ is not float or entropy_coef != 0.0:  # 0.0: the default, finite
         entropy_coef = check_finite("entropy_coef", entropy_coef)

@@ -12,7 +12,13 @@ from torch import Tensor
 
 from ..results import SelectiveLogSoftmax
 from ..validation import validate_selective_log_softmax_args
-from ._common import accumulate_dtype, below_autograd, refuse_double_backward, refuse_function_transforms
+from ._common import (
+    accumulate_dtype,
+    below_autograd,
+    refuse_double_backward,
+    refuse_forward_mode,
+    refuse_function_transforms,
+)
 
 
 def selective_log_softmax(
@@ -43,6 +49,7 @@ def selective_log_softmax(
         logits), differentiable with respect to the raw ``logits``.
     """
     logit = validate_selective_log_softmax_args(logits, ids, temperature, logit_scale, logit_softcap, return_entropy)
+    refuse_forward_mode("selective_log_softmax", logits)
     lead_shape = ids.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_ids = ids.reshape(-1)

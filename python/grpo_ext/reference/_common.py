@@ -72,7 +72,8 @@ def absolute(x: Tensor) -> Tensor:
 
 
 class _RatioExp(torch.autograd.Function):
-    """``exp(d)`` whose backward keeps an exactly-zero incoming gradient 0 where ``exp(d)`` overflowed to +inf."""
+    """``exp(d)`` whose backward keeps an exactly-zero incoming gradient 0 where ``exp(d)`` overflowed to +inf, and
+    whose forward-mode derivative keeps an exactly-zero tangent 0 there (torch.func.jvp, jacfwd, hessian)."""
 
     generate_vmap_rule = True  # pure torch: torch.func.vmap (and so jacrev, hessian) batches it
 
@@ -83,12 +84,24 @@ class _RatioExp(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # separate: torch.func's transforms need it
         ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
         (rho,) = ctx.saved_tensors
-        limit_zero = (grad == 0) & ~torch.isnan(rho)  # a NaN ratio (a non-finite input) stays visible
-        return torch.where(limit_zero, torch.zeros_like(grad), grad * rho)
+        return _times_ratio(grad, rho)
+
+    @staticmethod
+    def jvp(ctx, tangent: Tensor) -> Tensor:
+        (rho,) = ctx.saved_tensors
+        return _times_ratio(tangent, rho)
+
+
+def _times_ratio(x: Tensor, rho: Tensor) -> Tensor:
+    """``x * rho``, 0 where ``x`` is exactly 0 and ``rho`` is not NaN (the limit of a large finite ``rho``); a NaN
+    ratio (a non-finite input) stays visible."""
+    limit_zero = (x == 0) & ~torch.isnan(rho)
+    return torch.where(limit_zero, torch.zeros_like(x), x * rho)
 
 
 def ratio_exp(d: Tensor) -> Tensor:
@@ -110,7 +123,7 @@ def ratio_exp(d: Tensor) -> Tensor:
 
 class _WithDerivative(torch.autograd.Function):
     """``value`` (of ``x``) whose backward is ``grad * derivative``, 0 where ``derivative`` is exactly 0 and ``grad``
-    infinite."""
+    infinite; its forward-mode derivative is ``tangent * derivative`` by the same rule."""
 
     generate_vmap_rule = True  # pure torch: torch.func.vmap (and so jacrev, hessian) batches it
 
@@ -121,12 +134,26 @@ class _WithDerivative(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
         ctx.save_for_backward(inputs[2])
+        ctx.save_for_forward(inputs[2])
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[None, Tensor, None]:  # type: ignore[override]
         (derivative,) = ctx.saved_tensors
-        limit_zero = (derivative == 0) & torch.isinf(grad)  # only there: a finite grad keeps its product's graph
-        return None, torch.where(limit_zero, torch.zeros_like(grad), grad * derivative), None
+        return None, _times_derivative(grad, derivative), None
+
+    @staticmethod
+    def jvp(ctx, value_tangent: Tensor | None, x_tangent: Tensor | None, derivative_tangent: Tensor | None) -> Tensor:
+        (derivative,) = ctx.saved_tensors
+        if x_tangent is None:  # only value or derivative carry a tangent: the output's is 0 (x is what it is of)
+            return torch.zeros_like(derivative)
+        return _times_derivative(x_tangent, derivative)
+
+
+def _times_derivative(x: Tensor, derivative: Tensor) -> Tensor:
+    """``x * derivative``, 0 where ``derivative`` is exactly 0 and ``x`` infinite (only there: a finite ``x`` keeps its
+    product's graph)."""
+    limit_zero = (derivative == 0) & torch.isinf(x)
+    return torch.where(limit_zero, torch.zeros_like(x), x * derivative)
 
 
 def with_derivative(value: Tensor, x: Tensor, derivative: Tensor) -> Tensor:
@@ -148,7 +175,8 @@ def with_derivative(value: Tensor, x: Tensor, derivative: Tensor) -> Tensor:
 
 class _ScaledByRatio(torch.autograd.Function):
     """``kl * rho``, 0 where ``kl`` is exactly 0 (also where ``rho`` overflowed to +inf); gradients ``grad * rho``
-    and ``grad * kl``."""
+    and ``grad * kl`` (their zeros kept by the functions they reach); forward-mode derivative ``kl' * rho + rho' *
+    kl``, each product 0 where its first factor is exactly 0 (the limits of a large finite ``rho``)."""
 
     generate_vmap_rule = True  # pure torch: torch.func.vmap (and so jacrev, hessian) batches it
 
@@ -159,11 +187,22 @@ class _ScaledByRatio(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
         ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         kl, rho = ctx.saved_tensors
         return grad * rho, grad * kl
+
+    @staticmethod
+    def jvp(ctx, kl_tangent: Tensor | None, rho_tangent: Tensor | None) -> Tensor:
+        kl, rho = ctx.saved_tensors
+        out = torch.zeros_like(kl)
+        if kl_tangent is not None:
+            out = out + _times_ratio(kl_tangent, rho)
+        if rho_tangent is not None:
+            out = out + _times_ratio(kl, rho_tangent)  # rho' = rho * d' is +inf where rho overflowed: 0 where KL is 0
+        return out
 
 
 def scaled_by_ratio(kl: Tensor, rho: Tensor) -> Tensor:

@@ -59,7 +59,8 @@ class _ZeroUpstreamRowsAreInert(torch.autograd.Function):
     """:func:`_materialized` whose rows with no upstream gradient get an exactly zero gradient (docs/math.md,
     "Non-finite inputs"), whatever their logits hold: autograd alone would give 0 * NaN = NaN there.
 
-    The other rows' gradient is autograd's vector-Jacobian product of :func:`_materialized`, unchanged.
+    The other rows' gradient is autograd's vector-Jacobian product of :func:`_materialized`, unchanged; the
+    forward-mode derivative (torch.func.jvp, jacfwd, hessian) is :func:`_materialized`'s own.
     """
 
     generate_vmap_rule = True  # pure torch: torch.func.vmap (and so jacrev, hessian) batches it
@@ -72,6 +73,7 @@ class _ZeroUpstreamRowsAreInert(torch.autograd.Function):
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # separate: torch.func's transforms need it
         x, ids, logit = inputs
         ctx.save_for_backward(x, ids)
+        ctx.save_for_forward(x, ids)
         ctx.logit = logit
 
     @staticmethod
@@ -82,3 +84,25 @@ class _ZeroUpstreamRowsAreInert(torch.autograd.Function):
         _, vjp = torch.func.vjp(lambda t: _materialized(t, ids, ctx.logit), torch.where(inert, 0.0, x))
         (grad,) = vjp((grad_logps, grad_entropy))
         return torch.where(inert, 0.0, grad), None, None
+
+    @staticmethod
+    def jvp(ctx, x_tangent: Tensor, ids_tangent: None, logit_tangent: None) -> tuple[Tensor, Tensor]:
+        x, ids = ctx.saved_tensors
+        return _materialized_tangents(x, x_tangent, ids, ctx.logit)
+
+
+def _materialized_tangents(x: Tensor, x_tangent: Tensor, ids: Tensor, logit: LogitOptions) -> tuple[Tensor, Tensor]:
+    """The forward-mode derivative of :func:`_materialized` along ``x_tangent``, written out (a nested torch.func.jvp
+    would fail under torch.autograd.forward_ad): ``z' = dz/dx * x'``, ``logp' = z'[id] - E_p[z']`` and
+    ``H' = -sum_v p_v (z'_v - E_p[z']) log p_v`` (``p log p`` taken as 0 where ``p = 0``, as in the forward)."""
+    y = x * logit.logit_scale
+    slope = torch.full_like(x, logit.logit_scale / logit.temperature)
+    if logit.logit_softcap is not None:
+        slope = slope * (1 - torch.tanh(y / logit.logit_softcap) ** 2)
+    z_tangent = x_tangent * slope
+    log_probs = torch.log_softmax(transform_logits(x, logit), dim=-1)
+    probs = log_probs.exp()
+    centered = z_tangent - (probs * z_tangent).sum(-1, keepdim=True)
+    logps = torch.gather(centered, -1, ids.unsqueeze(-1)).squeeze(-1)
+    finite_log_probs = torch.where(probs == 0, torch.zeros_like(log_probs), log_probs)
+    return logps, -(probs * centered * finite_log_probs).sum(-1)
