@@ -252,7 +252,7 @@ def test_bias_corrected_k3_far_from_the_reference(emu, level):
     """The bias-corrected k3 term's gradient at l_ref - l from 10 to 40 in float32, where rho * (exp(r) - r - 1) and
     rho * (1 - exp(r)) formed apart cancel to noise: the kernels take their sum, rho * (l - l_ref), in closed form at
     the token level (docs/math.md section 8), as the CPU kernel in float64 does."""
-    batch = make_loss_batch(seed=17, batch=6, seq_len=40)
+    batch = make_loss_batch(seed=17, batch=8, seq_len=40)
     gap = 10.0 + 30.0 * torch.rand(batch.logps.shape, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
     batch.ref_logps = batch.logps + gap
     kwargs = dict(loss_type="bnpo", importance_sampling_level=level, old_logps="old_logps", ref_logps="ref_logps",
