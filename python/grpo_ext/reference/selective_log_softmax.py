@@ -45,14 +45,18 @@ def selective_log_softmax(
 
 def _materialized(x: Tensor, ids: Tensor, logit: LogitOptions) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies of raw logits ``x`` through a materialized log_softmax (autograd differentiates it)."""
-    z = transform_logits(x, logit)
-    log_probs = torch.log_softmax(z, dim=-1)
+    log_probs, probs, finite_log_probs = _softmax_of(x, logit)
     logps = torch.gather(log_probs, -1, ids.unsqueeze(-1)).squeeze(-1)
-    probs = log_probs.exp()
-    # 0 * log 0 = 0: a -inf logit (a vocabulary entry masked out) contributes nothing, and nothing to the gradient
-    # either (log 0 is replaced before the product, so no 0 * inf); a NaN row stays NaN
-    finite_log_probs = torch.where(probs == 0, torch.zeros_like(log_probs), log_probs)
     return logps, -(probs * finite_log_probs).sum(-1)
+
+
+def _softmax_of(x: Tensor, logit: LogitOptions) -> tuple[Tensor, Tensor, Tensor]:
+    """``(log p, p, log p with 0 where p = 0)`` of raw logits ``x``. 0 * log 0 = 0: a -inf logit (a vocabulary entry
+    masked out) contributes nothing, and nothing to the gradient either (log 0 is replaced before the product, so no
+    0 * inf); a NaN row stays NaN."""
+    log_probs = torch.log_softmax(transform_logits(x, logit), dim=-1)
+    probs = log_probs.exp()
+    return log_probs, probs, torch.where(probs == 0, torch.zeros_like(log_probs), log_probs)
 
 
 class _ZeroUpstreamRowsAreInert(torch.autograd.Function):
@@ -100,9 +104,7 @@ def _materialized_tangents(x: Tensor, x_tangent: Tensor, ids: Tensor, logit: Log
     if logit.logit_softcap is not None:
         slope = slope * (1 - torch.tanh(y / logit.logit_softcap) ** 2)
     z_tangent = x_tangent * slope
-    log_probs = torch.log_softmax(transform_logits(x, logit), dim=-1)
-    probs = log_probs.exp()
+    _, probs, finite_log_probs = _softmax_of(x, logit)
     centered = z_tangent - (probs * z_tangent).sum(-1, keepdim=True)
     logps = torch.gather(centered, -1, ids.unsqueeze(-1)).squeeze(-1)
-    finite_log_probs = torch.where(probs == 0, torch.zeros_like(log_probs), log_probs)
     return logps, -(probs * centered * finite_log_probs).sum(-1)
