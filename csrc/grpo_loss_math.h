@@ -151,12 +151,13 @@ struct TokenTerms {
   T loss;        // P = L * is_weight + beta * KL
   T kl;          // KL term as logged (times rho when bias-corrected)
   T dloss_drho;  // dP/drho, holding l fixed
-  T dloss_dl;    // dP/dl through every path except rho
-  // Where rho is the token's own exp(l - l_old): dP/dl = token_dl + token_drho * rho (token_level_grad). With bias
-  // correction the KL's own path, rho * dKL/dl, joins rho's factor: beta * (KL + dKL/dl) taken as one (for k3
-  // l - l_ref, where exp(r) - r - 1 and 1 - exp(r) cancel to noise past r ~ 15 in float32), so that an overflowed
-  // rho gives the limit, not inf - inf (docs/math.md section 8).
-  T token_dl, token_drho;
+  // dP/dl is token_dl + rho * (a factor). Where rho is the token's own exp(l - l_old), the factor is token_drho
+  // (token_level_grad): with bias correction the KL's own path, rho * dKL/dl, joins dP/drho as beta * (KL + dKL/dl)
+  // taken as one (KLTerms::kl_and_slope). Where rho is the row's (sequence level), the factor is the row's summed
+  // dP/drho times m / n plus, with bias correction, beta * dKL/dl (kl_slope). Either way an overflowed rho gives the
+  // limit, not inf - inf (docs/math.md section 8).
+  T token_dl;                  // dP/dl through every path without rho
+  T token_drho;                // the token level's factor of rho
   T low, high, cispo_clipped;  // clip-metric conditions (docs/math.md section 7) as 0/1; they test the uncapped rho
 };
 
@@ -239,6 +240,82 @@ GRPO_HD T vespo_phi(const TokenConsts<T>& c, T log_w, T adv) {
   return log_phi > max_log ? T(0) : math_exp(log_phi);
 }
 
+// One token's KL estimate (docs/math.md section 4) at r = l_ref - l, clamped to kl_clamp where set.
+template <typename T>
+struct KLTerms {
+  T kl;            // the estimate
+  T dkl_dl;        // dKL/dl, 0 where a clamp cut it
+  T kl_and_slope;  // KL + dKL/dl: for k3 and low_var_kl, l - l_ref where the gradient passes (the bias-corrected
+                   // KL's factor of rho; as a sum, exp(r) - r - 1 and 1 - exp(r) cancel to noise past r ~ 15 in
+                   // float32)
+};
+
+template <typename T, KLKind kKL>
+GRPO_HD KLTerms<T> kl_terms_t(const TokenConsts<T>& c, T l, T l_ref) {
+  const T r_raw = l_ref - l;
+  T r = r_raw;
+  const bool inside = (r >= -c.kl_clamp) & (r <= c.kl_clamp);  // a clamp passes the gradient at its bounds
+  r = r < -c.kl_clamp ? -c.kl_clamp : (r > c.kl_clamp ? c.kl_clamp : r);
+  T kl, dkl_dr;
+  bool passes = inside;  // whether the gradient reaches l through the clamps
+  if constexpr (kKL == KLKind::kK1) {
+    kl = -r;
+    dkl_dr = T(-1);
+  } else if constexpr (kKL == KLKind::kK2) {
+    kl = T(0.5) * r * r;
+    dkl_dr = r;
+  } else if constexpr (kKL == KLKind::kAbs) {  // |r|, gradient sign(r) (0 at r = 0 as torch.abs; NaN stays NaN)
+    kl = r < T(0) ? -r : r;
+    dkl_dr = r > T(0) ? T(1) : (r < T(0) ? T(-1) : (r == T(0) ? T(0) : r));
+  } else if constexpr (kKL == KLKind::kK1Plus) {  // straight-through: k1's value, k2's gradient on the unclamped r
+    kl = -r;
+    dkl_dr = r_raw;
+    passes = true;
+  } else {  // k3: exp(r) - r - 1, through expm1 so that small r keeps its precision
+    const T em1 = math_expm1(r);
+    kl = em1 - r;
+    dkl_dr = em1;
+    if constexpr (kKL == KLKind::kK3Plus || kKL == KLKind::kLowVarKL) {  // verl clamps the estimate at 10
+      const bool above = kl > T(kLowVarKLCap);                           // NaN is not above: it stays visible
+      kl = above ? T(kLowVarKLCap) : kl;
+      if constexpr (kKL == KLKind::kK3Plus) {  // straight-through: k2's gradient on the unclamped r
+        dkl_dr = r_raw;
+        passes = true;
+      } else {
+        passes = passes & !above;
+      }
+    }
+  }
+  KLTerms<T> out;
+  out.kl = kl;
+  out.dkl_dl = passes ? -dkl_dr : T(0);
+  if constexpr (kKL == KLKind::kK3 || kKL == KLKind::kLowVarKL) {
+    out.kl_and_slope = passes ? -r : kl;
+  } else {
+    out.kl_and_slope = kl + out.dkl_dl;
+  }
+  return out;
+}
+
+// beta * dKL/dl for an estimator chosen at run time (0 for kNone): at the sequence level, the bias-corrected KL's
+// own path is rho_i times it, and the kernels add it to the row's ratio path as one factor of rho_i (docs/math.md
+// section 8) in a loop of their own, after the row is summed.
+template <typename T>
+GRPO_HD T kl_slope(const TokenConsts<T>& c, KLKind kind, T l, T l_ref) {
+  T dkl_dl = T(0);
+  switch (kind) {
+    case KLKind::kNone: break;
+    case KLKind::kK1: dkl_dl = kl_terms_t<T, KLKind::kK1>(c, l, l_ref).dkl_dl; break;
+    case KLKind::kK2: dkl_dl = kl_terms_t<T, KLKind::kK2>(c, l, l_ref).dkl_dl; break;
+    case KLKind::kK3: dkl_dl = kl_terms_t<T, KLKind::kK3>(c, l, l_ref).dkl_dl; break;
+    case KLKind::kAbs: dkl_dl = kl_terms_t<T, KLKind::kAbs>(c, l, l_ref).dkl_dl; break;
+    case KLKind::kK1Plus: dkl_dl = kl_terms_t<T, KLKind::kK1Plus>(c, l, l_ref).dkl_dl; break;
+    case KLKind::kK3Plus: dkl_dl = kl_terms_t<T, KLKind::kK3Plus>(c, l, l_ref).dkl_dl; break;
+    case KLKind::kLowVarKL: dkl_dl = kl_terms_t<T, KLKind::kLowVarKL>(c, l, l_ref).dkl_dl; break;
+  }
+  return c.beta * dkl_dl;
+}
+
 // Per-token loss, KL, their derivatives and the clip conditions for one policy family and KL estimator; only
 // selects depend on the data, so the CPU compiler vectorizes a loop over this. A token with a non-finite input (rho
 // is NaN when l or l_old is not finite, see log_ratio_of) gets NaN terms: loss, KL and both derivatives.
@@ -274,72 +351,27 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
   // cispo, vespo: no gradient through their stop-gradient ratio weights, not even 0 * a non-finite is_weight (NaN)
   constexpr bool kStopsRatioGrad = kFamily == PolicyFamily::kCispo || kFamily == PolicyFamily::kVespo;
   out.dloss_drho = kStopsRatioGrad ? T(0) : dpolicy_drho * is_weight;
-  out.dloss_dl = dpolicy_dl * is_weight;
+  out.token_dl = dpolicy_dl * is_weight;
   out.token_drho = out.dloss_drho;
-  out.token_dl = out.dloss_dl;
   out.kl = T(0);
 
   if constexpr (kKL != KLKind::kNone) {
     poison += l_ref - l_ref;
-    const T r_raw = l_ref - l;
-    T r = r_raw;
-    const bool inside = (r >= -c.kl_clamp) & (r <= c.kl_clamp);  // a clamp passes the gradient at its bounds
-    r = r < -c.kl_clamp ? -c.kl_clamp : (r > c.kl_clamp ? c.kl_clamp : r);
-    T kl, dkl_dr;
-    bool passes = inside;  // whether the gradient reaches l through the clamps
-    if constexpr (kKL == KLKind::kK1) {
-      kl = -r;
-      dkl_dr = T(-1);
-    } else if constexpr (kKL == KLKind::kK2) {
-      kl = T(0.5) * r * r;
-      dkl_dr = r;
-    } else if constexpr (kKL == KLKind::kAbs) {  // |r|, gradient sign(r) (0 at r = 0 as torch.abs; NaN stays NaN)
-      kl = r < T(0) ? -r : r;
-      dkl_dr = r > T(0) ? T(1) : (r < T(0) ? T(-1) : (r == T(0) ? T(0) : r));
-    } else if constexpr (kKL == KLKind::kK1Plus) {  // straight-through: k1's value, k2's gradient on the unclamped r
-      kl = -r;
-      dkl_dr = r_raw;
-      passes = true;
-    } else {  // k3: exp(r) - r - 1, through expm1 so that small r keeps its precision
-      const T em1 = math_expm1(r);
-      kl = em1 - r;
-      dkl_dr = em1;
-      if constexpr (kKL == KLKind::kK3Plus || kKL == KLKind::kLowVarKL) {  // verl clamps the estimate at 10
-        const bool above = kl > T(kLowVarKLCap);                           // NaN is not above: it stays visible
-        kl = above ? T(kLowVarKLCap) : kl;
-        if constexpr (kKL == KLKind::kK3Plus) {  // straight-through: k2's gradient on the unclamped r
-          dkl_dr = r_raw;
-          passes = true;
-        } else {
-          passes = passes & !above;
-        }
-      }
-    }
-    const T dkl_dl = passes ? -dkl_dr : T(0);
+    const KLTerms<T> k = kl_terms_t<T, kKL>(c, l, l_ref);
     if constexpr (kBias) {  // bias correction (DeepSeek-V3.2): KL * rho, rho carrying its gradient
       // The limits of a large finite rho where rho overflowed: a factor exactly 0 (KL = 0 at l_ref == l, a KL
       // gradient a clamp cut) makes its product 0, not 0 * inf = NaN (docs/math.md section 8)
-      out.kl = kl == T(0) ? T(0) : rho * kl;
-      out.dloss_drho += c.beta * kl;
-      out.dloss_dl += c.beta * (dkl_dl == T(0) ? T(0) : rho * dkl_dl);
-      // KL + dKL/dl: k3's (exp(r) - r - 1) + (1 - exp(r)) is exactly -r wherever its gradient passes
-      T kl_and_slope;
-      if constexpr (kKL == KLKind::kK3 || kKL == KLKind::kLowVarKL) {
-        kl_and_slope = passes ? -r : kl;
-      } else {
-        kl_and_slope = kl + dkl_dl;
-      }
-      out.token_drho += c.beta * kl_and_slope;
+      out.kl = k.kl == T(0) ? T(0) : rho * k.kl;
+      out.dloss_drho += c.beta * k.kl;
+      out.token_drho += c.beta * k.kl_and_slope;
     } else {
-      out.kl = kl;
-      out.dloss_dl += c.beta * dkl_dl;
-      out.token_dl += c.beta * dkl_dl;
+      out.kl = k.kl;
+      out.token_dl += c.beta * k.dkl_dl;
     }
     out.loss += c.beta * out.kl;
   }
   out.loss += poison;
   out.kl += poison;
-  out.dloss_dl += poison;
   out.token_dl += poison;
   if constexpr (!kStopsRatioGrad || (kKL != KLKind::kNone && kBias)) {
     out.dloss_drho += poison;  // cispo's and vespo's ratios are stop-gradient weights: no gradient flows through them

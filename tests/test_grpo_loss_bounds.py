@@ -347,3 +347,80 @@ def test_bias_corrected_k3_gradient_from_logits_keeps_its_precision(device, dtyp
     want = dloss_dl.unsqueeze(-1) * (torch.nn.functional.one_hot(ids, 11).double() - probs)
     tolerance = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(leaf.grad.cpu().double(), want, **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("estimator", "mean_log_ratio"), [("k3", 100.0), ("k2", 100.0), ("low_var_kl", 100.0),
+                                                          ("k3", 80.0)])  # fmt: skip
+def test_sequence_level_bias_corrected_kl_at_an_overflowed_ratio_gives_the_signed_limit(
+    device, estimator, mean_log_ratio
+):
+    """GSPO with the bias-corrected KL: a token's gradient is rho_i * (m / n * sum_s w_s dP_s/drho + w * beta *
+    dKL/dl) plus the paths without rho, its own KL path and the row's ratio path as one factor of the row's ratio
+    (docs/math.md section 8). Where rho_i * each part overflows float32 (rho_i = e^100 itself; at e^80 the products
+    with KL ~ e^15) they met as inf - inf = NaN (docs/math.md named it, 2026-11-29); now the sum's sign decides. float32
+    against the float64 reference, where rho_i and the products are finite, rounded to float32 once: +-inf by the
+    factor's sign, or the finite value."""
+    # three tokens a row, d = 3 * mean, 0.1, -0.1; l_ref - l of 2, 5 and 0 (k3's factor: the row's KL over n^2
+    # against each token's own slope / n, of either sign); A > 0 clipped, A < 0 unclipped, A = 0
+    d = torch.tensor([[3 * mean_log_ratio, 0.1, -0.1]], dtype=torch.float64).repeat(3, 1)
+    gap = torch.tensor([[2.0, 5.0, 0.0], [15.0, 0.5, 1.0], [3.0, 3.0, 10.0]], dtype=torch.float64)
+    logps = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64).repeat(3, 1)
+    adv, mask = torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64), torch.ones(3, 3)
+    kwargs = dict(old_logps=logps - d, ref_logps=logps + gap, beta=0.1, use_bias_correction_kl=True,
+                  kl_estimator=estimator, loss_type="grpo", importance_sampling_level="sequence")  # fmt: skip
+    out, grad, truth, want = kernel_and_float64_reference(device, torch.float32, logps, adv, mask, kwargs)
+    assert not grad.isnan().any(), grad
+    assert torch.isinf(grad).sum() >= 3, grad  # the case under test: products beyond float32
+    assert torch.equal(torch.isinf(grad), torch.isinf(want)) and torch.equal(grad.sign(), want.sign()), (grad, want)
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(grad[finite], want[finite], rtol=1e-5, atol=1e-7)
+    assert out.loss.item() == truth.loss.to(torch.float32).item() == math.inf
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequence_level_bias_corrected_kl_in_float64_beyond_its_range_gives_the_signed_limit(device):
+    """The same in float64 at a row's mean log-ratio of 1000 (rho_i = inf there; the reference's autograd gives NaN,
+    section 8): each token's gradient is +-inf by the sign of its factor of rho_i, which does not depend on rho_i
+    once every ratio is clipped or unclipped for good, so the reference at a mean of 100 (finite) gives the signs."""
+    gap = torch.tensor([[2.0, 5.0, 0.0], [15.0, 0.5, 1.0]], dtype=torch.float64)
+    logps = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64).repeat(2, 1)
+    adv, mask = torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 3)
+    signs = []
+    for mean_log_ratio, on in ((1000.0, device), (100.0, "cpu")):
+        d = torch.tensor([[3 * mean_log_ratio, 0.1, -0.1]], dtype=torch.float64).repeat(2, 1)
+        kwargs = dict(old_logps=logps - d, ref_logps=logps + gap, beta=0.1, use_bias_correction_kl=True,
+                      loss_type="grpo", importance_sampling_level="sequence")  # fmt: skip
+        impl = grpo_ext if on == device else reference
+        leaf = logps.to(on, copy=True).requires_grad_(True)
+        out = impl.grpo_loss(leaf, adv.to(on), mask.to(on), **cast_kwargs(on, torch.float64, kwargs))
+        out.loss.backward()
+        signs.append(leaf.grad.cpu())
+    got, finite_reference = signs
+    assert not got.isnan().any(), got
+    assert torch.equal(got, finite_reference.sign() * math.inf), (got, finite_reference)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequence_level_bias_corrected_kl_from_logits_at_an_overflowed_ratio(device):
+    """The same through the fused logits pass, whose sequence level takes d loss / d logp from grpo_loss' kernel
+    before its second pass: dL/dz = dL/dl * (onehot - softmax), each entry +-inf by the sign of dL/dl (from the
+    float64 reference of log-probs, where rho_i = e^100 is finite) times that of onehot - softmax; no NaN."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 11, generator=gen, dtype=torch.float64).float().double()  # exact in float32
+    ids = torch.randint(0, 11, (2, 3), generator=gen)
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    d = torch.tensor([[300.0, 0.1, -0.1], [240.0, 0.1, -0.1]], dtype=torch.float64)
+    gap = torch.tensor([[2.0, 5.0, 0.0], [15.0, 0.5, 1.0]], dtype=torch.float64)
+    adv, mask = torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 3)
+    kwargs = dict(old_logps=logps - d, ref_logps=logps + gap, beta=0.1, use_bias_correction_kl=True,
+                  importance_sampling_level="sequence")  # fmt: skip
+    leaf = logits.to(device, torch.float32).requires_grad_(True)
+    out = grpo_ext.grpo_loss_from_logits(leaf, ids.to(device), adv.to(device), mask.to(device),
+                                         **cast_kwargs(device, torch.float32, kwargs))  # fmt: skip
+    out.loss.backward()
+    truth_leaf = logps.clone().requires_grad_(True)
+    reference.grpo_loss(truth_leaf, adv, mask, **kwargs).loss.backward()
+    onehot_minus_p = torch.nn.functional.one_hot(ids, 11).double() - torch.softmax(logits, dim=-1)
+    want = truth_leaf.grad.sign().unsqueeze(-1) * onehot_minus_p.sign() * math.inf
+    assert torch.equal(leaf.grad.cpu().double(), want), leaf.grad

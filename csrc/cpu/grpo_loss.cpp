@@ -171,11 +171,18 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
   if (p.row_share_metrics) set_row_clip_shares<T>(consts, seq_ratio, in.advantages.load<T>(row, 0), partials);
   if (grad_row && p.sequence_level) {
     // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1), times sum_t w * dP/drho
-    const double drho_sum = lane_sum(scratch.slot(kNumRowSlots), n_cols);
-    const T through_ratio = T(through_ratio_exp(drho_sum, double(seq_ratio)) / count_clamped);
-    // A masked token keeps its zero even when the row's ratio is NaN (a non-finite kept input).
+    const T row_drho = T(lane_sum(scratch.slot(kNumRowSlots), n_cols) / count_clamped);
+    // With bias correction the KL's own path, rho * w * beta * dKL/dl, joins the row's factor of rho before the
+    // product: an overflowed ratio gives the limit by the sum's sign, not inf - inf (docs/math.md section 8).
+    const KLKind own_kl = p.bias_correction ? kl_kind(p) : KLKind::kNone;  // kl_slope is 0 for kNone
     for (int64_t t = 0; t < n_cols; ++t) {
-      grad_row[t] = mask[t] != T(0) ? grad_row[t] + through_ratio * mask[t] : T(0);
+      // A masked token keeps its zero even when the row's ratio is NaN (a non-finite kept input).
+      if (mask[t] == T(0)) {
+        grad_row[t] = T(0);
+        continue;
+      }
+      const T own = mask[t] * row_factor * kl_slope(consts, own_kl, logps[t], ref_logps[t]);
+      grad_row[t] += through_ratio_exp(mask[t] * row_drho + own, seq_ratio);
     }
   }
 }

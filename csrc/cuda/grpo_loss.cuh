@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(256)
           if (vespo) acc[kSlotPhi] += phi * mk;
           if (p.sequence_level) {
             acc[kNumRowSlots] += w * tt.dloss_drho;
-            put(g, k, w * tt.dloss_dl);
+            put(g, k, w * tt.token_dl);  // the paths through the row's ratio are added below
           } else {
             put(g, k, w * token_level_grad(tt, rho));
           }
@@ -180,13 +180,25 @@ __global__ void __launch_bounds__(256)
     }
     if (grad_row && p.sequence_level) {
       // d s_i / d l[i,t] = s_i * m[i,t] / max(n_i, 1); each thread revisits only the tokens it wrote above.
-      const T through_ratio = T(through_ratio_exp(row_sum[kNumRowSlots], double(seq_ratio)) / count_clamped);
+      // With bias correction the KL's own path, rho * w * beta * dKL/dl, joins the row's factor of rho before the
+      // product (an overflowed ratio gives the limit by the sum's sign, not inf - inf; docs/math.md section 8): the
+      // token's l and l_ref are read again, in this configuration only.
+      const bool own_kl_path = p.bias_correction && want_kl;
+      const T row_drho = T(row_sum[kNumRowSlots] / count_clamped);
       for_each_chunk<K>(n_cols, vector, head, [&](const TokenChunk& c) {
         T m[K], g[K];
         if (!load_mask(c, m)) return;
         load_row_tokens<T, K>(grad_row, n_cols, c, g);
 #pragma unroll
-        for (int k = 0; k < K; ++k) g[k] = m[k] != T(0) ? g[k] + through_ratio * m[k] : g[k];
+        for (int k = 0; k < K; ++k) {
+          if (m[k] == T(0)) continue;
+          T own = T(0);
+          if (own_kl_path) {
+            const int64_t t = c.token(k);
+            own = m[k] * row_factor * kl_slope(consts, kl, in.logps.load<T>(row, t), in.ref_logps.load<T>(row, t));
+          }
+          g[k] += through_ratio_exp(m[k] * row_drho + own, seq_ratio);
+        }
         store_row_tokens<T, K>(grad_row, n_cols, c, g);
       });
     }

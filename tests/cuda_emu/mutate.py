@@ -231,7 +231,14 @@ MUTATIONS = [
              "cuda/grpo_loss_from_logits_single_read.cuh", "single_read_pass<false>(", "single_read_pass<true>("),
     # docs/math.md section 8: the bias-corrected k3 term's KL + dKL/dl is -r in closed form, not a cancellation.
     Mutation("cancellation", "loss kernels: the bias-corrected k3 term's KL + dKL/dl formed as (exp(r) - r - 1) + (1 - "
-             "exp(r))", "grpo_loss_math.h", "kl_and_slope = passes ? -r : kl;", "kl_and_slope = kl + dkl_dl;"),
+             "exp(r))", "grpo_loss_math.h", "out.kl_and_slope = passes ? -r : kl;",
+             "out.kl_and_slope = kl + out.dkl_dl;"),
+    # docs/math.md section 8: at the sequence level the bias-corrected KL's own path and the row's ratio path are one
+    # factor of the row's ratio, not two products that meet as inf - inf.
+    Mutation("inf - inf", "loss kernel: the sequence level's own KL path and the row's ratio path multiplied by the "
+             "row's ratio apart", "cuda/grpo_loss.cuh",
+             "g[k] += through_ratio_exp(m[k] * row_drho + own, seq_ratio);",
+             "g[k] += through_ratio_exp(m[k] * row_drho, seq_ratio) + own * seq_ratio;"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

@@ -258,3 +258,23 @@ def test_bias_corrected_k3_far_from_the_reference(emu, level):
     kwargs = dict(loss_type="bnpo", importance_sampling_level=level, old_logps="old_logps", ref_logps="ref_logps",
                   beta=0.1, use_bias_correction_kl=True)  # fmt: skip
     run_forward_backward(emu, forward_args(batch.to("cpu", torch.float32), kwargs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("estimator", ["k3", "k2", "low_var_kl"])
+def test_sequence_level_bias_corrected_kl_at_an_overflowed_ratio(emu, dtype, estimator):
+    """GSPO with the bias-corrected KL where the row's ratio, or its products with the KL, overflow: the row's second
+    pass reads l and l_ref again and joins the token's own KL path to the row's ratio path as one factor of rho
+    (docs/math.md section 8), so no inf - inf; against the CPU kernel in float64 (float32's e^100 and e^80 are
+    finite there; float64's e^1000 is not, and both give the signed limit)."""
+    means = [100.0, 80.0, 0.05] if dtype == torch.float32 else [1000.0, 705.0, 0.05]
+    d = torch.tensor([[3 * m, 0.1, -0.1] for m in means] * 2, dtype=dtype)
+    gap = torch.tensor([[2.0, 5.0, 0.0], [15.0, 0.5, 1.0], [3.0, 3.0, 10.0]] * 2, dtype=dtype)
+    logps = torch.tensor([[-1.0, -2.0, -0.5]] * 6, dtype=dtype)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 2.0], dtype=dtype)
+    mask = torch.ones(6, 3, dtype=torch.bool)
+    options = validate_grpo_loss_args(logps, adv, mask, LossOptions(
+        old_logps=logps - d, ref_logps=logps + gap, beta=0.1, use_bias_correction_kl=True, kl_estimator=estimator,
+        loss_type="grpo", importance_sampling_level="sequence"))  # fmt: skip
+    _, _, grad_raw, _ = run_forward_backward(emu, (logps, adv, mask, *options.op_args(), True))
+    assert not grad_raw.isnan().any() and grad_raw.isinf().any(), grad_raw
