@@ -325,6 +325,7 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
   TokenTerms<T> out;
   T poison = (l - l) + (adv - adv) + (is_weight - is_weight) + (rho == rho ? T(0) : rho);  // 0 or NaN
   T policy, dpolicy_drho = T(0), dpolicy_dl = T(0);
+  bool linear = false;  // the policy term is rho * (-A): the clip family's unclipped, uncapped branch
   if constexpr (kFamily == PolicyFamily::kCispo) {
     const T w = rho < c.cispo_cap ? rho : c.cispo_cap;  // a stop-gradient weight
     policy = -w * adv * l;
@@ -346,8 +347,14 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
     const T a = rho_c * adv, b = rho_clip * adv;
     policy = -(a < b ? a : b);
     dpolicy_drho = -minimum_grad(a, b, drho_c * adv, drho_clip * adv);
+    linear = (a < b) & !capped;
   }
-  out.loss = policy * is_weight;
+  // The loss is the terms without rho plus rho times a factor: the linear policy term's -A * is_weight and the
+  // bias-corrected KL's beta * KL, summed before rho multiplies them, so that an overflowed rho gives the limit by
+  // the factor's sign (0 where it is exactly 0), not inf - inf (k1's KL < 0 beside A < 0) or inf * 0 (a zero
+  // is_weight; docs/math.md section 8).
+  T loss_factor = linear ? -adv * is_weight : T(0);
+  out.loss = linear ? T(0) : policy * is_weight;
   // cispo, vespo: no gradient through their stop-gradient ratio weights, not even 0 * a non-finite is_weight (NaN)
   constexpr bool kStopsRatioGrad = kFamily == PolicyFamily::kCispo || kFamily == PolicyFamily::kVespo;
   out.dloss_drho = kStopsRatioGrad ? T(0) : dpolicy_drho * is_weight;
@@ -364,12 +371,14 @@ GRPO_HD TokenTerms<T> token_terms_t(const TokenConsts<T>& c, T l, T l_ref, T adv
       out.kl = k.kl == T(0) ? T(0) : rho * k.kl;
       out.dloss_drho += c.beta * k.kl;
       out.token_drho += c.beta * k.kl_and_slope;
+      loss_factor += c.beta * k.kl;
     } else {
       out.kl = k.kl;
       out.token_dl += c.beta * k.dkl_dl;
+      out.loss += c.beta * k.kl;
     }
-    out.loss += c.beta * out.kl;
   }
+  out.loss += through_ratio_exp(loss_factor, rho);
   out.loss += poison;
   out.kl += poison;
   out.token_dl += poison;

@@ -424,3 +424,44 @@ def test_sequence_level_bias_corrected_kl_from_logits_at_an_overflowed_ratio(dev
     onehot_minus_p = torch.nn.functional.one_hot(ids, 11).double() - torch.softmax(logits, dim=-1)
     want = truth_leaf.grad.sign().unsqueeze(-1) * onehot_minus_p.sign() * math.inf
     assert torch.equal(leaf.grad.cpu().double(), want), leaf.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("estimator", ["k1", "k1+"])
+@pytest.mark.parametrize("kl_gap", [5.0, -5.0, 0.5])
+def test_loss_at_an_overflowed_ratio_sums_its_factors_of_rho(device, level, estimator, kl_gap):
+    """An unclipped A < 0 (policy term -A * rho = +inf) beside the bias-corrected KL of an estimator that can be
+    negative (k1's -r: rho * KL = -inf at l_ref - l = 5): the loss is rho times the sum of the factors, -A + beta * KL
+    (docs/math.md section 8), here 1 - 5 < 0: -inf, not inf - inf = NaN (found by a fuzz of the options against the
+    reference, 2026-11-29). One token, so that no sum of two tokens' infinities (an indeterminate form) enters;
+    float32 against the float64 reference, whose rho = e^300 is finite."""
+    logps = torch.full((1, 1), -1.0, dtype=torch.float64)
+    kwargs = dict(old_logps=logps - 300.0, ref_logps=logps + kl_gap, beta=1.0, use_bias_correction_kl=True,
+                  kl_estimator=estimator, loss_type="bnpo", importance_sampling_level=level)  # fmt: skip
+    adv, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1)
+    out, grad, truth, want = kernel_and_float64_reference(device, torch.float32, logps, adv, mask, kwargs)
+    assert out.loss.item() == truth.loss.to(torch.float32).item() == (-math.inf if kl_gap > 1 else math.inf)
+    assert torch.equal(grad, want), (grad, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("weights", ["is_weights", "policy_weights"])
+def test_a_zero_weight_at_an_overflowed_ratio_scores_zero(device, level, weights):
+    """A token whose importance-sampling or policy weight is exactly 0 scores 0 and gets no policy gradient, whatever
+    its ratio: at an overflowed rho with A < 0 unclipped its term was rho * -A * 0 = inf * 0 = NaN in the loss (the
+    gradient's factor, -A * 0, was already 0). float32 against the float64 reference (rho = e^300 finite there)."""
+    logps = torch.full((1, 2), -1.0, dtype=torch.float64)
+    kwargs = dict(old_logps=logps - torch.tensor([[300.0, 0.1]], dtype=torch.float64), loss_type="dapo",
+                  importance_sampling_level=level)  # fmt: skip
+    kwargs[weights] = torch.tensor([[0.0, 1.0]], dtype=torch.float64)
+    adv, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2)
+    out, grad, truth, want = kernel_and_float64_reference(device, torch.float32, logps, adv, mask, kwargs)
+    assert not out.loss.isnan().item() and not grad.isnan().any(), (out.loss, grad)
+    if level == "token":  # the weighted token's own ratio: a finite loss, e^0.1 * 1 / 2
+        torch.testing.assert_close(out.loss.cpu(), truth.loss.to(torch.float32), rtol=1e-6, atol=0)
+        assert grad[0, 0].item() == 0.0
+    else:  # the row's ratio e^150.05 overflows: the other token's term is +inf
+        assert out.loss.item() == truth.loss.to(torch.float32).item() == math.inf
+    torch.testing.assert_close(grad, want, rtol=1e-6, atol=0)

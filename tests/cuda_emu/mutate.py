@@ -239,6 +239,8 @@ MUTATIONS = [
              "row's ratio apart", "cuda/grpo_loss.cuh",
              "g[k] += through_ratio_exp(m[k] * row_drho + own, seq_ratio);",
              "g[k] += through_ratio_exp(m[k] * row_drho, seq_ratio) + own * seq_ratio;"),
+    Mutation("inf - inf", "loss terms: the bias-corrected KL's loss multiplied by rho apart from the policy term's",
+             "grpo_loss_math.h", "      loss_factor += c.beta * k.kl;\n", "      out.loss += c.beta * out.kl;\n"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

@@ -260,6 +260,24 @@ def test_bias_corrected_k3_far_from_the_reference(emu, level):
     run_forward_backward(emu, forward_args(batch.to("cpu", torch.float32), kwargs))
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_loss_at_an_overflowed_ratio_sums_its_factors_of_rho(emu, level):
+    """The loss at an overflowed ratio (docs/math.md section 8): an unclipped A < 0 beside k1's bias-corrected KL
+    below 0 (-inf, not inf - inf), and a zero is_weight (0, not inf * 0), in the token terms the rows kernel shares
+    with the CPU kernel; every row's term of one sign (opposite infinities in the batch's sum would be an
+    indeterminate form), against the CPU kernel in float64 (e^300 finite there)."""
+    logps = torch.full((4, 1), -1.0)
+    old = logps - 300.0
+    ref = logps + torch.tensor([[5.0], [2.0], [3.0], [5.0]])  # rho * (1 - gap) < 0, and KL < 0 where A > 0 clips
+    adv, mask = torch.tensor([-1.0, -1.0, -1.0, 1.0]), torch.ones(4, 1, dtype=torch.bool)
+    for weights in (None, torch.tensor([[0.0], [1.0], [0.5], [0.0]])):
+        options = validate_grpo_loss_args(logps, adv, mask, LossOptions(
+            old_logps=old, ref_logps=ref, beta=1.0, kl_estimator="k1", use_bias_correction_kl=weights is None,
+            is_weights=weights, loss_type="bnpo", importance_sampling_level=level))  # fmt: skip
+        loss, _, grad_raw, _ = run_forward_backward(emu, (logps, adv, mask, *options.op_args(), True))
+        assert not loss.isnan().any() and not grad_raw.isnan().any(), (loss, grad_raw)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("estimator", ["k3", "k2", "low_var_kl"])
 def test_sequence_level_bias_corrected_kl_at_an_overflowed_ratio(emu, dtype, estimator):
