@@ -465,3 +465,26 @@ def test_a_zero_weight_at_an_overflowed_ratio_scores_zero(device, level, weights
     else:  # the row's ratio e^150.05 overflows: the other token's term is +inf
         assert out.loss.item() == truth.loss.to(torch.float32).item() == math.inf
     torch.testing.assert_close(grad, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("kl_gap", [1.0, 20.0, 30.0, 60.0])
+def test_sequence_level_row_of_one_kept_token_keeps_k3_exact(device, dtype, kl_gap):
+    """At the sequence level a row whose only kept token holds its count has that token's ratio, and its
+    bias-corrected k3 gradient is the token level's closed form, beta * rho * (l - l_ref) (docs/math.md section 8):
+    formed as the row's ratio path (rho * KL) plus the token's own path (rho * dKL/dl) it cancelled to noise, 0 at
+    l_ref - l = 30 in float32 (found by the property test of one token at an overflowed ratio, 2026-11-29). Two rows,
+    each with one kept token of three."""
+    logps = torch.tensor([[-30.0, -2.0, -3.0], [-1.0, -45.0, -2.5]], dtype=torch.float64)
+    d = torch.tensor([[0.1, 5.0, -5.0], [7.0, -0.05, 3.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    adv, beta = torch.tensor([0.5, -1.0], dtype=torch.float64), 0.1
+    kwargs = dict(old_logps=logps - d, ref_logps=logps + kl_gap, beta=beta, use_bias_correction_kl=True,
+                  loss_type="bnpo", importance_sampling_level="sequence")  # fmt: skip
+    leaf = logps.to(device, dtype, copy=True).requires_grad_(True)
+    out = grpo_ext.grpo_loss(leaf, adv.to(device, dtype), mask.to(device), **cast_kwargs(device, dtype, kwargs))
+    out.loss.backward()
+    rho = d.exp()  # the kept tokens' ratios (e^0.1, e^-0.05) inside the clip range: the policy's gradient is -A * rho
+    want = mask.double() * (-adv.unsqueeze(1) * rho + beta * rho * -kl_gap) / 2
+    torch.testing.assert_close(leaf.grad.cpu().double(), want, rtol=2e-6 if dtype == torch.float32 else 1e-12, atol=0)

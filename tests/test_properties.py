@@ -333,3 +333,56 @@ def test_random_selective_log_softmax_matches_reference(rows, vocab, offset, spr
         results.append((out.logps, out.entropy, x.grad))
     for name, got, want in zip(("logps", "entropy", "grad"), results[1], results[0], strict=True):
         assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def _float32_limit_agrees(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """A float32 kernel value against the float64 reference's on the same inputs at a float32-overflowed ratio: no
+    NaN where the reference has none; +-inf (the limit of a large finite rho, docs/math.md section 8) only with the
+    reference's sign; a finite value equal to the reference's rounded to float32."""
+    for g, w in zip(got.double().flatten().tolist(), want.flatten().tolist(), strict=True):
+        if w != w:  # the reference's own indeterminate form
+            continue
+        assert g == g, (name, g, w)
+        if abs(g) == float("inf"):
+            assert w != 0 and (g > 0) == (w > 0), (name, g, w)
+        else:
+            assert abs(g - float(torch.tensor(w).float())) <= 1e-5 * abs(w) + 1e-30, (name, g, w)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    log_ratio=st.sampled_from([89.0, 100.0, 300.0, -100.0]),
+    kl_gap=st.sampled_from([0.0, 0.5, -0.5, 5.0, -5.0, 30.0]),
+    advantage=st.sampled_from([1.0, -1.0, 0.0, 0.5]),
+    weight=st.sampled_from([None, 0.0, 0.5]),
+    loss_type=st.sampled_from(LOSS_TYPES),
+    level=st.sampled_from(["token", "sequence"]),
+    beta=st.sampled_from([0.0, 0.04, 1.0]),
+    estimator=st.sampled_from(["k1", "k2", "k3", "abs", "k1+", "k3+", "low_var_kl"]),
+    bias=st.booleans(),
+    kl_clamp=st.sampled_from([None, 2.0]),
+    delta=st.sampled_from([None, 3.0]),
+)
+def test_one_token_at_an_overflowed_ratio_gives_the_reference_limit(
+    log_ratio, kl_gap, advantage, weight, loss_type, level, beta, estimator, bias, kl_clamp, delta
+):
+    """One token (no sum of two tokens' infinities, no global factor but 1) whose ratio overflows float32: the
+    float32 kernel's loss and gradient are the float64 reference's on the same inputs (e^300 is finite there) or, where
+    float32 cannot hold them, their signed limit; never NaN (docs/math.md section 8). A fuzz of these options found
+    the loss's inf - inf (k1's KL < 0 beside A < 0) and inf * 0 (a zero weight), 2026-11-29."""
+    logps = torch.full((1, 1), -1.0, dtype=torch.float64)
+    options = dict(old_logps=logps - log_ratio, ref_logps=logps + kl_gap, beta=beta, kl_estimator=estimator,
+                   use_bias_correction_kl=bias, kl_clamp=kl_clamp, delta=delta, loss_type=loss_type,
+                   importance_sampling_level=level,
+                   is_weights=None if weight is None else torch.full((1, 1), weight, dtype=torch.float64))  # fmt: skip
+    adv, mask = torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 1)
+    results = []
+    for impl, dtype in ((grpo_ext, torch.float32), (reference, torch.float64)):
+        cast = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+        x = logps.to(dtype).requires_grad_(True)
+        out = impl.grpo_loss(x, adv.to(dtype), mask.to(dtype), **cast)
+        out.loss.backward()
+        results.append((out.loss.detach(), x.grad))
+    (loss, grad), (want_loss, want_grad) = results
+    _float32_limit_agrees(loss, want_loss, "loss")
+    _float32_limit_agrees(grad, want_grad, "grad")

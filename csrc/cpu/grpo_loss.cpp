@@ -140,6 +140,10 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
   const double count_clamped = count > 1.0 ? count : 1.0;
   const T seq_ratio = p.sequence_level ? math_exp(T(log_ratio_sum / count_clamped)) : T(1);
   const T row_factor = per_row_normalized(p.loss_type) ? T(1.0 / count_clamped) : T(1);
+  // A row whose only kept token holds its whole count (m = n >= 1): the row's ratio is the token's own, and its
+  // gradient takes the token level's factor of rho, where k3's KL + dKL/dl is exact (docs/math.md section 8).
+  const bool lone_row =
+      p.sequence_level && count >= 1.0 && std::count_if(mask, mask + n_cols, [](T m) { return m != T(0); }) == 1;
 
   dispatch_token_terms<T>(policy_family(p.loss_type), kl_kind(p), p.bias_correction, [&](auto terms) {
     T* grad_out = grad_row ? grad_row : scratch.grad.data();  // one store path keeps the loop branch-free
@@ -147,7 +151,7 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
       constexpr bool kSequence = decltype(sequence_level)::value;
       auto args =
           std::make_tuple(terms, consts, n_cols, mask, logps, old_logps, ref_logps, advantages, is_weights, seq_ratio,
-                          row_factor, scratch.slot(kSlotLoss), scratch.slot(kSlotMask), scratch.slot(kSlotKL),
+                          lone_row, row_factor, scratch.slot(kSlotLoss), scratch.slot(kSlotMask), scratch.slot(kSlotKL),
                           scratch.slot(kSlotLow), scratch.slot(kSlotHigh), scratch.slot(kSlotRegion),
                           scratch.slot(kSlotCispo), scratch.slot(kNumRowSlots), grad_out);
 #ifdef GRPO_EXT_X86_AVX2
@@ -174,7 +178,8 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
     const T row_drho = T(lane_sum(scratch.slot(kNumRowSlots), n_cols) / count_clamped);
     // With bias correction the KL's own path, rho * w * beta * dKL/dl, joins the row's factor of rho before the
     // product: an overflowed ratio gives the limit by the sum's sign, not inf - inf (docs/math.md section 8).
-    const KLKind own_kl = p.bias_correction ? kl_kind(p) : KLKind::kNone;  // kl_slope is 0 for kNone
+    // kl_slope is 0 for kNone; a lone row's summed factor holds its own KL path already
+    const KLKind own_kl = p.bias_correction && !lone_row ? kl_kind(p) : KLKind::kNone;
     for (int64_t t = 0; t < n_cols; ++t) {
       // A masked token keeps its zero even when the row's ratio is NaN (a non-finite kept input).
       if (mask[t] == T(0)) {

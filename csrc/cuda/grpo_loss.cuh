@@ -74,10 +74,10 @@ __global__ void __launch_bounds__(256)
       return any;
     };
 
-    // sum m, sum m * (l - l_old), vespo's sum of log-weight terms: over the block in double, rounded to T once
-    double row1[3] = {0.0, 0.0, 0.0};
+    // sum m, sum m * (l - l_old), vespo's sum of log-weight terms, the kept tokens: over the block in double
+    double row1[4] = {0.0, 0.0, 0.0, 0.0};
     if (need_count) {
-      T pass1[3] = {T(0), T(0), T(0)};  // this thread's part
+      T pass1[4] = {T(0), T(0), T(0), T(0)};  // this thread's part
       for_each_chunk<K>(n_cols, vector, head, [&](const TokenChunk& c) {
         T m[K], l[K], l_old[K], isw[K];
         if (!load_mask(c, m)) return;
@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(256)
         for (int k = 0; k < K; ++k) {
           if (m[k] == T(0)) continue;
           pass1[0] += m[k];
+          pass1[3] += T(1);
           if (!ratio) continue;
           const T d = log_ratio_of(l[k], p.has_old ? l_old[k] : l[k]);
           if (p.sequence_level) pass1[1] += m[k] * d;
@@ -99,10 +100,13 @@ __global__ void __launch_bounds__(256)
         }
       });
 #pragma unroll
-      for (int i = 0; i < 3; ++i) row1[i] = double(pass1[i]);
-      block_sum<double, 3>(row1, scratch);
+      for (int i = 0; i < 4; ++i) row1[i] = double(pass1[i]);
+      block_sum<double, 4>(row1, scratch);
     }
     const double count_clamped = row1[0] > 1.0 ? row1[0] : 1.0;
+    // A row whose only kept token holds its whole count (m = n >= 1): the row's ratio is the token's own, and its
+    // gradient takes the token level's factor of rho, where k3's KL + dKL/dl is exact (docs/math.md section 8).
+    const bool lone_row = p.sequence_level && row1[3] == 1.0 && row1[0] >= 1.0;
     const T seq_ratio = p.sequence_level ? math_exp(T(row1[1] / count_clamped)) : T(1);
     const T row_factor = per_row_normalized(p.loss_type) ? T(1.0 / count_clamped) : T(1);
     const T vespo_log_w = vespo_row_log_weight(T(row1[2]));
@@ -156,7 +160,7 @@ __global__ void __launch_bounds__(256)
           acc[kSlotCispo] += tt.cispo_clipped * mk;
           if (vespo) acc[kSlotPhi] += phi * mk;
           if (p.sequence_level) {
-            acc[kNumRowSlots] += w * tt.dloss_drho;
+            acc[kNumRowSlots] += w * (lone_row ? tt.token_drho : tt.dloss_drho);
             put(g, k, w * tt.token_dl);  // the paths through the row's ratio are added below
           } else {
             put(g, k, w * token_level_grad(tt, rho));
@@ -183,7 +187,7 @@ __global__ void __launch_bounds__(256)
       // With bias correction the KL's own path, rho * w * beta * dKL/dl, joins the row's factor of rho before the
       // product (an overflowed ratio gives the limit by the sum's sign, not inf - inf; docs/math.md section 8): the
       // token's l and l_ref are read again, in this configuration only.
-      const bool own_kl_path = p.bias_correction && want_kl;
+      const bool own_kl_path = p.bias_correction && want_kl && !lone_row;  // a lone row's S holds it
       const T row_drho = T(row_sum[kNumRowSlots] / count_clamped);
       for_each_chunk<K>(n_cols, vector, head, [&](const TokenChunk& c) {
         T m[K], g[K];

@@ -241,6 +241,10 @@ MUTATIONS = [
              "g[k] += through_ratio_exp(m[k] * row_drho, seq_ratio) + own * seq_ratio;"),
     Mutation("inf - inf", "loss terms: the bias-corrected KL's loss multiplied by rho apart from the policy term's",
              "grpo_loss_math.h", "      loss_factor += c.beta * k.kl;\n", "      out.loss += c.beta * out.kl;\n"),
+    Mutation("cancellation", "loss kernel: a sequence-level row of one kept token summed with the general form (k3's "
+             "KL + dKL/dl as the cancelling sum)", "cuda/grpo_loss.cuh",
+             "acc[kNumRowSlots] += w * (lone_row ? tt.token_drho : tt.dloss_drho);",
+             "acc[kNumRowSlots] += w * tt.dloss_drho;"),
 ]  # fmt: skip
 
 # What stopped the suite, most specific first: (pattern, how to say it).

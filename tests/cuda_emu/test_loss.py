@@ -260,6 +260,21 @@ def test_bias_corrected_k3_far_from_the_reference(emu, level):
     run_forward_backward(emu, forward_args(batch.to("cpu", torch.float32), kwargs))
 
 
+def test_sequence_level_rows_of_one_kept_token_keep_k3_exact(emu):
+    """Rows whose only kept token holds the row's count (the emulated rows kernel counts a row's kept tokens in its
+    first pass): the token level's closed form for the bias-corrected k3 gradient at l_ref - l from 10 to 40 in
+    float32, as the CPU kernel in float64 gives it; the rows of two kept tokens the general form (docs/math.md
+    section 8)."""
+    batch = make_loss_batch(seed=19, batch=8, seq_len=40)
+    gap = 10.0 + 30.0 * torch.rand(batch.logps.shape, generator=torch.Generator().manual_seed(19), dtype=torch.float64)
+    batch.ref_logps = batch.logps + gap
+    batch.mask = torch.zeros_like(batch.mask)
+    for row, tokens in enumerate([[3], [0], [39], [5, 6], [17], [2, 30], [11], [8]]):
+        batch.mask[row, tokens] = True
+    kwargs = dict(loss_type="bnpo", importance_sampling_level="sequence", old_logps="old_logps",
+                  ref_logps="ref_logps", beta=0.1, use_bias_correction_kl=True)  # fmt: skip
+    run_forward_backward(emu, forward_args(batch.to("cpu", torch.float32), kwargs))
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_loss_at_an_overflowed_ratio_sums_its_factors_of_rho(emu, level):
     """The loss at an overflowed ratio (docs/math.md section 8): an unclipped A < 0 beside k1's bias-corrected KL
