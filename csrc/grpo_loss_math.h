@@ -443,6 +443,13 @@ GRPO_HD TokenTerms<T> token_terms(const TokenConsts<T>& c, PolicyFamily family, 
   return out;
 }
 
+// At the sequence level, whether a row's only kept token holds the row's whole count (m = n >= 1): the row's ratio is
+// then the token's own, and its summed factor of rho takes token_drho (the token level's, where k3's KL + dKL/dl is
+// exact) in place of dloss_drho, with no own KL path added after (docs/math.md section 8).
+GRPO_HD bool ratio_is_the_lone_tokens(bool sequence_level, double kept_tokens, double mask_sum) {
+  return sequence_level && kept_tokens == 1.0 && mask_sum >= 1.0;
+}
+
 // dP/dl of a token whose ratio is its own, rho = exp(l - l_old) (every level but the sequence's).
 template <typename T>
 GRPO_HD T token_level_grad(const TokenTerms<T>& tt, T rho) {

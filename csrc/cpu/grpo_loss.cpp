@@ -140,10 +140,9 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
   const double count_clamped = count > 1.0 ? count : 1.0;
   const T seq_ratio = p.sequence_level ? math_exp(T(log_ratio_sum / count_clamped)) : T(1);
   const T row_factor = per_row_normalized(p.loss_type) ? T(1.0 / count_clamped) : T(1);
-  // A row whose only kept token holds its whole count (m = n >= 1): the row's ratio is the token's own, and its
-  // gradient takes the token level's factor of rho, where k3's KL + dKL/dl is exact (docs/math.md section 8).
   const bool lone_row =
-      p.sequence_level && count >= 1.0 && std::count_if(mask, mask + n_cols, [](T m) { return m != T(0); }) == 1;
+      p.sequence_level &&
+      ratio_is_the_lone_tokens(true, double(std::count_if(mask, mask + n_cols, [](T m) { return m != T(0); })), count);
 
   dispatch_token_terms<T>(policy_family(p.loss_type), kl_kind(p), p.bias_correction, [&](auto terms) {
     T* grad_out = grad_row ? grad_row : scratch.grad.data();  // one store path keeps the loop branch-free
@@ -178,7 +177,7 @@ void loss_row(const LossParams& p, const TokenConsts<T>& consts, const LossInput
     const T row_drho = T(lane_sum(scratch.slot(kNumRowSlots), n_cols) / count_clamped);
     // With bias correction the KL's own path, rho * w * beta * dKL/dl, joins the row's factor of rho before the
     // product: an overflowed ratio gives the limit by the sum's sign, not inf - inf (docs/math.md section 8).
-    // kl_slope is 0 for kNone; a lone row's summed factor holds its own KL path already
+    // kl_slope is 0 for kNone; a lone row's summed factor holds its own KL path already (ratio_is_the_lone_tokens)
     const KLKind own_kl = p.bias_correction && !lone_row ? kl_kind(p) : KLKind::kNone;
     for (int64_t t = 0; t < n_cols; ++t) {
       // A masked token keeps its zero even when the row's ratio is NaN (a non-finite kept input).

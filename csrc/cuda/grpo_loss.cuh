@@ -104,9 +104,7 @@ __global__ void __launch_bounds__(256)
       block_sum<double, 4>(row1, scratch);
     }
     const double count_clamped = row1[0] > 1.0 ? row1[0] : 1.0;
-    // A row whose only kept token holds its whole count (m = n >= 1): the row's ratio is the token's own, and its
-    // gradient takes the token level's factor of rho, where k3's KL + dKL/dl is exact (docs/math.md section 8).
-    const bool lone_row = p.sequence_level && row1[3] == 1.0 && row1[0] >= 1.0;
+    const bool lone_row = ratio_is_the_lone_tokens(p.sequence_level, row1[3], row1[0]);
     const T seq_ratio = p.sequence_level ? math_exp(T(row1[1] / count_clamped)) : T(1);
     const T row_factor = per_row_normalized(p.loss_type) ? T(1.0 / count_clamped) : T(1);
     const T vespo_log_w = vespo_row_log_weight(T(row1[2]));
