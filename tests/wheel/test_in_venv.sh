@@ -36,6 +36,7 @@ cd /tmp
 GRPO_EXT_WHEEL_TEST=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$root" -c "$root/pyproject.toml" \
   "$root/tests/test_op_registration.py" "$root/tests/test_errors.py" "$root/tests/test_group_advantages.py" \
   "$root/tests/test_process_advantages.py" "$root/tests/test_grpo_loss.py" "$root/tests/test_grpo_loss_bounds.py" \
+  "$root/tests/test_grpo_loss_overflow.py" \
   "$root/tests/test_selective_log_softmax.py" "$root/tests/test_grpo_loss_from_logits.py" \
   "$root/tests/test_grpo_loss_from_logits_edges.py" \
   "$root/tests/test_grpo_loss_from_hidden.py"
