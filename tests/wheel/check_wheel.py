@@ -1,6 +1,7 @@
 """Checks a built grpo_ext wheel file before it is installed anywhere (``make wheel-smoke``).
 
-- its tags: ``py3-none`` (no Python C-API in the libraries) and a ``manylinux`` platform tag (auditwheel);
+- its tags: ``py3-none`` (no Python C-API in the libraries) and the ``manylinux_<floor>`` platform tag of
+  ``--glibc`` (auditwheel), and no library asking for a newer glibc symbol version than that floor (``objdump -T``);
 - its metadata: the torch it requires is the oldest torch the binary was built for;
 - its CUDA library holds SASS for every architecture of ``--archs`` and the PTX of the ones marked ``+PTX``
   (``cuobjdump --list-elf/--list-ptx``);
@@ -44,16 +45,28 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:2])  # major.minor: what the ABI target names
 
 
+def symbol_versions(library: Path) -> dict[str, tuple[int, ...]]:
+    """The newest version a shared library asks for, by prefix (GLIBC, GLIBCXX, CXXABI, GCC): objdump -T."""
+    table = subprocess.run(["objdump", "-T", str(library)], capture_output=True, text=True, check=True).stdout
+    newest: dict[str, tuple[int, ...]] = {}
+    for prefix, number in re.findall(r"\(?\b(GLIBC|GLIBCXX|CXXABI|GCC)_(\d+(?:\.\d+)*)\b", table):
+        version = tuple(int(part) for part in number.split("."))
+        newest[prefix] = max(newest.get(prefix, version), version)
+    return newest
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wheel", type=Path)
     parser.add_argument("--archs", required=True, help='TORCH_CUDA_ARCH_LIST of the build, e.g. "8.0 9.0+PTX"')
+    parser.add_argument("--glibc", required=True, help="the oldest glibc the wheel promises, e.g. 2.28")
     args = parser.parse_args()
 
     name = args.wheel.name
     tags = name[: -len(".whl")].split("-")[-3:]
-    if tags[:2] != ["py3", "none"] or not tags[2].startswith("manylinux"):
-        fail(f"expected a py3-none-manylinux_* wheel, got tags {'-'.join(tags)}")
+    platform_tag = f"manylinux_{args.glibc.replace('.', '_')}_x86_64"
+    if tags != ["py3", "none", platform_tag]:
+        fail(f"expected a py3-none-{platform_tag} wheel, got tags {'-'.join(tags)}")
     print(f"wheel: {name}, {args.wheel.stat().st_size / 2**20:.1f} MiB")
 
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(args.wheel) as wheel:
@@ -73,6 +86,13 @@ def main() -> int:
         cuda_library = root / "grpo_ext" / "_C_cuda.so"
         if {p.name for p in libraries} != {"_C.so", "_C_cuda.so"}:
             fail(f"expected _C.so and _C_cuda.so in grpo_ext/, got {[p.name for p in libraries]}")
+        floor = tuple(int(part) for part in args.glibc.split("."))
+        for library in libraries:
+            newest = symbol_versions(library)
+            print(f"{library.name}: newest symbol versions "
+                  + ", ".join(f"{k}_{'.'.join(map(str, v))}" for k, v in sorted(newest.items())))  # fmt: skip
+            if newest.get("GLIBC", (0,)) > floor:
+                fail(f"{library.name} asks for GLIBC_{'.'.join(map(str, newest['GLIBC']))}, newer than {args.glibc}")
         cuobjdump = find_cuobjdump()
         elf = subprocess.run([cuobjdump, "--list-elf", str(cuda_library)], capture_output=True, text=True, check=True)
         ptx = subprocess.run([cuobjdump, "--list-ptx", str(cuda_library)], capture_output=True, text=True)

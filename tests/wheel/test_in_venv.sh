@@ -7,6 +7,7 @@
 # The venv is removed afterwards.
 #
 # usage: tests/wheel/test_in_venv.sh BUILD_PYTHON WHEEL TORCH_VERSION
+# SMOKE_PYTHON (default python3) is the interpreter the venv is made from: the wheel is one file for every Python 3.
 set -euo pipefail
 build_python=$1
 wheel=$(realpath "$2")
@@ -15,9 +16,9 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 platlib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])'; }
 
 venv="$root/.venv-smoke-$version"
-rm -rf "$venv" && python3 -m venv "$venv"
+rm -rf "$venv" && "${SMOKE_PYTHON:-python3}" -m venv "$venv"
 site=$(platlib "$venv/bin/python")
-echo "== torch $version: $(basename "$wheel")"
+echo "== torch $version, $("$venv/bin/python" -V): $(basename "$wheel")"
 "$venv/bin/pip" install -q --no-deps "torch==$version"
 "$venv/bin/pip" install -q sympy networkx jinja2 fsspec filelock typing_extensions numpy "pytest>=8" "hypothesis>=6"
 newer_cuda=$("$build_python" "$root/tests/wheel/cuda_libraries.py" "$site")
