@@ -41,7 +41,7 @@ help:
 	@echo "make demo         GRPO on an embedded tiny model: learns to reverse digits in under 3 minutes on 2 CPU cores"
 	@echo "make demo-real    SmolLM2-135M learns two-digit sums with GRPO and LoRA (~14 min on 2 cores; not in make test)"
 	@echo "make wheel        the release wheel (six GPU architectures, manylinux) into dist/"
-	@echo "make wheel-smoke  check that wheel, install it under torch 2.11.0 and 2.14.1 and test it there"
+	@echo "make wheel-smoke  check that wheel, install it under torch 2.11.0, 2.14.1 and 2.13.0 (CPU-only) and test it there"
 	@echo "make lint         ruff (Python) and clang-format (csrc/, tests/cuda_emu/)"
 	@echo "make format       clang-format csrc/ and tests/cuda_emu/ in place"
 
@@ -152,7 +152,9 @@ wheel: env
 # That one wheel file checked (tag, metadata, the architectures it holds, torch-abi-audit on every shared library)
 # and installed into a fresh venv per torch of WHEEL_TORCH_VERSIONS, where its smoke test and the op tests (CPU,
 # opcheck included) run outside the source tree (tests/wheel/).
-WHEEL_TORCH_VERSIONS ?= 2.11.0 2.14.1
+# 2.13.0: pip takes the CPU-only build these machines hold (/opt/wheels), so a CPU-only torch is run too (only _C.so
+# loads; test_build_info checks it).
+WHEEL_TORCH_VERSIONS ?= 2.11.0 2.14.1 2.13.0
 wheel-smoke: wheel
 	$(PY) tests/wheel/check_wheel.py dist/*.whl --archs "$(WHEEL_CUDA_ARCH_LIST)" --glibc $(WHEEL_GLIBC_FLOOR)
 	for version in $(WHEEL_TORCH_VERSIONS); do bash tests/wheel/test_in_venv.sh "$(PY)" dist/*.whl "$$version"; done
