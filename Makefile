@@ -31,7 +31,7 @@ ifneq ($(CUDA_HOME),)
 export CUDACXX := $(CUDA_HOME)/bin/nvcc
 endif
 
-.PHONY: help env verl-env trl-envs build test test-cuda-emu lint format wheel wheel-smoke bench kernel-report demo demo-real clean
+.PHONY: help env verl-env trl-envs build test test-cuda-emu lint format wheel wheel-smoke source-smoke bench kernel-report demo demo-real clean
 
 help:
 	@echo "make test         create the environment, build grpo_ext, run the tests (tests/cuda_emu included)"
@@ -42,6 +42,7 @@ help:
 	@echo "make demo-real    SmolLM2-135M learns two-digit sums with GRPO and LoRA (~14 min on 2 cores; not in make test)"
 	@echo "make wheel        the release wheel (six GPU architectures, manylinux) into dist/"
 	@echo "make wheel-smoke  check that wheel, install it under torch 2.11.0, 2.14.1 and 2.13.0 (CPU-only) and test it there"
+	@echo "make source-smoke build from source in a fresh venv with a CPU-only torch (2.13.0) and test it there"
 	@echo "make lint         ruff (Python) and clang-format (csrc/, tests/cuda_emu/)"
 	@echo "make format       clang-format csrc/ and tests/cuda_emu/ in place"
 
@@ -158,6 +159,11 @@ WHEEL_TORCH_VERSIONS ?= 2.11.0 2.14.1 2.13.0
 wheel-smoke: wheel
 	$(PY) tests/wheel/check_wheel.py dist/*.whl --archs "$(WHEEL_CUDA_ARCH_LIST)" --glibc $(WHEEL_GLIBC_FLOOR)
 	for version in $(WHEEL_TORCH_VERSIONS); do bash tests/wheel/test_in_venv.sh "$(PY)" dist/*.whl "$$version"; done
+
+# The README's build from source, against the CPU-only torch these machines hold (CUDA AUTO: the CPU library only),
+# in a fresh venv with the same smoke and op tests as the wheel's.
+source-smoke: env
+	bash tests/wheel/test_in_venv.sh "$(PY)" source 2.13.0
 
 bench: build
 	$(PY) benchmarks/bench_group_advantages.py

@@ -8,9 +8,11 @@
 #
 # usage: tests/wheel/test_in_venv.sh BUILD_PYTHON WHEEL TORCH_VERSION
 # SMOKE_PYTHON (default python3) is the interpreter the venv is made from: the wheel is one file for every Python 3.
+# WHEEL "source" builds this repository in the venv instead (pip install --no-build-isolation, its build folder in the
+# venv, not the tree's), as a user whose torch the wheel does not fit would: `make source-smoke`.
 set -euo pipefail
 build_python=$1
-wheel=$(realpath "$2")
+if [[ $2 == source ]]; then wheel=source; else wheel=$(realpath "$2"); fi
 version=$3
 root=$(cd "$(dirname "$0")/../.." && pwd)
 platlib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])'; }
@@ -29,7 +31,12 @@ else
   mapfile -t requirements <<< "$newer_cuda"
   "$venv/bin/pip" install -q "${requirements[@]}"
 fi
-"$venv/bin/pip" install -q --no-deps "$wheel"
+if [[ $wheel == source ]]; then
+  "$venv/bin/pip" install -q "scikit-build-core>=0.10" "cmake>=3.26" ninja
+  "$venv/bin/pip" install -q --no-deps --no-build-isolation -C build-dir="$venv/build" "$root"
+else
+  "$venv/bin/pip" install -q --no-deps "$wheel"
+fi
 
 cd /tmp
 "$venv/bin/python" "$root/tests/wheel/smoke.py"
