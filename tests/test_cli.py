@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from grpo_ext.trainer.cli import main as cli_main
@@ -228,3 +231,12 @@ def test_run_file_paths_may_start_with_home(inputs, tmp_path, capsys, monkeypatc
                         "model_name_or_path: ~/model\ndataset: ~/data.jsonl\noutput_dir: ~/home-run\n")  # fmt: skip
     assert cli_main(["train", "--config", str(run_file)]) == 0
     assert (inputs / "home-run" / "final_model").is_dir()
+
+
+def test_python_m_grpo_ext_is_the_grpo_ext_command(tmp_path):
+    ran = subprocess.run([sys.executable, "-m", "grpo_ext", "train", "--config", str(tmp_path / "none.yaml")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert ran.returncode == 1
+    assert ran.stderr.startswith("grpo-ext: error:") and "none.yaml" in ran.stderr
+    helped = subprocess.run([sys.executable, "-m", "grpo_ext", "--help"], capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: grpo-ext ") and "demo" in helped.stdout

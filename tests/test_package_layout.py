@@ -19,7 +19,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("ops", "reference"),  # the kernels' wrappers, and the float64 oracle beside them (not on them)
     ("nn",),  # the Liger-shaped module on the ops
     ("integrations", "trainer"),  # TRL, verl; the training layer
-    ("__init__",),
+    ("__init__", "__main__"),  # the package's facade; `python -m grpo_ext`, the grpo-ext command
 )
 FLOOR_OF = {unit: floor for floor, units in enumerate(FLOORS) for unit in units}
 
