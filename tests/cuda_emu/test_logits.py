@@ -46,7 +46,6 @@ def test_rows_far_from_zero(emu, emu_small_shared, shift):
         check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
 
 
-
 def test_rows_near_1e4_take_d_as_the_statistics_did(emu, emu_small_shared):
     """Logits near 1e4 at temperature 0.9: the fused pass's gradient loop must take d = z - max as its statistics
     took it (LogitTransform::d_with, one FMA of the raw logit); z rounded first moves d by up to 5e-4 there, and the
@@ -58,6 +57,7 @@ def test_rows_near_1e4_take_d_as_the_statistics_did(emu, emu_small_shared):
         args = pass_args((logits + 1e4).to(dtype), ids.reshape(-1), adv.float(), mask, temperature=0.9,
                          old_logps=old.float(), ref_logps=ref.float(), beta=0.1, loss_type="dapo")  # fmt: skip
         check_op(device, "grpo_loss_from_logits_pass", *args, tol=PASS_TOL, names=PASS_NAMES)
+
 
 def pass_args(logits, ids, adv, mask, *, token_grad=None, row_offset=0, temperature=0.9, logit=(1.0, 0.0),
               entropy_coef=0.0, entropy_weights=None, compute_grad=True, **options):  # fmt: skip

@@ -275,6 +275,7 @@ def test_sequence_level_rows_of_one_kept_token_keep_k3_exact(emu):
                   ref_logps="ref_logps", beta=0.1, use_bias_correction_kl=True)  # fmt: skip
     run_forward_backward(emu, forward_args(batch.to("cpu", torch.float32), kwargs))
 
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_loss_at_an_overflowed_ratio_sums_its_factors_of_rho(emu, level):
     """The loss at an overflowed ratio (docs/math.md section 8): an unclipped A < 0 beside k1's bias-corrected KL

@@ -45,13 +45,17 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:2])  # major.minor: what the ABI target names
 
 
+def dotted(version: str) -> tuple[int, ...]:
+    """"2.28" -> (2, 28): every part, as symbol versions compare."""
+    return tuple(int(part) for part in version.split("."))
+
+
 def symbol_versions(library: Path) -> dict[str, tuple[int, ...]]:
     """The newest version a shared library asks for, by prefix (GLIBC, GLIBCXX, CXXABI, GCC): objdump -T."""
     table = subprocess.run(["objdump", "-T", str(library)], capture_output=True, text=True, check=True).stdout
     newest: dict[str, tuple[int, ...]] = {}
-    for prefix, number in re.findall(r"\(?\b(GLIBC|GLIBCXX|CXXABI|GCC)_(\d+(?:\.\d+)*)\b", table):
-        version = tuple(int(part) for part in number.split("."))
-        newest[prefix] = max(newest.get(prefix, version), version)
+    for prefix, number in re.findall(r"\b(GLIBC|GLIBCXX|CXXABI|GCC)_(\d+(?:\.\d+)*)\b", table):
+        newest[prefix] = max(newest.get(prefix, dotted(number)), dotted(number))
     return newest
 
 
@@ -86,13 +90,11 @@ def main() -> int:
         cuda_library = root / "grpo_ext" / "_C_cuda.so"
         if {p.name for p in libraries} != {"_C.so", "_C_cuda.so"}:
             fail(f"expected _C.so and _C_cuda.so in grpo_ext/, got {[p.name for p in libraries]}")
-        floor = tuple(int(part) for part in args.glibc.split("."))
         for library in libraries:
-            newest = symbol_versions(library)
-            print(f"{library.name}: newest symbol versions "
-                  + ", ".join(f"{k}_{'.'.join(map(str, v))}" for k, v in sorted(newest.items())))  # fmt: skip
-            if newest.get("GLIBC", (0,)) > floor:
-                fail(f"{library.name} asks for GLIBC_{'.'.join(map(str, newest['GLIBC']))}, newer than {args.glibc}")
+            newest = {prefix: ".".join(map(str, v)) for prefix, v in sorted(symbol_versions(library).items())}
+            print(f"{library.name}: newest symbol versions " + ", ".join(f"{k}_{v}" for k, v in newest.items()))
+            if dotted(newest.get("GLIBC", "0")) > dotted(args.glibc):
+                fail(f"{library.name} asks for GLIBC_{newest['GLIBC']}, newer than {args.glibc}")
         cuobjdump = find_cuobjdump()
         elf = subprocess.run([cuobjdump, "--list-elf", str(cuda_library)], capture_output=True, text=True, check=True)
         ptx = subprocess.run([cuobjdump, "--list-ptx", str(cuda_library)], capture_output=True, text=True)
