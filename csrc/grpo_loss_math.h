@@ -2,120 +2,19 @@
 // Every derivative follows docs/math.md section 8, "Bounds and ties": a minimum splits the gradient half/half at a
 // tie (ties are the common case: rho inside the clip range makes both branches equal), a clamp passes the gradient
 // at its bounds. Over 300 lines because the per-token terms, their dispatch and the aggregation are one
-// contract that the CPU and CUDA kernels must share; splitting it would spread the math over several headers. What
-// only the logits kernels add on top (row weights, the entropy bonus and its mean) is in logits_loss_math.h.
+// contract that the CPU and CUDA kernels must share; splitting it would spread the math over several headers. The
+// parameters, inputs and slots it works on are grpo_loss_params.h (which the host plan needs alone). What only the
+// logits kernels add on top (row weights, the entropy bonus and its mean) is in logits_loss_math.h.
 #pragma once
 
 #include "common.h"
 #include "fast_math.h"
+#include "grpo_loss_params.h"
 
 namespace grpo_ext {
 
-// Slots of the per-row partial sums that the kernels reduce into the loss and metrics.
-// kSlotPhi: vespo's sum_t m * phi, or its phi alone with one advantage per row (0 for the other loss types).
-enum RowSlot : int {
-  kSlotLoss = 0,
-  kSlotMask,
-  kSlotKL,
-  kSlotLow,
-  kSlotHigh,
-  kSlotRegion,
-  kSlotCispo,
-  kSlotPhi,
-  kSlotNonEmpty,  // 1 for a row with a kept token (skip_empty_rows' row count)
-  kNumRowSlots
-};
-// Order of the metrics vector returned by the forward op.
-enum MetricSlot : int {
-  kMetricKL = 0,
-  kMetricLow,
-  kMetricHigh,
-  kMetricRegion,
-  kMetricCispo,
-  kMetricVespoPhi,
-  kNumMetrics
-};
-
-// A number of the loss that the host may not read: `value`, or device[0] when `device` is set (a one-element tensor
-// on the op's device, in the accumulate type: num_items_in_batch or loss_scale given as a CUDA tensor, which the
-// kernel reads so that the op never syncs the host with the device).
-template <typename T>
-struct DeviceNumber {
-  double value = 0.0;
-  const T* device = nullptr;
-  GRPO_HD double get() const { return device != nullptr ? double(device[0]) : value; }
-};
-
-struct LossParams {
-  LossType loss_type = LossType::kGRPO;
-  KLEstimator kl_estimator = KLEstimator::kK3;
-  double epsilon_low = 0.2;
-  double epsilon_high = 0.2;  // for cispo: the absolute cap on rho
-  bool has_delta = false;
-  double delta = 0.0;
-  double beta = 0.0;
-  bool has_kl_clamp = false;
-  double kl_clamp = 0.0;
-  bool bias_correction = false;
-  bool sequence_level = false;
-  bool row_share_metrics = false;  // sequence level with one advantage per row: clip shares are shares of rows
-  bool has_old = false;
-  double sapo_tau_pos = 1.0;
-  double sapo_tau_neg = 1.05;
-  double vespo_k_pos = 2.0, vespo_lambda_pos = 3.0, vespo_k_neg = 3.0, vespo_lambda_neg = 2.0;
-  bool per_row_advantages = false;  // [B] advantages: vespo's phi metric is then a mean over rows
-  bool skip_empty_rows = false;     // the per-row means count only rows with a kept token (verl's seq-mean-*)
-  bool compute_grad = true;
-};
-
-// The loss op's inputs as strided views; absent optional inputs have data == nullptr.
-struct LossInputs {
-  StridedMatrix logps, old_logps, ref_logps, advantages, is_weights, mask, sample_mask;
-  StridedMatrix policy_weights;  // multiply the policy term only, never vespo's w_i (docs/math.md section 3)
-  int64_t batch = 0;
-  int64_t seq_len = 0;
-
-  // m_eff = completion_mask * sample_mask (docs/math.md section 3).
-  template <typename T>
-  GRPO_HD T mask_at(int64_t row, int64_t col) const {
-    T m = mask.load<T>(row, col);
-    if (sample_mask.present()) m *= sample_mask.load<T>(row, 0);
-    return m;
-  }
-};
-
-// Only 'grpo' and 'sapo' normalize each row by its own length.
-GRPO_HD bool per_row_normalized(LossType t) {
-  return t == LossType::kGRPO || t == LossType::kSAPO;
-}
-
-// The policy term's shape, and the KL estimator (kNone when beta == 0): the two choices that change the per-token
-// code. Kernels dispatch on them once, so the token loop is straight-line code (vectorized on the CPU).
-enum class PolicyFamily : int32_t { kClip = 0, kCispo, kSapo, kVespo };
 // verl's low_var_kl (and k3+) clamps the k3 estimate to [-10, 10]; k3 >= 0, so only the upper bound acts.
 constexpr double kLowVarKLCap = 10.0;
-enum class KLKind : int32_t { kNone = 0, kK1, kK2, kK3, kAbs, kK1Plus, kK3Plus, kLowVarKL };
-
-GRPO_HD PolicyFamily policy_family(LossType t) {
-  switch (t) {
-    case LossType::kCISPO: return PolicyFamily::kCispo;
-    case LossType::kSAPO: return PolicyFamily::kSapo;
-    case LossType::kVESPO: return PolicyFamily::kVespo;
-    default: return PolicyFamily::kClip;
-  }
-}
-GRPO_HD KLKind kl_kind(const LossParams& p) {
-  if (p.beta == 0.0) return KLKind::kNone;
-  switch (p.kl_estimator) {
-    case KLEstimator::kK1: return KLKind::kK1;
-    case KLEstimator::kK2: return KLKind::kK2;
-    case KLEstimator::kAbs: return KLKind::kAbs;
-    case KLEstimator::kK1Plus: return KLKind::kK1Plus;
-    case KLEstimator::kK3Plus: return KLKind::kK3Plus;
-    case KLEstimator::kLowVarKL: return KLKind::kLowVarKL;
-    default: return KLKind::kK3;
-  }
-}
 
 // The hyperparameters in the compute type, converted once per kernel rather than per token.
 // An unset delta or KL clamp is an infinite bound, which leaves every finite value (and its gradient) alone: the

@@ -205,6 +205,16 @@ def test_an_abbreviated_flag_is_not_taken_for_overwrite(inputs, tmp_path, capsys
     assert "the run config has no field 'over'" in line  # an unknown key, not --overwrite
 
 
+@pytest.mark.parametrize(("flags", "message"), [(["--learning_rate"], "--learning_rate needs a value"),
+                                                (["--seed", "1", "--max_steps"], "--max_steps needs a value"),
+                                                (["seed", "1"], "expected --key value, got 'seed'")])
+def test_a_bad_override_is_one_error_line(inputs, tmp_path, capsys, flags, message):
+    """An override without its value is the CLI's one-line error with status 1, as every other bad input (an outside
+    audit, 2026-11-29: it was a bare SystemExit's text)."""
+    line = run_with(inputs, tmp_path, capsys, good_run(inputs), *flags)
+    assert line.startswith("grpo-ext: error: ") and message in line
+
+
 def test_fsdp_false_overrides_a_run_file(inputs, tmp_path, capsys, monkeypatch):
     """``--fsdp`` alone turns FSDP2 on; ``--fsdp false`` turns off a run file's ``fsdp: true`` (an outside audit,
     2026-11-29: "expected --key value, got 'false'")."""

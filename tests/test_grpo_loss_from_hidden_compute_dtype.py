@@ -144,6 +144,40 @@ def test_frozen_weight_and_reference_head_under_compute_dtype():
     assert_close(out.metrics["kl"], expected.metrics["kl"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float16])
+def test_the_reference_takes_compute_dtype(compute_dtype):
+    """``reference.grpo_loss_from_hidden(..., compute_dtype=...)`` is the reference on the leaves cast first (as
+    autocast does), each gradient back in its leaf's dtype; the op's loss and gradients are as near it as the
+    reference in float32 is (the flash-attention rule: the kernel's error at most twice the reference's in the same
+    dtype, plus a float32 rounding), with its per-token log-probs too."""
+    hidden, weight, bias, ids, adv, mask, old = make_problem(seed=5)
+    kwargs = dict(old_logps=old, beta=0.04, ref_logps=old - 0.1, temperature=0.9)
+
+    def run(impl, tensors, **extra):
+        out = impl.grpo_loss_from_hidden(tensors[0], tensors[1], ids, adv, mask, lm_head_bias=tensors[2], **kwargs,
+                                         **extra)  # fmt: skip
+        return out, torch.autograd.grad(out.loss, tensors)
+
+    first = leaves(hidden, weight, bias)
+    out, grads = run(reference, first, compute_dtype=compute_dtype, return_token_logps=True)
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    cast = leaves(*(t.to(compute_dtype) for t in (hidden, weight, bias)))
+    expected, expected_grads = run(reference, cast)
+    assert torch.equal(out.loss, expected.loss)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert torch.equal(got, want.float())
+    exact, exact_grads = run(reference, leaves(*(t.double() for t in (hidden, weight, bias))))
+    fused, fused_grads = run(grpo_ext, leaves(hidden, weight, bias), compute_dtype=compute_dtype,
+                             return_token_logps=True)  # fmt: skip
+    for got, ref, want in zip((fused.loss, fused.token_logps, *fused_grads), (out.loss, out.token_logps, *grads),
+                              (exact.loss, None, *exact_grads), strict=True):  # fmt: skip
+        if want is None:  # the log-probs: the op's against the reference's, both in compute_dtype's GEMM
+            assert_close(got, ref, rtol=2e-2, atol=2e-2)
+            continue
+        ref_error = (ref.double() - want).abs().max().item()
+        assert (got.double() - want).abs().max().item() <= 2 * ref_error + 1e-5
+
+
 def test_compute_dtype_errors():
     hidden, weight, bias, ids, adv, mask, _ = make_problem(seed=7)
     for bad in (torch.int32, "bfloat16", 16):

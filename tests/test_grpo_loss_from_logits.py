@@ -362,6 +362,27 @@ def test_logit_scale_and_softcap_match_reference(device, logit_scale, logit_soft
     assert torch.equal(grad_inplace, grad_f32)
 
 
+def test_the_reference_takes_the_ops_call():
+    """The op's call with ``inplace_grad`` and ``return_token_logps`` runs unchanged on the reference, which returns
+    the same per-token log-probs and entropies (0 where not kept) and never writes over its logits."""
+    logits, ids, adv, mask, old, _ = make_problem(seed=18)
+    sample_mask = torch.tensor([True] * (mask.shape[0] - 1) + [False])
+    kwargs = dict(old_logps=old, temperature=0.9, sample_mask=sample_mask, return_token_logps=True)
+    kept = mask & sample_mask.unsqueeze(1)
+    fused = grpo_ext.grpo_loss_from_logits(logits.clone(), ids, adv, mask, inplace_grad=True, **kwargs)
+    before = logits.clone()
+    out = reference.grpo_loss_from_logits(logits, ids, adv, mask, inplace_grad=True, **kwargs)
+    assert torch.equal(logits, before)
+    assert isinstance(out, grpo_ext.GRPOLossTokenOutput)
+    assert not out.token_logps.requires_grad and not out.token_entropy.requires_grad
+    assert (out.token_logps[~kept] == 0).all() and (out.token_entropy[~kept] == 0).all()
+    assert_close(out.loss, fused.loss, rtol=1e-10, atol=1e-12)
+    assert_close(out.token_logps, fused.token_logps, rtol=1e-10, atol=1e-12, msg="logps")
+    assert_close(out.token_entropy, fused.token_entropy, rtol=1e-10, atol=1e-12, msg="entropy")
+    with pytest.raises(ValueError, match="inplace_grad"):
+        reference.grpo_loss_from_logits(logits, ids, adv, mask, inplace_grad="yes")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("inplace_grad", [False, True])
 def test_return_token_logps(device, inplace_grad):

@@ -260,6 +260,20 @@ def test_loss_options_defined_once():
         grpo_ext.grpo_loss(torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), epsilon_low=0.2)
 
 
+@pytest.mark.parametrize("name", ["group_advantages", "process_advantages", "selective_log_softmax", "grpo_loss",
+                                  "grpo_loss_from_logits", "grpo_loss_from_hidden"])
+def test_each_reference_takes_its_ops_arguments(name):
+    """``grpo_ext.reference.X`` takes every parameter of ``grpo_ext.X`` (name, kind, default), so that a call to the op
+    runs unchanged on the reference (an outside audit, 2026-11-29: the references lacked ``compute_dtype``,
+    ``inplace_grad`` and ``return_token_logps``, and a call with them raised a TypeError naming grpo_loss)."""
+    import inspect
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    assert parameters(getattr(reference, name)) == parameters(getattr(grpo_ext, name))
+
+
 def test_torch_func_transforms_name_the_op_and_the_reference_supports_them():
     """torch.func.grad over a kernel loss raises naming the op and the ways out (an outside audit, 2026-11-29:
     torch's "must override the setup_context staticmethod" named neither); the reference's gradients under

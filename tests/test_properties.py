@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import grpo_ext
-from conftest import DEVICES, assert_close, make_loss_batch
+from conftest import DEVICES, assert_close, examples, make_loss_batch
 from grpo_ext import reference
 from grpo_ext.validation.options import LOSS_TYPES
 
@@ -82,7 +82,7 @@ def test_zero_std_groups_masked_in_training(device):
 
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     num_groups=st.integers(1, 5),
     group_size=st.integers(1, 6),
@@ -181,7 +181,7 @@ def _assert_same_outputs(got, expected, got_grads, expected_grads, names) -> Non
         assert_close(grad, want, rtol=1e-8, atol=1e-11, equal_nan=True, msg=f"d loss / d {name}")
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=loss_problems())
 def test_random_options_match_reference(problem):
     """Every loss option drawn at once (masks of weights, per-token advantages, ties, clamps, caps, normalizers,
@@ -197,7 +197,7 @@ def test_random_options_match_reference(problem):
     _assert_same_outputs(got, expected, (grad,), (expected_grad,), ("logps",))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     problem=loss_problems(seq_len_max=5),
     vocab=st.integers(2, 70),
@@ -239,7 +239,7 @@ def test_random_logits_problems_match_reference(problem, vocab, temperature, log
     _assert_same_outputs(got, expected, grads, expected_grads, ("hidden", "weight"))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     num_groups=st.integers(1, 8),
     group_size=st.integers(1, 40),
@@ -267,7 +267,7 @@ def test_random_rewards_match_reference(num_groups, group_size, k, nan_fraction,
     assert torch.equal(got.zero_std, expected.zero_std)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     sizes=st.lists(st.integers(0, 7), min_size=1, max_size=8),
     k=st.integers(1, 3),
@@ -305,7 +305,7 @@ def test_random_grouped_rewards_match_reference(sizes, k, nan_fraction, scale, b
     assert torch.equal(got.zero_std, expected.zero_std)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.integers(1, 9),
     vocab=st.integers(1, 300),
@@ -351,7 +351,7 @@ def _float32_limit_agrees(got: torch.Tensor, want: torch.Tensor, terms: torch.Te
             assert abs(g - float(torch.tensor(w).float())) <= 1e-5 * max(abs(w), t) + 1e-30, (name, g, w, t)
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     log_ratio=st.sampled_from([89.0, 100.0, 300.0, -100.0]),
     kl_gap=st.sampled_from([0.0, 0.5, -0.5, 5.0, -5.0, 30.0]),

@@ -13,7 +13,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "../grpo_loss_math.h"
+#include "../grpo_loss_params.h"
 #include "checks.h"
 
 // X(schema type, C++ parameter type, name), in the order the ops take them after their tensors and masks. The

@@ -222,7 +222,7 @@ MUTATIONS = [
              "blocks of more than 256 threads", "cuda/grpo_loss_from_logits.cuh",
              "if (device.full_occupancy && threads <= 256) {", "if (device.full_occupancy) {"),
     Mutation("host value", "a number given as a device tensor (loss_scale, num_items_in_batch) not read by the kernel",
-             "grpo_loss_math.h", "return device != nullptr ? double(device[0]) : value;", "return value;"),
+             "grpo_loss_params.h", "return device != nullptr ? double(device[0]) : value;", "return value;"),
     # A row that fits one block: its own kernel, which pushes nothing (st.async into a one-block cluster is undefined).
     Mutation("one-block cluster", "logits pass: one-block rows launched on the clusters' kernel (it pushes its "
              "state to itself)", "cuda/grpo_loss_from_logits_single_read.cuh",

@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from grpo_ext.validation import validate_grpo_loss_args
 from grpo_ext.validation.options import LossOptions
 from test_properties import loss_problems
@@ -18,7 +19,7 @@ from .test_logits import LOGITS_LOSS_NAMES, LOGITS_LOSS_TOL
 from .test_loss import run_forward_backward
 
 # Each draw runs the kernels under the harness's four schedules: a few dozen draws keep the file to seconds.
-EMULATED = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EMULATED = settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @EMULATED

@@ -32,8 +32,9 @@ def group_advantages(
 ) -> GroupAdvantages:
     """Group-normalized advantages (docs/math.md section 1); on CUDA a grid that grows with the groups, no host sync.
 
-    CUDA launches: one kernel with the group std (``scale_rewards="group"`` or ``"none"``); a 4-byte memset and two
-    kernels with batch statistics (``"batch"``, GDPO); a memset and two more kernels with ``group_ids``.
+    CUDA launches: one kernel with the group std (``scale_rewards="group"`` or ``"none"``); a memset and two kernels
+    with batch statistics (``"batch"``, GDPO); two more kernels with ``group_ids``, whose group counts the same one
+    memset clears: at most four kernels and one memset.
 
     Args:
         rewards: ``[B]`` or ``[B, K]`` floating tensor (K reward functions); NaN means "not scored". The ``G``

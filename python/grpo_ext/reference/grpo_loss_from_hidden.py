@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..results import GRPOLossOutput
+from ..results import GRPOLossOutput, GRPOLossTokenOutput
 from ..validation.logits import check_rows_as_mask
 from ..validation.options import takes_loss_options
+from ..validation.values import check_compute_dtype
 from .grpo_loss_from_logits import grpo_loss_from_logits, kept_tokens
 
 
@@ -26,9 +27,13 @@ def grpo_loss_from_hidden(
     entropy_coef: float = 0.0,
     entropy_weights: Tensor | None = None,
     chunk_size: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+    return_token_logps: bool = False,
     **options,
-) -> GRPOLossOutput:
+) -> GRPOLossOutput | GRPOLossTokenOutput:
     """``logits = hidden @ lm_head_weight.T (+ lm_head_bias)``, then :func:`grpo_loss_from_logits`.
+
+    It takes every argument of :func:`grpo_ext.grpo_loss_from_hidden`, so that a call to the op runs unchanged here.
 
     Args:
         hidden: ``[B, T, H]`` or ``[N, H]``.
@@ -43,12 +48,21 @@ def grpo_loss_from_hidden(
         entropy_coef: the entropy bonus, as :func:`grpo_loss_from_logits`'.
         entropy_weights: the bonus' token weights, as :func:`grpo_loss_from_logits`'.
         chunk_size: ignored (the reference materializes every logit).
+        compute_dtype: the dtype of the matmul and the rest (``torch.bfloat16``, say), or None: ``hidden``'s. Given,
+            ``hidden``, ``lm_head_weight`` and ``lm_head_bias`` are cast to it first, as autocast does, and autograd
+            casts each gradient back to its tensor's dtype.
+        return_token_logps: also return the ``[B, T]`` log-probs and entropies (detached; 0 where not kept), as a
+            :class:`~grpo_ext.GRPOLossTokenOutput`.
         **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
             from its definition there).
 
     Returns:
-        GRPOLossOutput, with ``metrics["entropy"]``.
+        GRPOLossOutput, with ``metrics["entropy"]``; a GRPOLossTokenOutput with ``return_token_logps=True``.
     """
+    compute_dtype = check_compute_dtype(compute_dtype)
+    if compute_dtype is not None:
+        hidden, lm_head_weight = hidden.to(compute_dtype), lm_head_weight.to(compute_dtype)
+        lm_head_bias = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
     check_rows_as_mask("hidden", hidden, completion_mask)
     # Masked rows are never read: NaN hidden states there must reach neither gradient (0 * NaN is NaN in a matmul).
     keep = kept_tokens(completion_mask, options.get("sample_mask")).reshape(*hidden.shape[:-1], 1)
@@ -59,5 +73,5 @@ def grpo_loss_from_hidden(
     return grpo_loss_from_logits(
         logits, completion_ids, advantages, completion_mask, temperature=temperature, logit_scale=logit_scale,
         logit_softcap=logit_softcap, entropy_coef=entropy_coef, entropy_weights=entropy_weights,
-        **options
+        return_token_logps=return_token_logps, **options
     )

@@ -7,9 +7,10 @@ import math
 import torch
 from torch import Tensor
 
-from ..results import GRPOLossOutput
+from ..results import GRPOLossOutput, GRPOLossTokenOutput
 from ..validation.logits import check_ids_and_mask, check_rows_as_mask
 from ..validation.options import takes_loss_options
+from ..validation.values import check_bool
 from .grpo_loss import grpo_loss
 from .selective_log_softmax import selective_log_softmax
 
@@ -26,9 +27,13 @@ def grpo_loss_from_logits(
     logit_softcap: float | None = None,
     entropy_coef: float = 0.0,
     entropy_weights: Tensor | None = None,
+    inplace_grad: bool = False,
+    return_token_logps: bool = False,
     **options,
-) -> GRPOLossOutput:
+) -> GRPOLossOutput | GRPOLossTokenOutput:
     """:func:`selective_log_softmax` then :func:`grpo_loss`, through a materialized log_softmax.
+
+    It takes every argument of :func:`grpo_ext.grpo_loss_from_logits`, so that a call to the op runs unchanged here.
 
     Args:
         logits: ``[B, T, V]`` (or ``[N, V]`` with ``N = B * T``) floating; ``logits[i, t]`` scores
@@ -42,14 +47,21 @@ def grpo_loss_from_logits(
         entropy_coef: the entropy bonus: ``loss - entropy_coef * loss_scale * H``, ``H`` the mean entropy over the
             kept tokens, differentiated through the materialized softmax (docs/math.md section 5, "Entropy bonus").
         entropy_weights: ``[B, T]`` weights of the kept tokens in the bonus' mean, or None (every kept token).
+        inplace_grad: accepted as the op takes it; the reference never writes over ``logits`` (autograd forms its
+            gradient).
+        return_token_logps: also return the ``[B, T]`` log-probs and entropies (detached; 0 where not kept), as a
+            :class:`~grpo_ext.GRPOLossTokenOutput`.
         **options: the loss options, keywords only (:class:`~grpo_ext.ops.options.LossOptions`, each listed below
             from its definition there).
 
     Returns:
-        GRPOLossOutput: :func:`grpo_loss`'s, with ``metrics["entropy"]``, the mean entropy over the kept tokens.
+        GRPOLossOutput: :func:`grpo_loss`'s, with ``metrics["entropy"]``, the mean entropy over the kept tokens; a
+        GRPOLossTokenOutput with ``return_token_logps=True``.
     """
     check_rows_as_mask("logits", logits, completion_mask)
     check_ids_and_mask(math.prod(logits.shape[:-1]), logits.device, completion_ids, completion_mask)
+    check_bool("inplace_grad", inplace_grad)
+    return_token_logps = check_bool("return_token_logps", return_token_logps)
     batch, length = completion_mask.shape
     logits = logits.reshape(batch, length, logits.shape[-1])
     # Masked rows are never read (docs/math.md section 2): NaN there must not reach the gradient through the softmax.
@@ -82,6 +94,9 @@ def grpo_loss_from_logits(
         if isinstance(scale, torch.Tensor):
             scale = scale.detach().to(device=entropy_mean.device, dtype=entropy_mean.dtype)
         out = out._replace(loss=out.loss - entropy_coef * scale * entropy_mean.to(out.loss.dtype))
+    if return_token_logps:
+        token_logps = torch.where(mask != 0, selected.logps, 0.0).detach()
+        return GRPOLossTokenOutput(out.loss, out.metrics, token_logps, entropy.detach())
     return out
 
 

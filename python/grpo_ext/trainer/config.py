@@ -178,7 +178,8 @@ class GRPOConfig:
 
     # Faults (README "Failure behaviour")
     # A fresh run (no resume) into an output_dir holding a previous run's outputs is refused unless this is set; then
-    # those outputs (checkpoint-N, metrics.jsonl, metrics.png, runs/) are deleted first.
+    # those outputs (checkpoint-N, abandoned-after-step-K, final_model(.previous), metrics.jsonl, metrics.png, runs/)
+    # are deleted first.
     overwrite_output_dir: bool = False
     # A step whose loss or gradient norm is not finite is skipped (no update); this many in a row stop the run.
     max_consecutive_nonfinite_steps: int = 3

@@ -100,7 +100,7 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
     while i < len(tokens):
         token = tokens[i]
         if not token.startswith("--") or len(token) == 2:
-            raise SystemExit(f"grpo-ext: expected --key value, got {token!r}")
+            raise ValueError(f"expected --key value, got {token!r}")
         key = token[2:]
         if "=" in key:  # --key=value: the value is kept as given (only the key's dashes are underscores)
             key, raw = key.split("=", 1)
@@ -109,7 +109,7 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
             raw = tokens[i + 1]
             i += 2
         else:
-            raise SystemExit(f"grpo-ext: --{key} needs a value")
+            raise ValueError(f"--{key} needs a value")
         key = key.replace("-", "_")
         try:
             overrides[key] = load_yaml(raw)
