@@ -5,8 +5,9 @@ takes well under two minutes on an H100. The logits cases are here; the selectiv
 ``floor_selective.py`` and ``floor_hidden.py``, what all three share (inputs, the float64 check, the timer) in
 ``floor_common.py``. Cases and peers, each timed as forward + backward unless marked:
 
-* ``logits N=.. V=.. dtype`` (``grpo_loss_from_logits``; ``[B, T, V]`` with ``T = min(N, 1024)``, prefix masks of
-  random length (about half of the tokens kept), ``dapo``, beta 0.04, temperature 0.9, old and ref log-probs):
+* ``logits N=.. V=.. dtype`` (``grpo_loss_from_logits``; ``[B, T, V]`` with ``B * T = N``, ``T`` the largest
+  divisor of N up to 1024, prefix masks of random length (about half of the tokens kept), ``dapo``, beta 0.04,
+  temperature 0.9, old and ref log-probs):
   ``copy`` (a device-to-device copy of the logits: the yardstick, one read and one write), ``grpo_ext`` (the
   default path: on CUDA the two-read pass, blocks of 256 threads for bf16 and 512 for float32), the other layouts of
   the pass on CUDA (``LAYOUTS``: the two-read pass with blocks of 1024 (the default before 2026-11-27) and of 512
@@ -68,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `harness` and th
 import torch
 from torch import Tensor
 
+import floor_common
 import floor_targets
 import fused_loss
 import grpo_ext
@@ -199,12 +201,20 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    parser = cli.make_parser(__doc__)
-    parser.add_argument("--logits", default=None, help=f"NxV:dtype list (default {LOGITS_CASES}; 'none')")
-    parser.add_argument("--selective", default=None, help=f"NxV:dtype list (default {SELECTIVE_CASES}; 'none')")
-    parser.add_argument("--hidden", default=None, help=f"NxVxH:dtype list (default {HIDDEN_CASES}; 'none')")
-    parser.add_argument("--check-rows", type=int, default=2048, help="tokens of the float64 check (whole sequences)")
+    # do_bench flushes L2 before every call and there is no CUDA-graph row: of the shared options, --target-s only
+    parser = cli.make_parser(__doc__, ("target-s",))
+    parser.add_argument("--logits", default=None, type=floor_common.cases_arg(2),
+                        help=f"NxV:dtype list (default {LOGITS_CASES}; 'none')")  # fmt: skip
+    parser.add_argument("--selective", default=None, type=floor_common.cases_arg(2),
+                        help=f"NxV:dtype list (default {SELECTIVE_CASES}; 'none')")  # fmt: skip
+    parser.add_argument("--hidden", default=None, type=floor_common.cases_arg(3),
+                        help=f"NxVxH:dtype list (default {HIDDEN_CASES}; 'none')")  # fmt: skip
+    parser.add_argument("--check-rows", type=cli.positive_int, default=2048,
+                        help="tokens of the float64 check (whole sequences)")  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="add the torch.compile peer to the logits cases")
+    # accepted as every op script accepts it (tests/test_benchmarks.py passes it to each); compile is opt-in here
+    parser.add_argument("--no-compile", action="store_true",
+                        help="ignored: the compile peer runs only with --compile")  # fmt: skip
     args = parser.parse_args()
     device = environment.resolve_device(args.device)
     if args.target_s is None:

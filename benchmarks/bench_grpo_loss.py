@@ -13,21 +13,28 @@ Peers, timed side by side on the same inputs:
       kernel that scales it), and on CUDA the same call captured in a CUDA graph and replayed (``grpo_ext+graph``).
 
 Each call computes the loss and ``torch.autograd.grad(loss, logps)``. Before timing, every peer's loss and gradient
-are checked against ``grpo_ext.reference.grpo_loss`` run in float64 on the same inputs; a mismatch is an error.
+are checked against ``grpo_ext.reference.grpo_loss`` run in float64 on the same inputs; a peer that disagrees is
+not timed: its row is n/a with the reason (``harness.checks.check_peer``), and the run goes on.
 
 Inputs: ``logps``, ``old_logps``, ``ref_logps`` ``[B, T]`` in the case's dtype, ``advantages [B]`` float32, and an
 int32 completion mask (TRL's mask dtype) with row lengths uniform in ``[1, T]``. ``beta = 0.04`` so ``ref_logps`` is
 read, and ``old_logps`` is given (off-policy) so it is read and clipping happens.
 
-Bandwidth (CUDA): bytes that must move divided by the median time, where (``e`` = bytes per element of the case's
-dtype, ``m`` = 4 for the int32 mask, ``g`` = 4 for the float32 gradient the forward saves)::
+Bandwidth (CUDA): bytes that must move on the case's inputs divided by the median time, where ``K`` = the kept
+tokens (about half of ``B*T`` here), ``R`` = the rows with a kept token, ``e`` = bytes per element of the case's
+dtype, ``m`` = 4 for the int32 mask, ``g`` = the saved gradient's bytes (4: float32, the compute dtype; 8 for
+float64 inputs)::
 
-    forward  = B*T*(3*e + m)  # logps, old_logps, ref_logps and mask, each read once
-             + B*4            # advantages read once
-             + B*T*g          # the saved gradient written once
+    forward  = B*T*m          # the mask read once
+             + K*2*e          # logps and old_logps read once, kept tokens only (a masked one is never read)
+             + K*e*[beta!=0]  # ref_logps likewise, read only with the KL term
+             + R*4            # advantages read once per scored row
+             + B*T*g          # the saved gradient written once (a masked token's is 0)
     backward = B*T*g          # the saved gradient read once
              + B*T*e          # grad_logps written once
     bytes    = forward + backward
+
+(Until 2026-11-28 every token's logps, old and ref counted, and ``g`` was 4 for float64 too: benchmarks/NOTES.md.)
 
 ``%copy`` is that bandwidth as a share of a device-to-device ``copy_`` of 1 GiB measured in the same run (bytes read
 plus written over time). Peak memory (CUDA) is the allocator's peak during one call above what was allocated before
@@ -63,6 +70,7 @@ from trl_style import EPSILON, MASK_DTYPE, trl_style_loss
 # the other side for tokens that close to an edge.
 CLIP_EDGE_BAND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DEFAULT_CLIP_EDGE_BAND = 1e-6
+LOSS_TYPES = ("grpo", "dapo")  # those trl_style_loss, the eager peer, implements
 Step = Callable[[], tuple[Tensor, Tensor]]
 
 
@@ -88,13 +96,17 @@ def make_inputs(batch: int, length: int, dtype: torch.dtype, device: torch.devic
     }
 
 
-def bytes_moved(batch: int, length: int, dtype: torch.dtype) -> int:
-    """Bytes that must move in forward + backward (formula in the module docstring)."""
-    elt = torch.empty((), dtype=dtype).element_size()
-    mask = torch.empty((), dtype=MASK_DTYPE).element_size()
-    grad = 4  # the forward saves the gradient in float32, the compute dtype
-    tokens = batch * length
-    forward = tokens * (3 * elt + mask) + batch * 4 + tokens * grad
+def bytes_moved(inputs: dict[str, Tensor], beta: float) -> int:
+    """Bytes that must move in forward + backward on ``inputs`` (formula in the module docstring)."""
+    logps, mask = inputs["logps"], inputs["completion_mask"]
+    elt = logps.element_size()
+    grad = 8 if logps.dtype == torch.float64 else 4  # the saved gradient is in the compute dtype
+    tokens = mask.numel()
+    kept = int((mask != 0).sum())
+    scored = int((mask != 0).any(-1).sum())
+    reads = 2 + (beta != 0)  # logps, old_logps, and ref_logps with the KL term
+    forward = tokens * mask.element_size() + kept * reads * elt + scored * inputs["advantages"].element_size()
+    forward += tokens * grad
     backward = tokens * grad + tokens * elt
     return forward + backward
 
@@ -192,16 +204,20 @@ def run_case(
         case, steps, lambda: make_compiled_step(inputs, loss_type, args.beta), device, args
     )
 
-    # agreement with the float64 reference, before any timing: a mismatch stops the run
+    # agreement with the float64 reference, before any timing: a peer that disagrees is an n/a row with the reason
     truth_loss, truth_grad, near_edge = float64_truth(inputs, loss_type, args.beta)
     loss_magnitude = inputs["advantages"].abs().mean().item()  # the loss is a small difference of terms this big
     outputs = peers.outputs_of(steps, graph_outputs)
     err_loss = err_grad = 0.0
     for name, (loss, grad) in outputs.items():
-        err_loss = max(err_loss, checks.assert_matches(f"{case} {name} loss", loss, truth_loss, dtype, loss_magnitude))
-        err_grad = max(
-            err_grad, checks.assert_matches(f"{case} {name} grad", grad, truth_grad, dtype, ignore=near_edge)
-        )
+
+        def compare(name=name, loss=loss, grad=grad) -> tuple[float, float]:
+            err_l = checks.assert_matches(f"{case} {name} loss", loss, truth_loss, dtype, loss_magnitude)
+            return err_l, checks.assert_matches(f"{case} {name} grad", grad, truth_grad, dtype, ignore=near_edge)
+
+        errors = checks.check_peer(name, steps, notes, compare, case)
+        if errors is not None:
+            err_loss, err_grad = max(err_loss, errors[0]), max(err_grad, errors[1])
     del outputs
     print(
         f"check {case}: {peers.available(steps)} match the float64 reference "
@@ -217,7 +233,8 @@ def run_case(
         "dtype": cli.dtype_name(dtype),
         "loss_type": loss_type,
         "beta": args.beta,
-        "bytes": bytes_moved(batch, length, dtype),
+        "kept_tokens": int((inputs["completion_mask"] != 0).sum()),
+        "bytes": bytes_moved(inputs, args.beta),
         "check_max_abs_err": {"loss": err_loss, "grad": err_grad},
     }
     return peers.time_peers(
@@ -228,9 +245,10 @@ def run_case(
 def parse_args() -> argparse.Namespace:
     """Command line; size defaults depend on the device and on ``--quick``."""
     parser = cli.make_parser(__doc__)
-    parser.add_argument("--sizes", default=None, help="BxT pairs, e.g. 64x1024,256x4096")
-    parser.add_argument("--dtypes", default=None, help="e.g. float32,bfloat16")
-    parser.add_argument("--loss-types", default="grpo,dapo", help="grpo and/or dapo")
+    parser.add_argument("--sizes", default=None, type=cli.sizes_arg(2), help="BxT pairs, e.g. 64x1024,256x4096")
+    parser.add_argument("--dtypes", default=None, type=cli.dtypes_arg, help="e.g. float32,bfloat16")
+    parser.add_argument("--loss-types", default="grpo,dapo", type=cli.choices_arg(LOSS_TYPES),
+                        help="grpo and/or dapo")  # fmt: skip
     parser.add_argument("--beta", type=float, default=0.04)
     return parser.parse_args()
 
@@ -252,7 +270,8 @@ def main() -> None:
         for dtype in map(cli.parse_dtype, cli.parse_list(args.dtypes)):
             for loss_type in cli.parse_list(args.loss_types):
                 rows.extend(run_case(batch, length, dtype, loss_type, args, device, flusher))
-    reporting.report(__file__, "grpo_loss forward + backward", rows, env, copy, args, device, flusher)
+    reporting.report(__file__, "grpo_loss forward + backward", rows, env, copy, args, device, flusher,
+                     "the kept tokens' logps, old and ref read once, the mask and the gradients over every token")
 
 
 if __name__ == "__main__":

@@ -176,11 +176,14 @@ def master_weight_case(args: argparse.Namespace, device: torch.device, flusher) 
     case = f"hidden N={rows} V={vocab} H={size} float32 weight, bfloat16 GEMMs"
     steps = [fused_loss.loss_step(fn, leaves, inputs, args.beta) for fn in (cast_first, compute_dtype)]
     steps.append(timing.lm_head_gemms(rows, size, vocab, low, device))
-    labels = ("cast first", "compute_dtype", "3 GEMMs")
+    # the third row is plain torch.mm (timing.lm_head_gemms), not grpo_ext: its own impl name
+    op = "grpo_loss_from_hidden fwd+bwd"
+    labels = (("cast first", "grpo_ext", op), ("compute_dtype", "grpo_ext", op),
+              ("3 GEMMs", "torch GEMMs (floor)", "LM head's 3 GEMMs"))  # fmt: skip
     times = alternating_times(steps, device, args.target_s, flusher)
-    out = [{"case": f"{case} {label}", "op": "grpo_loss_from_hidden fwd+bwd", "impl": "grpo_ext", "N": rows,
-            "V": vocab, "H": size, "dtype": "float32/bfloat16", "bytes": 0, **timed}
-           for label, timed in zip(labels, times, strict=True)]  # fmt: skip
+    out = [{"case": f"{case} {label}", "op": op_name, "impl": impl, "N": rows, "V": vocab, "H": size,
+            "dtype": "float32/bfloat16", "bytes": 0, **timed}
+           for (label, impl, op_name), timed in zip(labels, times, strict=True)]  # fmt: skip
     floor = out[2]["median_ms"]
     for row in out[:2]:
         row["x_gemm"] = floor / row["median_ms"]

@@ -22,9 +22,16 @@ against ``grpo_ext.reference.grpo_loss_from_logits`` in float64 on the first row
 ``old_logps`` and ``ref_logps`` near the policy's own log-probs, prefix masks of random length, ``dapo``,
 temperature 0.9.
 
-Bytes: the one-read-one-write floor, ``2 * N * V * e`` (read the logits once, write the gradient once, ``e`` bytes
-per element); ``%copy`` compares the achieved rate with a measured device copy. Peak memory (CUDA): the allocator's
-peak above what was allocated before the call.
+Bytes (``fused_loss.logits_bytes``, since 2026-11-29): the least the op must move on the case's inputs, with ``K``
+the kept rows (tokens) of the mask (about half of them here), ``e`` bytes per logit::
+
+    bytes = K*V*e                  # the kept rows' logits read once (a masked row is never read)
+          + N*V*e                  # the gradient written once, every row (a masked row's is zeros)
+          + K*(8 + 4 + 4*[beta!=0])  # id, old_logps, ref_logps of a kept row
+          + N*4 + B*4              # the int32 mask, an advantage per scored sequence
+
+(``2 * N * V * e`` before: it counted a read of every masked row.) ``%copy`` compares the achieved rate with a
+measured device copy. Peak memory (CUDA): the allocator's peak above what was allocated before the call.
 
 Usage::
 

@@ -137,8 +137,12 @@ def run_case(
 def parse_args() -> argparse.Namespace:
     """Command line; ``--quick`` shrinks the sizes and the timing."""
     parser = cli.make_parser(__doc__)
-    parser.add_argument("--sizes", default=None, help="num_groups x G x S x T, e.g. 64x16x32x4096,16x16x32x1024")
-    return parser.parse_args()
+    parser.add_argument("--sizes", default=None, type=cli.sizes_arg(4),
+                        help="num_groups x G x S x T, e.g. 64x16x32x4096,16x16x32x1024 (S <= T)")  # fmt: skip
+    args = parser.parse_args()
+    if args.sizes is not None and any(steps > tokens for *_, steps, tokens in cli.parse_sizes(args.sizes, 4)):
+        parser.error("argument --sizes: S steps cannot end at distinct positions of T < S tokens")
+    return args
 
 
 def main() -> None:

@@ -146,12 +146,16 @@ def accepted_backends() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def parse_options(text: str | None) -> dict[str, Any]:
-    """``KEY=VALUE,...`` as config overrides: numbers as numbers, ``true``/``false`` as bools, the rest as text."""
+    """``KEY=VALUE,...`` as config overrides: numbers as numbers, ``true``/``false`` as bools, the rest as text.
+
+    Raises:
+        ValueError: an item that is not ``KEY=VALUE``.
+    """
     options: dict[str, Any] = {}
     for item in cli.parse_list(text or ""):
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--options takes KEY=VALUE items, got {item!r}")
+            raise ValueError(f"takes KEY=VALUE items, got {item!r}")
         try:
             options[key] = json.loads(value.lower() if value.lower() in ("true", "false") else value)
         except json.JSONDecodeError:
@@ -173,9 +177,7 @@ def select_contenders(
     lacking = sorted(needed - {field.name for field in dataclasses.fields(GRPOConfig)})
     run: list[str] = []
     missing: dict[str, str] = {}
-    for name in requested:
-        if name not in CONTENDERS:
-            raise SystemExit(f"unknown contender {name!r}: one of {', '.join(CONTENDERS)}")
+    for name in requested:  # each one of CONTENDERS (--contenders' type checked it)
         backend = name.removeprefix("grpo_ext/")
         if name.startswith("grpo_ext/") and backend not in found:
             missing[name] = f"grpo_ext's GRPOConfig does not accept logps_backend={backend!r} in this checkout"
@@ -236,8 +238,6 @@ def shape_of(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         heads=args.heads or preset["heads"], kv_heads=args.kv_heads or preset["kv_heads"],
         intermediate=args.intermediate or preset["intermediate"], tied=preset["tied"],
     )  # fmt: skip
-    if dims["layers"] < 1:
-        raise SystemExit(f"--layers must be at least 1, got {dims['layers']}")
     label = args.shape
     if dims["layers"] < preset["layers"] and args.shape != "small":
         label += f" (cut to {dims['layers']} of {preset['layers']} layers)"
@@ -260,41 +260,81 @@ def add_derived(row: dict[str, Any], device: torch.device) -> None:
             row["head_vs_floor"] = row["head_ms"] / row["gemm_floor_ms"]
 
 
+def positive_ints_arg(text: str) -> str:
+    """The ``type`` of ``--vocabs`` and ``--lengths``: comma-separated positive integers (kept as text)."""
+    values = cli.parse_list(text)
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no value: comma-separated positive integers")
+    for value in values:
+        cli.positive_int(value)
+    return text
+
+
+def betas_arg(text: str) -> str:
+    """The ``type`` of ``--beta``: comma-separated numbers >= 0 (kept as text)."""
+    try:
+        betas = [float(b) for b in cli.parse_list(text)]
+    except ValueError:
+        betas = []
+    if not betas or not all(0 <= b < float("inf") for b in betas):
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers >= 0")
+    return text
+
+
+def options_arg(text: str) -> str:
+    """The ``type`` of ``--options``: :func:`parse_options`'s ``KEY=VALUE`` items (kept as text)."""
+    try:
+        parse_options(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def main() -> None:
-    parser = cli.make_parser(__doc__)
+    # each contender's own loop times its steps (--steps) in its own process: none of the shared timing options
+    parser = cli.make_parser(__doc__, ())
     parser.add_argument("--shape", choices=tuple(SHAPES), default="small",
                         help="model shape preset (default small: hidden 256, 2 layers; the Qwen2.5 ones as released)")
-    parser.add_argument("--vocabs", default=None,
+    parser.add_argument("--vocabs", default=None, type=positive_ints_arg,
                         help="comma-separated V (default: the shape's, or 32000,151936 for small; quick: 512)")
-    parser.add_argument("--lengths", default=None, help="comma-separated completion lengths T (default 256,1024)")
-    parser.add_argument("--batch", type=int, default=None, help="completions per step (default 8; quick: 4)")
-    parser.add_argument("--prompt-length", type=int, default=None, help="prompt tokens (default 32; quick: 4)")
-    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: the shape's; quick: 32)")
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--lengths", default=None, type=positive_ints_arg,
+                        help="comma-separated completion lengths T (default 256,1024)")  # fmt: skip
+    parser.add_argument("--batch", type=cli.positive_int, default=None,
+                        help=f"completions per step, a multiple of {NUM_GENERATIONS} (default 8; quick: 4)")
+    parser.add_argument("--prompt-length", type=cli.positive_int, default=None,
+                        help="prompt tokens (default 32; quick: 4)")  # fmt: skip
+    parser.add_argument("--hidden", type=cli.positive_int, default=None,
+                        help="hidden size (default: the shape's; quick: 32)")  # fmt: skip
+    parser.add_argument("--layers", type=cli.positive_int, default=None,
                         help="decoder layers (default: the shape's; fewer cut the depth, said in the case)")
-    parser.add_argument("--heads", type=int, default=None, help="attention heads (default: the shape's)")
-    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: the shape's)")
-    parser.add_argument("--intermediate", type=int, default=None,
+    parser.add_argument("--heads", type=cli.positive_int, default=None, help="attention heads (default: the shape's)")
+    parser.add_argument("--kv-heads", type=cli.positive_int, default=None,
+                        help="key/value heads (default: the shape's)")  # fmt: skip
+    parser.add_argument("--intermediate", type=cli.positive_int, default=None,
                         help="MLP width (default: the shape's; small: 2 x hidden)")
-    parser.add_argument("--precision", default="bf16",
+    parser.add_argument("--precision", default="bf16", type=cli.choices_arg(tuple(GRAD_NORM_RTOL)),
                         help="comma-separated bf16 (TRL's default: float32 weights, bf16 autocast) and/or fp32")
-    parser.add_argument("--beta", default="0", help="comma-separated KL coefficients; > 0 builds a reference model")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 3; quick: 1)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated: " + ", ".join(CONTENDERS))
-    parser.add_argument("--max-logits-gib", type=float, default=None,
+    parser.add_argument("--beta", default="0", type=betas_arg,
+                        help="comma-separated KL coefficients; > 0 builds a reference model")  # fmt: skip
+    parser.add_argument("--steps", type=cli.positive_int, default=None,
+                        help="timed steps per contender (default 3; quick: 1)")  # fmt: skip
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), type=cli.choices_arg(CONTENDERS),
+                        help="comma-separated: " + ", ".join(CONTENDERS))  # fmt: skip
+    parser.add_argument("--max-logits-gib", type=cli.positive_float, default=None,
                         help="skip a contender holding [B, P+T, V] float32 logits above this (default: none)")
     parser.add_argument("--no-generation", action="store_true", help="skip the gen+step figure (reported n/a)")
     parser.add_argument("--profile", action="store_true",
                         help="where the timed steps' time goes (torch.profiler), and the LM head's GEMM floor")
     parser.add_argument("--memory-sites", action="store_true",
-                        help="CUDA: one more step with the allocator's history recorded; what is alive at its peak, "
-                             "by the code that allocated it (memory_sites.py)")  # fmt: skip
-    parser.add_argument("--hidden-chunk-rows", type=int, default=None,
+                        help="one more step with its allocations recorded (CUDA: the allocator's history; CPU: "
+                             "torch.profiler's memory events); what is alive at its peak, by the code that allocated "
+                             "it (memory_sites.py)")  # fmt: skip
+    parser.add_argument("--hidden-chunk-rows", type=cli.positive_int, default=None,
                         help="rows per chunk of grpo_loss_from_hidden in the grpo_ext contenders (default: the op's "
                              "own rule, default_chunk_size): longer chunks read and write the float32 weight-gradient "
                              "accumulator fewer times, for a chunk of logits that much larger")  # fmt: skip
-    parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per contender and case")
-    parser.add_argument("--options", default=None,
+    parser.add_argument("--timeout-s", type=cli.positive_float, default=1800.0, help="limit per contender and case")
+    parser.add_argument("--options", default=None, type=options_arg,
                         help="KEY=VALUE,... loss options of every contender's config (e.g. entropy_coef=0.01)")
     parser.add_argument("--gradient-checkpointing", choices=("off", "on", "both"), default="on",
                         help="transformers' activation checkpointing for every contender (default on, as TRL; rows "
@@ -304,35 +344,31 @@ def main() -> None:
     if args.child is not None:
         print(RESULT_PREFIX + json.dumps(run_child(json.loads(args.child))), flush=True)
         return
+    quick = args.quick
+    batch = args.batch if args.batch is not None else (4 if quick else 8)
+    if batch % NUM_GENERATIONS:
+        parser.error(f"argument --batch: {batch} is not a multiple of num_generations={NUM_GENERATIONS}")
 
     device = environment.resolve_device(args.device)
     env = environment.environment(device)
     print(f"device: {env['device_name']} | torch {env['torch_version']} | CUDA {env['cuda_version']}")
-    quick = args.quick
     dims, shape_label = shape_of(args)
     preset_vocab = SHAPES[args.shape]["vocab"]
     default_vocabs = "512" if quick and args.shape == "small" else str(preset_vocab or "32000,151936")
     vocabs = [int(v) for v in cli.parse_list(args.vocabs or default_vocabs)]
     lengths = [int(t) for t in cli.parse_list(args.lengths or ("16" if quick else "256,1024"))]
     precisions = cli.parse_list(args.precision)
-    if unknown := [p for p in precisions if p not in GRAD_NORM_RTOL]:
-        raise SystemExit(f"--precision takes bf16 and/or fp32, got {', '.join(unknown)}")
-    try:
-        betas = [float(b) for b in cli.parse_list(args.beta)]
-    except ValueError:
-        raise SystemExit(f"--beta takes comma-separated numbers, got {args.beta!r}") from None
-    if any(b < 0 for b in betas):
-        raise SystemExit(f"--beta values must be >= 0, got {args.beta!r}")
+    betas = [float(b) for b in cli.parse_list(args.beta)]
+
+    def given(value: int | None, default: int) -> int:  # None only: every value given was checked positive
+        return default if value is None else value
+
     shape = dict(
-        dims, batch=args.batch or (4 if quick else 8), prompt_length=args.prompt_length or (4 if quick else 32),
-        steps=args.steps or (1 if quick else 3), seed=args.seed, device=str(device), generation=not args.no_generation,
-        options=parse_options(args.options), profile=args.profile, memory_sites=args.memory_sites,
-        hidden_chunk_rows=args.hidden_chunk_rows,
+        dims, batch=batch, prompt_length=given(args.prompt_length, 4 if quick else 32),
+        steps=given(args.steps, 1 if quick else 3), seed=args.seed, device=str(device),
+        generation=not args.no_generation, options=parse_options(args.options), profile=args.profile,
+        memory_sites=args.memory_sites, hidden_chunk_rows=args.hidden_chunk_rows,
     )  # fmt: skip
-    if args.hidden_chunk_rows is not None and args.hidden_chunk_rows < 1:
-        raise SystemExit(f"--hidden-chunk-rows must be >= 1, got {args.hidden_chunk_rows}")
-    if shape["batch"] % NUM_GENERATIONS:
-        raise SystemExit(f"--batch must be a multiple of num_generations={NUM_GENERATIONS}")
     settings_on = {"off": [False], "on": [True], "both": [True, False]}[args.gradient_checkpointing]
     requested = cli.parse_list(args.contenders)
     contenders, missing = [], {}
@@ -419,8 +455,9 @@ def main() -> None:
                "rows": rows}  # fmt: skip
     reporting.write_json(path, payload)
     print(f"wrote {path}")
-    if not checked:
-        raise SystemExit("the contenders disagree on the first step's gradient norm (above): a wrong step is not timed")
+    if not checked:  # the rows are timed and written above: the exit status marks them as not the same step
+        raise SystemExit(f"the contenders disagree on the first step's gradient norm (above): their rows in {path} "
+                         "are not the same step, so their times do not compare")
 
 
 if __name__ == "__main__":

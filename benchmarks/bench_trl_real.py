@@ -90,13 +90,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # smollm2_sums: model, data, reward
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, wherever run from
 
-import smollm2_sums as sums
 import torch
 
-from harness import environment, reporting
+from harness import cli, environment, reporting
 from trl_real_report import SECTION_PREFIX, checks, eval_steps_of, results_md_section, table_rows, write_results_md
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,6 +107,26 @@ LEARNING_RATE = 1e-5
 EVAL_BATCH = 32  # held-out prompts per generate call (grpo_ext's default: per_device_train_batch_size)
 RESULTS_DIR = REPO / "benchmarks" / "results"
 RESULTS_MD = REPO / "benchmarks" / "RESULTS.md"
+EXAMPLES = REPO / "examples"
+
+
+def smollm2_sums() -> Any:
+    """``examples/smollm2_sums.py`` (the model, data and reward), imported where it is used, so that ``--help``
+    works outside a checkout.
+
+    Raises:
+        SystemExit: the file is not there (this script is run outside a grpo_ext checkout).
+    """
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    try:
+        import smollm2_sums as sums
+    except ModuleNotFoundError as exc:
+        if exc.name != "smollm2_sums":  # one of its own imports is missing: that error says which
+            raise
+        raise SystemExit(f"bench_trl_real.py needs examples/smollm2_sums.py of a grpo_ext checkout, not found in "
+                         f"{EXAMPLES}") from None  # fmt: skip
+    return sums
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,6 +216,7 @@ def load_model_and_tokenizer() -> tuple[torch.nn.Module, Any]:
     that has one: "purely quantized models"); its tokenizer, left padding, EOS as the pad token."""
     from grpo_ext.trainer.cli import load_model_and_tokenizer as load
 
+    sums = smollm2_sums()
     model, tokenizer = load(sums.model_folder(), sums.GGUF_FILE)
     if any(p.dtype != torch.float32 for p in model.parameters()) or getattr(model, "is_quantized", False):
         raise RuntimeError("the GGUF weights were not loaded as plain float32 parameters")
@@ -217,6 +236,7 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[
     from grpo_ext.trainer.prompts import prompt_token_ids, stop_token_ids
     from grpo_ext.trainer.sampling import NEUTRAL_GENERATION
 
+    correct = smollm2_sums().correct
     stop_ids = stop_token_ids(model, tokenizer)
     device = next(model.parameters()).device
     was_training = model.training
@@ -246,7 +266,7 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[
             texts = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(completion_ids, keep, strict=True)],
                                            skip_special_tokens=True)  # fmt: skip
             completions = [[{"role": "assistant", "content": text}] for text in texts]
-            scores += sums.correct(prompts, completions, [row["answer"] for row in chunk])
+            scores += correct(prompts, completions, [row["answer"] for row in chunk])
     finally:
         model.train(was_training)
     return sum(scores) / len(scores)
@@ -347,6 +367,7 @@ def train_trl(name: str, model: torch.nn.Module, tokenizer: Any, meter: StepMete
     from datasets import Dataset
     from transformers import PrinterCallback
 
+    sums = smollm2_sums()
     train_rows, held_out = sums.sum_rows()
     evals: list[dict[str, Any]] = []
     kwargs = dict(
@@ -371,6 +392,7 @@ def train_grpo_ext(model: torch.nn.Module, tokenizer: Any, meter: StepMeter, ste
     """Trains with grpo_ext's own GRPOTrainer, which evaluates the held-out sums itself; ``(logged rows, evals)``."""
     import grpo_ext
 
+    sums = smollm2_sums()
     train_rows, held_out = sums.sum_rows()
     trainer = grpo_ext.GRPOTrainer(
         model, [meter.wrap_reward(sums.correct)], train_rows, config=grpo_ext_config(out_dir, steps, eval_steps, seed),
@@ -483,20 +505,22 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=4 * 3600.0, help="limit per trainer's process")
     parser.add_argument("--run", choices=RUNS, default=None, help="run this one trainer in this process")
     args = parser.parse_args()
-    if args.steps < 1 or args.eval_steps < 0:
-        raise SystemExit("--steps must be >= 1 and --eval-steps >= 0")
+    if args.steps < 1:
+        parser.error(f"argument --steps: {args.steps} is not a positive integer")
+    if args.eval_steps < 0:
+        parser.error(f"argument --eval-steps: {args.eval_steps} is below 0")
+    if args.run is not None and args.out is None:
+        parser.error("argument --run: needs --out")
+    if unknown := [name for name in cli.parse_list(args.runs) if name not in RUNS]:
+        parser.error(f"argument --runs: unknown runs {unknown}: choose among {', '.join(RUNS)}")
+    smollm2_sums()  # before any work: the runs cannot start without it
     if args.run is not None:
-        if args.out is None:
-            raise SystemExit("--run needs --out")
         result = run_child(args.run, args.steps, args.eval_steps, args.seed, args.threads)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         return
 
-    runs = [name.strip() for name in args.runs.split(",") if name.strip()]
-    unknown = [name for name in runs if name not in RUNS]
-    if unknown:
-        raise SystemExit(f"unknown runs {unknown}: choose among {', '.join(RUNS)}")
+    runs = cli.parse_list(args.runs)
     env = environment.environment(torch.device("cpu"))
     date = env["date_utc"][:10]
     out = args.out or RESULTS_DIR / f"trl_real_{date}.json"

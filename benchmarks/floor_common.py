@@ -8,6 +8,7 @@ The cases themselves: ``bench_floor.py`` (the fused logits pass and its layouts)
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import Tensor
 
 import fused_loss
 from harness import checks, cli, peers, timing
-from logits_inputs import policy_logps
+from logits_inputs import policy_logps, sequence_layout
 
 BETA = 0.04
 ENTROPY_COEF = 0.01
@@ -27,21 +28,42 @@ Step = Callable[[], Any]
 
 
 def parse_cases(text: str, arity: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """``"8192x151936:bfloat16,..."`` -> ``[((8192, 151936), torch.bfloat16), ...]``; ``"none"`` -> ``[]``."""
+    """``"8192x151936:bfloat16,..."`` -> ``[((8192, 151936), torch.bfloat16), ...]``; ``"none"`` -> ``[]``.
+
+    Raises:
+        ValueError: an item that is not ``arity`` positive integers joined by ``x``, then ``:`` and a float dtype
+            (or no dtype: bfloat16).
+    """
     if text.strip().lower() == "none":
         return []
     out = []
     for item in cli.parse_list(text):
         size, _, dtype = item.partition(":")
         out.append((cli.parse_sizes(size, arity)[0], cli.parse_dtype(dtype or "bfloat16")))
+    if not out:
+        raise ValueError(f"{text!r} holds no case ('none' for none)")
     return out
+
+
+def cases_arg(arity: int) -> Callable[[str], str]:
+    """The ``type`` of ``--logits``/``--selective``/``--hidden``: :func:`parse_cases` checks the text while the
+    command line is parsed (argparse's error names the option); the text is kept as given."""
+
+    def check(text: str) -> str:
+        try:
+            parse_cases(text, arity)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    check.__name__ = "cases"
+    return check
 
 
 def draw_inputs(rows: int, vocab: int, size: int | None, dtype: torch.dtype, device: torch.device,
                 seed: int) -> dict[str, Any]:  # fmt: skip
     """The case's inputs drawn on ``device``: as ``logits_inputs.make_inputs`` (same shapes and laws), faster."""
-    length = min(rows, 1024)
-    batch = rows // length
+    batch, length = sequence_layout(rows)
     gen = torch.Generator(device=device).manual_seed(seed)
     inputs: dict[str, Any] = {"batch": batch, "length": length}
     if size is None:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+import logits_inputs
 from grpo_ext import reference
 from harness import checks, cli, environment, peers, reporting
 from harness.timing import L2Flusher
@@ -73,6 +74,21 @@ def loss_step(fn: Callable[..., Any], leaves: Sequence[Tensor], inputs: dict[str
     return step
 
 
+def logits_bytes(inputs: dict[str, Any], beta: float) -> int:
+    """The bytes the logits path must move on these inputs: the logits of the kept rows read once (a masked row is
+    never read), the gradient written once for every row (a masked row's is zeros), the per-token inputs of the kept
+    rows (id, ``old_logps``, ``ref_logps`` when ``beta != 0``), the mask once, an advantage per scored sequence.
+    """
+    logits, mask = inputs["logits"], inputs["mask"]
+    rows, vocab, elt = mask.numel(), logits.shape[-1], logits.element_size()
+    kept = logits_inputs.kept_tokens(mask)
+    per_kept = inputs["ids"].element_size() + inputs["old_logps"].element_size()
+    if beta != 0:
+        per_kept += inputs["ref_logps"].element_size()
+    scored = int((mask != 0).any(-1).sum())
+    return (kept + rows) * vocab * elt + kept * per_kept + rows * mask.element_size() + scored * 4
+
+
 def compiled_step(inputs: dict[str, Any], beta: float, path: str) -> Step:
     """``torch.compile`` of the path's reference as a step; compilation happens on its first calls."""
     torch._dynamo.reset()  # a fresh, static-shape compile per case (and no recompile limit across cases)
@@ -130,10 +146,10 @@ def run_case(path: str, rows: int, vocab: int, size: int | None, dtype: torch.dt
     )
     notes.update(compile_notes)
     check_peers(steps, notes, inputs, args.beta, path, dtype, case, args.check_rows, make_steps)
-    elt = torch.empty((), dtype=dtype).element_size()
     base_row = {"case": case, "op": f"grpo_loss_from_{path} fwd+bwd", "N": rows, "V": vocab, "H": size,
                 "dtype": cli.dtype_name(dtype), "loss_type": LOSS_TYPE, "beta": args.beta,
-                "bytes": 2 * rows * vocab * elt if size is None else 0}  # fmt: skip
+                "kept_tokens": logits_inputs.kept_tokens(inputs["mask"]),
+                "bytes": logits_bytes(inputs, args.beta) if size is None else 0}  # fmt: skip
     if gemm_time is not None:
         base_row["gemm_ms"] = gemm_time(inputs, device, args.target_s, flusher)
     out = peers.time_peers(steps, notes, base_row, device, target_s=args.target_s, flusher=flusher,
@@ -156,7 +172,8 @@ def main(script_file: str, doc: str, path: str, make_steps: MakeSteps, gemm_time
         gemm_time: see :func:`run_case`.
         extra_cases: the script's own cases, run after the others: ``(args, device, flusher) -> rows``.
     """
-    parser = make_parser(doc, PATHS[path].sizes_help)
+    # no --no-graph: neither script has a CUDA-graph row
+    parser = make_parser(doc, PATHS[path].sizes_help, PATHS[path].arity, ("target-s", "no-compile", "no-l2-flush"))
     parser.add_argument("--beta", type=float, default=0.04)
     args = parser.parse_args()
     device, env, copy, flusher = environment.start(args)
@@ -169,7 +186,9 @@ def main(script_file: str, doc: str, path: str, make_steps: MakeSteps, gemm_time
     if extra_cases is not None:
         rows.extend(extra_cases(args, device, flusher))
     title = f"grpo_loss_from_{path} forward + backward"
-    reporting.report(script_file, title, rows, env, copy, args, device, flusher)
+    bytes_note = ("the kept rows' logits read once, every row's gradient written once" if path == "logits"
+                  else None)  # fmt: skip
+    reporting.report(script_file, title, rows, env, copy, args, device, flusher, bytes_note)
     for row in rows:
         if row.get("x_gemm"):
             print(f"{row['case']} {row['impl']}: {row['median_ms']:.3g} ms = {1 / row['x_gemm']:.2f}x its 3 GEMMs")

@@ -8,6 +8,7 @@ their inputs here, so the three see the same problem for the same sizes and seed
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +26,28 @@ LOGITS_SIZES = ("64x1000", "8192x151936,16384x128256", "2048x32000")
 HIDDEN_SIZES = ("64x1000x64", "8192x151936x4096", "1024x32000x512,512x151936x512")
 
 
+MAX_LENGTH = 1024  # tokens per sequence: TRL's usual completion length
+
+
+def sequence_layout(rows: int) -> tuple[int, int]:
+    """``(B, T)`` with ``B * T == rows`` exactly: ``T`` the largest divisor of ``rows`` up to :data:`MAX_LENGTH`
+    (1024 for the usual sizes, 750 for 1500; a prime above 1024 gives sequences of one token, all kept).
+
+    Args:
+        rows: the case's N, at least 1.
+
+    Returns:
+        ``(batch, length)``.
+    """
+    length = next(t for t in range(min(rows, MAX_LENGTH), 0, -1) if rows % t == 0)
+    return rows // length, length
+
+
+def kept_tokens(mask: Tensor) -> int:
+    """How many tokens (rows of logits) ``mask`` keeps: those the ops read."""
+    return int((mask != 0).sum())
+
+
 def make_inputs(
     rows: int,
     vocab: int,
@@ -38,10 +61,10 @@ def make_inputs(
     """Random logits (or hidden + weight) and ids for ``rows`` tokens, then the loss's advantages, mask and old/ref
     log-probs (unless ``loss_inputs`` is False); drawn on the CPU, so every device gets the same values.
 
-    The rows form ``[B, T]`` with ``T = min(rows, 1024)``; mask lengths are uniform in ``[1, T]``.
+    The rows form ``[B, T]`` (:func:`sequence_layout`: exactly ``rows`` of them); mask lengths are uniform in
+    ``[1, T]``.
     """
-    length = min(rows, 1024)
-    batch = rows // length
+    batch, length = sequence_layout(rows)
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, Any] = {"batch": batch, "length": length}
     if size is None:
@@ -86,17 +109,22 @@ def first_rows(inputs: dict[str, Any], check_rows: int) -> dict[str, Any]:
     }
 
 
-def make_parser(doc: str, sizes_help: str) -> argparse.ArgumentParser:
+def make_parser(doc: str, sizes_help: str, arity: int = 2,
+                options: Iterable[str] = cli.SHARED_OPTIONS) -> argparse.ArgumentParser:  # fmt: skip
     """A script's parser: :func:`harness.cli.make_parser`'s options, then ``--sizes``, ``--dtypes``, ``--check-rows``.
 
     Args:
         doc: the script's docstring (the description ``--help`` shows).
         sizes_help: the help of ``--sizes`` (``NxV`` pairs or ``NxVxH`` triples).
+        arity: 2 for ``NxV`` pairs, 3 for ``NxVxH`` triples (checked while parsing).
+        options: the shared options the script honours (:func:`harness.cli.make_parser`).
     """
-    parser = cli.make_parser(doc)
-    parser.add_argument("--sizes", default=None, help=sizes_help)
-    parser.add_argument("--dtypes", default=None, help="e.g. bfloat16,float32")
-    parser.add_argument("--check-rows", type=int, default=2048, help="rows checked against float64 (whole sequences)")
+    parser = cli.make_parser(doc, options)
+    parser.add_argument("--sizes", default=None, type=cli.sizes_arg(arity),
+                        help=sizes_help + "; N rows form [B, T], T the largest divisor of N up to 1024")  # fmt: skip
+    parser.add_argument("--dtypes", default=None, type=cli.dtypes_arg, help="e.g. bfloat16,float32")
+    parser.add_argument("--check-rows", type=cli.positive_int, default=2048,
+                        help="rows checked against float64 (whole sequences)")  # fmt: skip
     return parser
 
 

@@ -158,6 +158,8 @@ def test_overhead_host_profile(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     for op in ("grpo_loss", "grpo_loss_from_logits"):
         assert f"host profile: {op} native forward, 50 calls" in result.stdout
+    # the environment is recorded after --threads (default 1) took effect: this machine's default is 2 or more
+    assert json.loads((tmp_path / "rows.json").read_text())["environment"]["torch_num_threads"] == 1
     assert "grpo_ext::grpo_loss_from_logits" in result.stdout and "Self CPU" in result.stdout
 
 
@@ -365,3 +367,339 @@ def test_ncu_layout_script_runs_each_layout_once_in_the_capture_range():
     wrong = subprocess.run([*cmd, "--only", "default,small-block"], capture_output=True, text=True, timeout=300,
                            cwd=BENCHMARKS)  # fmt: skip
     assert wrong.returncode != 0 and "unknown layouts ['small-block']" in wrong.stderr
+
+
+# --- the command line, the peers' rows and the bytes (an outside audit, 2026-11-29) ---
+
+
+class WorkStarted(Exception):
+    """Raised where a script would start its work: a bad argument must stop it before."""
+
+
+def run_script(monkeypatch, script: str, *args: str) -> None:
+    """Runs ``benchmarks/<script>`` in this process as ``__main__`` with ``args`` (imports stay cached, so a case
+    takes milliseconds); resolving the device, where every script's work begins, raises :class:`WorkStarted`."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import runpy
+
+    from harness import environment
+
+    def tripwire(*_args, **_kwargs):
+        raise WorkStarted
+
+    for name in ("start", "resolve_device", "environment"):
+        monkeypatch.setattr(environment, name, tripwire)
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *args])
+    runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+
+
+BAD_ARGUMENTS = [
+    ("bench_group_advantages.py", "--groups", "abc"),
+    ("bench_group_advantages.py", "--groups", "8x0"),
+    ("bench_group_advantages.py", "--groups=-8x4", None),
+    ("bench_group_advantages.py", "--groups", "0x4"),
+    ("bench_group_advantages.py", "--groups", "8x4x2"),
+    ("bench_group_advantages.py", "--target-s", "0"),
+    ("bench_process_advantages.py", "--sizes", "1x2x8x4"),  # S > T: steps cannot end at distinct tokens
+    ("bench_grpo_loss.py", "--dtypes", "int32"),
+    ("bench_grpo_loss.py", "--loss-types", "bnpo"),
+    ("bench_grpo_loss.py", "--loss-types", "foo"),
+    ("bench_grpo_loss.py", "--device", "gpu"),
+    ("bench_grpo_loss.py", "--sizes", "8x"),
+    ("bench_selective_log_softmax.py", "--dtypes", "bf16,int64"),
+    ("bench_selective_log_softmax.py", "--sizes", "0x1000"),
+    ("bench_grpo_loss_from_logits.py", "--sizes", "0x1000"),
+    ("bench_grpo_loss_from_logits.py", "--check-rows", "0"),
+    ("bench_grpo_loss_from_hidden.py", "--sizes", "64x1000"),
+    ("bench_floor.py", "--logits", "64x96:bf17"),
+    ("bench_floor.py", "--hidden", "64x96:float32"),
+    ("bench_floor.py", "--selective", "0x96:bfloat16"),
+    ("bench_overhead.py", "--sizes", "8x16x64,4x4x4"),
+    ("bench_overhead.py", "--rounds", "0"),
+    ("bench_overhead.py", "--threads", "0"),
+    ("bench_trainer.py", "--steps", "0"),
+    ("bench_trainer.py", "--batch", "0"),
+    ("bench_trainer.py", "--hidden", "0"),
+    ("bench_trainer.py", "--steps=-1", None),
+    ("bench_trainer.py", "--lengths=-5", None),
+    ("bench_trainer.py", "--batch=-4", None),
+    ("bench_trainer.py", "--batch", "6"),  # not a multiple of num_generations
+    ("bench_trainer.py", "--vocabs=0", None),
+    ("bench_trainer.py", "--precision", "fp16"),
+    ("bench_trainer.py", "--contenders", "trl,foo"),
+    ("bench_trainer.py", "--beta=-0.1", None),
+    ("bench_trainer.py", "--options", "entropy_coef"),
+    ("bench_trl_real.py", "--steps", "0"),
+]
+
+
+@pytest.mark.parametrize(("script", "option", "value"), BAD_ARGUMENTS)
+def test_a_bad_argument_is_an_argparse_error_naming_the_option(monkeypatch, capsys, script, option, value):
+    """Each bad size, dtype, count or choice ends as argparse's error, exit status 2, naming the option, before the
+    script resolves its device (where its work begins)."""
+    with pytest.raises(SystemExit) as stop:
+        run_script(monkeypatch, script, *([option] if value is None else [option, value]))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {option.split('=')[0]}: " in err, err
+
+
+# What benchmarks/gpu_session.sh, the Makefile's bench target and the smoke tests above pass (on this CPU machine:
+# --device cpu where the session says cuda): every option must still be accepted.
+GOOD_ARGUMENTS = [
+    ("bench_floor.py", "--out", "x.json"),
+    ("bench_floor.py", "--quick", "--no-compile", "--device", "cpu", "--logits", "64x96:float32", "--selective",
+     "none", "--hidden", "none", "--compile"),
+    ("bench_group_advantages.py", "--no-compile", "--out", "x.json", "--groups", "8x8,65536x8"),
+    ("bench_overhead.py", "--device", "cpu", "--sizes", "64x1024x64", "--host-profile", "--out", "x.json",
+     "--quick", "--no-compile"),
+    ("bench_trainer.py", "--shape", "qwen2.5-0.5b", "--lengths", "1024", "--batch", "8", "--steps", "3",
+     "--precision", "bf16", "--beta", "0", "--profile", "--memory-sites", "--no-generation", "--contenders",
+     "trl,trl+grpo_ext/fused", "--out", "x.json"),
+    ("bench_trainer.py", "--quick", "--device", "cpu", "--hidden-chunk-rows", "16", "--beta", "0,0.04",
+     "--options", "entropy_coef=0.01,top_entropy_quantile=0.2"),
+    ("bench_grpo_loss.py", "--sizes", "1500x8", "--dtypes", "bf16,float32,fp64", "--loss-types", "grpo",
+     "--no-graph", "--no-l2-flush", "--target-s", "0.1"),
+    ("bench_grpo_loss_from_logits.py", "--sizes", "1500x512", "--dtypes", "float16", "--no-compile",
+     "--no-l2-flush"),
+    ("bench_grpo_loss_from_hidden.py", "--sizes", "64x1000x64", "--check-rows", "64"),
+    ("bench_selective_log_softmax.py", "--quick", "--no-compile", "--no-graph"),
+    ("bench_process_advantages.py", "--sizes", "2x4x4x16"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", GOOD_ARGUMENTS, ids=lambda argv: " ".join(argv[:3]))
+def test_the_arguments_the_session_passes_are_accepted(monkeypatch, argv):
+    script, *args = argv
+    with pytest.raises(WorkStarted):
+        run_script(monkeypatch, script, *args)
+
+
+def help_text(monkeypatch, capsys, script: str) -> str:
+    with pytest.raises(SystemExit) as stop:
+        run_script(monkeypatch, script, "--help")
+    assert stop.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse's line breaks undone
+
+
+# the shared options a script does not honour: not in its --help
+NOT_OFFERED = {
+    "bench_trainer.py": ("--target-s", "--no-compile", "--no-graph", "--no-l2-flush"),
+    "bench_floor.py": ("--no-graph", "--no-l2-flush"),
+    "bench_overhead.py": ("--no-graph", "--no-l2-flush"),
+    "bench_grpo_loss_from_logits.py": ("--no-graph",),
+    "bench_grpo_loss_from_hidden.py": ("--no-graph",),
+}
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "bench_trainer.py"])
+def test_help_lists_only_what_the_script_honours(monkeypatch, capsys, script):
+    """--help offers no option that does nothing; the two scripts that accept --no-compile without a compile peer to
+    skip (the smoke test above passes it to each) say it is ignored; --out names the --quick file."""
+    text = help_text(monkeypatch, capsys, script)
+    for option in NOT_OFFERED.get(script, ()):
+        assert f"{option} " not in text, option
+    if script in ("bench_floor.py", "bench_overhead.py"):
+        assert "--no-compile ignored: " in text
+    elif script != "bench_trainer.py":
+        assert "--no-compile skip the torch.compile peer" in text
+    assert "<script>-<dev>-quick.json with --quick" in text
+    if script == "bench_trainer.py":
+        assert "--memory-sites one more step with its allocations recorded (CUDA: the allocator's history; CPU:" in text
+
+
+def test_trl_real_help_works_outside_a_checkout(tmp_path):
+    """bench_trl_real.py imports examples/smollm2_sums.py where it is used: --help works without it, and a run says
+    what is missing (exit status 1, no traceback) before any work."""
+    import shutil
+
+    copy = tmp_path / "benchmarks"
+    shutil.copytree(BENCHMARKS / "harness", copy / "harness", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("bench_trl_real.py", "trl_real_report.py"):
+        shutil.copy(BENCHMARKS / name, copy / name)
+    script = str(copy / "bench_trl_real.py")
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "--steps" in shown.stdout, shown.stderr[-2000:]
+    run = subprocess.run([sys.executable, script, "--steps", "1", "--no-results-md"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "needs examples/smollm2_sums.py of a grpo_ext checkout" in run.stderr
+
+
+def test_time_peers_times_every_peer_it_is_given(monkeypatch):
+    """harness.peers.time_peers gives every key of ``steps`` a row, in PEER_ORDER and then as given: a peer built on
+    one device only (bench_grpo_loss_from_logits' grpo_ext/single-read on CUDA) cannot drop out of the table."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from harness import peers
+
+    def step():
+        return torch.ones(4).sum()
+
+    steps = {"grpo_ext/a-new-layout": step, "grpo_ext": step, "grpo_ext/single-read": step, "eager": step,
+             "liger": None}  # fmt: skip
+    notes = {"liger": "needs a CUDA device"}
+    rows = peers.time_peers(steps, notes, {"case": "c", "bytes": 16}, torch.device("cpu"), target_s=0.001,
+                            flusher=None)  # fmt: skip
+    assert [row["impl"] for row in rows] == ["eager", "liger", "grpo_ext", "grpo_ext/single-read",
+                                             "grpo_ext/a-new-layout"]  # fmt: skip
+    by_impl = {row["impl"]: row for row in rows}
+    assert all(by_impl[name]["median_ms"] > 0 for name in steps if name != "liger")
+    assert by_impl["liger"]["median_ms"] is None and by_impl["liger"]["note"] == "needs a CUDA device"
+    assert peers.available(steps) == "eager, grpo_ext, grpo_ext/single-read, grpo_ext/a-new-layout"
+
+
+def test_rows_without_bytes_print_no_bandwidth(monkeypatch):
+    """harness.reporting: a row whose bytes are not counted (0) has no GB/s and no %copy, printed '-', even on CUDA
+    (a copy bandwidth given); a row with bytes has both."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from harness import reporting
+
+    rows = [{"case": "c", "impl": "eager", "median_ms": 2.0, "bytes": 0},
+            {"case": "c", "impl": "grpo_ext", "median_ms": 1.0, "bytes": 10**9}]  # fmt: skip
+    reporting.add_derived(rows, copy_gbps=2000.0)
+    assert rows[0]["gbps"] is None and rows[0]["pct_copy"] is None
+    assert rows[1]["gbps"] == pytest.approx(1000.0) and rows[1]["pct_copy"] == pytest.approx(50.0)
+    table = reporting.format_table(rows, [("impl", "impl", "s"), ("gbps", "GB/s", "f1"), ("pct_copy", "%copy", "f1")])
+    assert table.splitlines()[2].split() == ["eager", "-", "-"]
+    assert table.splitlines()[3].split() == ["grpo_ext", "1000.0", "50.0"]
+
+
+@pytest.mark.parametrize("rows", [1, 64, 1024, 1500, 2048, 1031, 8192, 16384])
+def test_sequence_layout_keeps_every_row(monkeypatch, rows):
+    """logits_inputs.sequence_layout: exactly N rows, sequences of 1024 where N is a multiple of it (1500: 2 x 750;
+    1031, a prime: 1031 sequences of one token), never more than 1024."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from logits_inputs import sequence_layout
+
+    batch, length = sequence_layout(rows)
+    assert batch * length == rows and 1 <= length <= 1024
+    assert length == min(rows, 1024) or rows % 1024 != 0
+    assert {1500: (2, 750), 1031: (1031, 1)}.get(rows, (batch, length)) == (batch, length)
+
+
+def test_a_size_that_is_not_a_multiple_of_1024_is_timed_whole(monkeypatch):
+    """--sizes 1500x64: the inputs of both input makers hold all 1500 rows, and the logits case's row says N=1500
+    with the bytes of those rows: the kept rows' logits read, every row's gradient written, the kept rows' ids,
+    old and ref log-probs, the mask, an advantage per sequence."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import argparse
+
+    import bench_grpo_loss_from_logits as script
+    import floor_common
+    import fused_loss
+    from logits_inputs import make_inputs
+
+    cpu = torch.device("cpu")
+    assert floor_common.draw_inputs(1500, 64, None, torch.float32, cpu, 0)["logits"].shape == (2, 750, 64)
+    inputs = make_inputs(1500, 64, None, torch.float32, cpu, 0)
+    assert inputs["logits"].shape == (2, 750, 64)
+    args = argparse.Namespace(seed=0, beta=0.04, no_compile=True, check_rows=2048, target_s=0.001)
+    rows = fused_loss.run_case("logits", 1500, 64, None, torch.float32, args, cpu, None, script.make_steps)
+    kept = int(inputs["mask"].sum())
+    assert 0 < kept < 1500  # prefix masks: some rows masked
+    expected = kept * 64 * 4 + 1500 * 64 * 4 + kept * (8 + 4 + 4) + 1500 * 4 + 2 * 4
+    for row in rows:
+        assert row["case"] == "logits N=1500 V=64 float32" and row["N"] == 1500 and row["kept_tokens"] == kept
+        assert row["bytes"] == expected
+    assert {row["impl"] for row in rows if row["median_ms"]} >= {"eager", "grpo_ext", "grpo_ext+inplace"}
+
+
+def test_loss_bytes_count_the_kept_tokens(monkeypatch):
+    """bench_grpo_loss.bytes_moved: logps and old read for the kept tokens, ref only with the KL term, the mask and
+    both gradients over every token, the saved gradient 8 bytes a token for float64 inputs."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_grpo_loss
+
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.int32)  # 4 kept of 12, 2 rows
+    for dtype, elt, grad in ((torch.float32, 4, 4), (torch.bfloat16, 2, 4), (torch.float64, 8, 8)):
+        inputs = {"logps": torch.zeros(3, 4, dtype=dtype), "completion_mask": mask, "advantages": torch.zeros(3)}
+        every_token = 12 * 4 + 12 * grad + 12 * grad + 12 * elt  # mask, saved gradient written and read, grad_logps
+        assert bench_grpo_loss.bytes_moved(inputs, 0.04) == every_token + 4 * 3 * elt + 2 * 4, dtype
+        assert bench_grpo_loss.bytes_moved(inputs, 0.0) == every_token + 4 * 2 * elt + 2 * 4, dtype
+
+
+def test_group_ids_row_counts_its_group_ids(monkeypatch):
+    """bench_group_advantages: the grpo_ext+group_ids row's bytes add the int64 group_ids it reads."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import argparse
+
+    import bench_group_advantages
+
+    args = argparse.Namespace(seed=0, no_compile=True, no_graph=True, target_s=0.001)
+    rows = {row["impl"]: row for row in bench_group_advantages.run_case(8, 4, args, torch.device("cpu"), None)}
+    assert rows["grpo_ext"]["bytes"] == bench_group_advantages.bytes_moved(8, 4)
+    assert rows["grpo_ext+group_ids"]["bytes"] == bench_group_advantages.bytes_moved(8, 4) + 32 * 8
+    assert rows["grpo_ext+group_ids"]["median_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    "script", ["bench_grpo_loss.py", "bench_selective_log_softmax.py", "bench_group_advantages.py", "bench_overhead.py"]
+)
+def test_a_disagreeing_eager_peer_is_an_na_row_in_every_script(monkeypatch, capsys, tmp_path, script):
+    """With the eager peer's agreement check made to fail, each script's quick run goes on: eager is an n/a row that
+    says why, grpo_ext is timed (harness.checks.check_peer, the one path for every peer)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import runpy
+
+    from harness import checks
+
+    real = checks.assert_matches
+
+    def planted(name, *args, **kwargs):
+        if " eager " in f"{name} ":
+            raise AssertionError("planted disagreement")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(checks, "assert_matches", planted)
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(sys, "argv", [script, "--quick", "--no-compile", "--device", "cpu", "--out", str(out)])
+    if script == "bench_overhead.py":  # it sets the thread count of this process
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    rows = json.loads(out.read_text())["rows"]
+    eager = [row for row in rows if row["impl"] == "eager"]
+    assert eager and all(row["median_ms"] is None for row in eager)
+    assert all(row["note"].startswith("disagrees with the float64 reference: AssertionError: planted") for row in eager)
+    assert all(row["median_ms"] > 0 for row in rows if row["impl"] == "grpo_ext")
+    assert "eager n/a: disagrees" in capsys.readouterr().out
+
+
+def test_grpo_ext_disagreeing_fails_the_run_after_its_record(monkeypatch, capsys, tmp_path):
+    """grpo_ext's own op disagreeing with the reference: its rows are n/a, the other peers are timed and the record
+    written (a GPU session keeps them), and then the run exits with an error naming the cases, never status 0."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import runpy
+
+    from harness import checks
+
+    real = checks.assert_matches
+
+    def planted(name, *args, **kwargs):
+        if " grpo_ext " in f"{name} ":  # names are "<case> <peer> <what>"
+            raise AssertionError("planted disagreement")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(checks, "assert_matches", planted)
+    monkeypatch.setattr(checks, "GRPO_EXT_DISAGREED", [])
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(sys, "argv", ["bench_grpo_loss.py", "--quick", "--no-compile", "--device", "cpu", "--out",
+                                      str(out)])  # fmt: skip
+    with pytest.raises(SystemExit, match="grpo_ext disagreed with the float64 reference in: ") as stop:
+        runpy.run_path(str(BENCHMARKS / "bench_grpo_loss.py"), run_name="__main__")
+    assert "grpo_ext" in str(stop.value.code).split("in: ", 1)[1]
+    rows = json.loads(out.read_text())["rows"]
+    assert all(row["median_ms"] is None for row in rows if row["impl"] == "grpo_ext")
+    assert any(row["median_ms"] for row in rows if row["impl"] == "eager")
+
+
+def test_master_weight_gemm_row_is_not_grpo_ext(monkeypatch):
+    """bench_grpo_loss_from_hidden's master-weight case: its floor row (plain torch.mm) has its own impl name."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import argparse
+
+    import bench_grpo_loss_from_hidden as script
+
+    args = argparse.Namespace(sizes="64x96x32", seed=0, beta=0.04, target_s=0.005)
+    rows = script.master_weight_case(args, torch.device("cpu"), None)
+    assert [(row["case"].rsplit(" ", 1)[-1], row["impl"]) for row in rows][-1] == ("GEMMs", "torch GEMMs (floor)")
+    assert [row["impl"] for row in rows[:2]] == ["grpo_ext", "grpo_ext"]

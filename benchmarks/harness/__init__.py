@@ -1,6 +1,7 @@
 """The harness of the grpo_ext microbenchmarks: what every ``bench_<op>.py`` script shares, one module per seam.
 
-* :mod:`harness.cli`: the options every script takes, and parsers of sizes, lists and dtypes.
+* :mod:`harness.cli`: the shared options (each script takes those it honours), and parsers of sizes, lists and
+  dtypes, each also an argparse ``type``, so that a bad value stops a run at parsing with the option named.
 * :mod:`harness.environment`: the device to run on and the facts about machine and software; its ``start`` begins a
   run (device, facts, copy bandwidth, L2 flusher).
 * :mod:`harness.timing`: how a call is timed on CUDA and on CPU (the method is in that module's docstring), the

@@ -1,5 +1,7 @@
 """The agreement check: a peer's result against the float64 reference, before any timing; a peer that disagrees
-becomes an n/a row with the reason (:func:`check_peer`), the run goes on."""
+becomes an n/a row with the reason (:func:`check_peer`), the run goes on. Where the peer is grpo_ext's own op, the
+run then fails once its record is written (:func:`fail_if_grpo_ext_disagreed`): a wrong kernel must never leave a
+green benchmark run, and a GPU session must not lose the other rows to it."""
 
 from __future__ import annotations
 
@@ -79,4 +81,16 @@ def check_peer(
         steps[name] = None
         notes[name] = f"disagrees with the float64 reference: {short_reason(exc, limit=300)}"
         print(f"  [{case}] {name} n/a: {notes[name]}")
+        if name.startswith("grpo_ext"):
+            GRPO_EXT_DISAGREED.append(f"{case} {name}".strip())
         return None
+
+
+# The cases where one of grpo_ext's own rows disagreed with the reference, in this process.
+GRPO_EXT_DISAGREED: list[str] = []
+
+
+def fail_if_grpo_ext_disagreed() -> None:
+    """Exits with status 1, naming the cases, when grpo_ext's own op disagreed with the reference in this run."""
+    if GRPO_EXT_DISAGREED:
+        raise SystemExit(f"grpo_ext disagreed with the float64 reference in: {'; '.join(GRPO_EXT_DISAGREED)}")

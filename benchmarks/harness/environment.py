@@ -81,7 +81,8 @@ def start(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any], dict[
     """Resolves the device, prints its facts and measures the copy bandwidth (CUDA).
 
     Args:
-        args: the parsed command line.
+        args: the parsed command line (``device``; ``no_l2_flush`` where the script has that option: without it,
+            no L2 flusher is made).
 
     Returns:
         ``(device, environment, copy_bandwidth_or_None, l2_flusher_or_None)``.
@@ -93,6 +94,6 @@ def start(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any], dict[
     if device.type == "cuda":
         copy = measure_copy_bandwidth(device)
         print(f"device-to-device copy: {copy['gbps']:.0f} GB/s (bytes read + written, 1 GiB source)")
-        if not args.no_l2_flush:
+        if not getattr(args, "no_l2_flush", True):  # a script without the option uses no flusher
             flusher = L2Flusher(device)
     return device, env, copy, flusher

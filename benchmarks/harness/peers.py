@@ -73,7 +73,15 @@ def capture_cuda_graph(fn: Callable[[], Any]) -> tuple[Callable[[], None] | None
     return graph.replay, static_out, None
 
 
-PEER_ORDER = ("eager", "compile", "liger", "grpo_ext", "grpo_ext+group_ids", "grpo_ext+inplace", "grpo_ext+graph")
+#: The order of a case's rows; a peer not named here follows them, in the order the script built it.
+PEER_ORDER = ("eager", "compile", "liger", "grpo_ext", "grpo_ext+group_ids", "grpo_ext+inplace",
+              "grpo_ext/single-read", "grpo_ext+graph")  # fmt: skip
+
+
+def ordered(names: Any) -> list[str]:
+    """``names`` in :data:`PEER_ORDER`, those it does not name after them in their own order: every name kept."""
+    names = list(dict.fromkeys(names))
+    return [name for name in PEER_ORDER if name in names] + [name for name in names if name not in PEER_ORDER]
 
 
 def add_compile_peer(
@@ -157,7 +165,10 @@ def time_peers(
     flusher: L2Flusher | None,
     compile_s: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Times every available peer of one case (in :data:`PEER_ORDER`); an unavailable one gets an n/a row.
+    """Times every available peer of one case (in :func:`ordered`'s order); an unavailable one gets an n/a row.
+
+    Every key of ``steps`` gets a row, so that a peer built on one device only (a CUDA layout) cannot drop out of
+    the table unnoticed.
 
     Args:
         steps: name -> call, or None when unavailable.
@@ -172,9 +183,7 @@ def time_peers(
         One row per peer.
     """
     rows = []
-    for name in PEER_ORDER:
-        if name not in steps:
-            continue
+    for name in ordered(steps):
         row: dict[str, Any] = {**base_row, "impl": name, "median_ms": None, "note": notes.get(name)}
         step = steps[name]
         if step is not None:
@@ -209,7 +218,7 @@ def outputs_of(
 
 def available(steps: dict[str, Any]) -> str:
     """``"eager, compile, grpo_ext"``: the peers that run, for the check line."""
-    return ", ".join(name for name in PEER_ORDER if steps.get(name) is not None)
+    return ", ".join(name for name in ordered(steps) if steps[name] is not None)
 
 
 def with_env(variables: dict[str, str], fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import checks
+
 if TYPE_CHECKING:
     from .timing import L2Flusher
 
@@ -23,7 +25,8 @@ def add_derived(rows: list[dict[str, Any]], copy_gbps: float | None) -> None:
     ``x_eager`` of the grpo_ext row is the speed-up of grpo_ext over eager; above 1 means faster.
 
     Args:
-        rows: rows with ``case``, ``impl``, ``median_ms`` (None when n/a) and ``bytes``.
+        rows: rows with ``case``, ``impl``, ``median_ms`` (None when n/a) and ``bytes`` (0 or absent: not counted,
+            the bandwidth columns then print ``-``).
         copy_gbps: measured copy bandwidth (CUDA) or None.
     """
     by_case: dict[str, dict[str, dict[str, Any]]] = {}
@@ -35,7 +38,7 @@ def add_derived(rows: list[dict[str, Any]], copy_gbps: float | None) -> None:
         for peer, key in (("eager", "x_eager"), ("compile", "x_compile")):
             peer_ms = peers.get(peer, {}).get("median_ms")
             row[key] = peer_ms / ms if ms and peer_ms else None
-        if copy_gbps is not None and ms:
+        if copy_gbps is not None and ms and row.get("bytes"):  # no bytes counted (an overhead row): no bandwidth
             row["gbps"] = row["bytes"] / (ms * 1e-3) / 1e9
             row["pct_copy"] = 100.0 * row["gbps"] / copy_gbps
         else:
@@ -96,6 +99,7 @@ def report(
     args: argparse.Namespace,
     device: torch.device,
     flusher: L2Flusher | None,
+    bytes_note: str | None = None,
 ) -> None:
     """Fills the derived columns, prints the table and the n/a reasons, and writes the JSON record.
 
@@ -108,6 +112,7 @@ def report(
         args: the parsed command line, recorded as the run's settings.
         device: the device.
         flusher: the L2 flusher used, or None (recorded as the timer's kind).
+        bytes_note: what a row's ``bytes`` count (printed under the table on CUDA, recorded in the JSON), or None.
     """
     add_derived(rows, copy["gbps"] if copy else None)
     columns = [
@@ -122,6 +127,8 @@ def report(
     print()
     print(f"{title}, median time per call; 'x eager' = eager's time / this row's time (above 1: this row is faster)")
     print(format_table(rows, columns))
+    if bytes_note and device.type == "cuda":
+        print(f"GB/s and %copy: bytes that must move ({bytes_note}) / time")
     for row in rows:
         if row.get("note"):
             print(f"n/a  {row['case']} {row['impl']}: {row['note']}")
@@ -138,6 +145,7 @@ def report(
             "benchmark": title,
             "environment": env,
             "settings": {**settings, "timer": timer},
+            "bytes_counted": bytes_note,
             "copy_bandwidth": copy,
             "rows": rows,
         },
@@ -154,6 +162,8 @@ def output_path(script_file: str, device: torch.device, quick: bool, override: P
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Writes ``payload`` as indented JSON, creating the folder."""
+    """Writes ``payload`` as indented JSON, creating the folder; then fails the run (status 1) where grpo_ext's own op
+    disagreed with the reference (:func:`harness.checks.fail_if_grpo_ext_disagreed`), its record kept."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    checks.fail_if_grpo_ext_disagreed()
