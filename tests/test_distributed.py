@@ -256,10 +256,10 @@ def test_checkpoint_resumes_on_the_same_and_on_another_world_size(two_rank_runs,
     out, ranks = two_rank_runs
     run_dir = out / case
     # Written once, by rank 0, and no temporary folders left. The resumed run (from checkpoint-1, saving none) set the
-    # first run's later checkpoints aside, whole.
+    # first run's later checkpoints and its final model aside, whole.
     assert sorted(p.name for p in run_dir.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
     aside = run_dir / "abandoned-after-step-1"
-    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-2", "checkpoint-3", "metrics.jsonl"]
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-2", "checkpoint-3", "final_model", "metrics.jsonl"]
     state = torch.load(run_dir / "checkpoint-1" / "trainer_state.pt", weights_only=False)
     assert state["world_size"] == WORLD and [len(q) for q in state["micro_batches_by_rank"]] == [1, 1]
     config = json.loads((run_dir / "checkpoint-1" / "config.json").read_text())

@@ -118,13 +118,14 @@ def test_end_to_end_metrics_checkpoint_and_exact_resume(tmp_path):
     checkpoint = out / "checkpoint-3"
     for name in ("model_state.pt", "trainer_state.pt", "config.grpo.json", "config.json", "model.safetensors"):
         assert (checkpoint / name).is_file(), name
-    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-3"]  # no temp dirs left
+    # the final step is saved too (as HF's Trainer does), and no temporary folders are left
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-3", "checkpoint-5"]
     final_params = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
     # Resume from step 3 in a fresh process-like state: new model and trainer, the same seed.
     resumed = make_trainer(config)
-    assert resumed.latest_checkpoint() == checkpoint
-    resumed.train(resume_from_checkpoint=True)
+    assert resumed.latest_checkpoint() == out / "checkpoint-5"
+    resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.global_step == 5
     for name, value in resumed.model.state_dict().items():
         assert torch.equal(value, final_params[name]), name
@@ -291,11 +292,13 @@ def test_cli_train_on_a_local_model_folder_and_jsonl(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert {"rewards/graded_answer_reward/mean", "rewards/accuracy_reward/mean"} <= set(rows[0])
     assert rows[0]["learning_rate"] == pytest.approx(1e-3 * (1 + math.cos(0)) / 2)
-    # --resume continues from checkpoint-2: step 3 is redone and matches the uninterrupted run.
-    assert cli_main([*argv, "--max_steps", "3", "--resume"]) == 0
+    # --resume from checkpoint-2: step 3 is redone and matches the uninterrupted run (whose checkpoint-3 and final
+    # model are set aside).
+    assert cli_main([*argv, "--max_steps", "3", "--resume", str(out / "checkpoint-2")]) == 0
     resumed = read_metrics(out / "metrics.jsonl")
     assert [without_timing(r) for r in resumed] == [without_timing(r) for r in rows]
-    shutil.rmtree(out / "checkpoint-2")
+    for step in (2, 3):
+        shutil.rmtree(out / f"checkpoint-{step}")
     capsys.readouterr()
     assert cli_main([*argv, "--resume"]) == 1
     assert f"grpo-ext: error: no checkpoint-N folder in {out} to resume from" in capsys.readouterr().err

@@ -11,7 +11,6 @@ the queued micro-batches are re-cut with ``batches.py``.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -23,7 +22,14 @@ import torch
 from . import distributed as dist_utils
 from .batches import concat_rollouts, map_tensors
 from .config import GRPOConfig, check_resume_config
-from .model_files import full_model_state_dict, full_state_options, write_pretrained
+from .model_files import (
+    WRITE_ERRORS,
+    full_model_state_dict,
+    full_state_options,
+    space_shortage,
+    tensor_bytes,
+    write_pretrained,
+)
 from .optimizer import scheduler_step
 from .policy_logps import is_peft_model
 from .run_folder import TEMP_CHECKPOINT_PREFIX, numbered_checkpoints, remove_temp_checkpoints, replace_folder
@@ -127,7 +133,7 @@ class CheckpointManager:
             tmp = self.output_dir / f"{TEMP_CHECKPOINT_PREFIX}{step}-{os.getpid()}"
             try:
                 self._write(tmp, final, model_state, state)
-            except (OSError, RuntimeError) as err:
+            except WRITE_ERRORS as err:  # safetensors' SafetensorError too: save_pretrained on a full disk
                 shutil.rmtree(tmp, ignore_errors=True)
                 with_pretrained = hasattr(self.model, "save_pretrained")
                 failure = _write_failure(err, final, self._saved_model_state(model_state)[0], state, with_pretrained)
@@ -187,12 +193,26 @@ class CheckpointManager:
         for path in others[: max(len(others) - (limit - 1), 0)]:
             shutil.rmtree(path)
 
-    def load(self, path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def prune_to_limit(self) -> None:
+        """Delete the oldest ``checkpoint-N`` folders beyond ``save_total_limit`` (rank 0; a resumed run's start): a
+        kill between a save's rename and its pruning leaves one more."""
+        latest = self.latest()
+        if latest is not None:
+            self._prune(keep=latest)
+
+    def load(
+        self, path: str | os.PathLike, reward_names: list[str] | None = None
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Restore model, optimizer, scheduler and RNG states from a checkpoint folder.
 
         Every rank calls it; rank 0 reads the folder and sends the state to the others. Queued micro-batches saved
         by another number of processes are re-cut into this run's per-rank slices (see
         :meth:`GRPOTrainer.load_checkpoint`).
+
+        Args:
+            path: the checkpoint folder.
+            reward_names: this run's reward functions' names, compared with the checkpoint's (a checkpoint saved
+                before they were recorded cannot be checked, and is accepted).
 
         Returns:
             The saved ``trainer_state.pt`` dict (the trainer's own entries among others) and this rank's queued
@@ -202,29 +222,46 @@ class CheckpointManager:
         them, :data:`config.RESUMABLE_FIELDS`) at the checkpoint's step.
 
         Raises:
-            ValueError: a field outside :data:`config.RESUMABLE_FIELDS` differs from the checkpoint's (every rank
-                raises, before anything is loaded); or naming ``per_device_train_batch_size`` when the global batch
-                differs or this world size does not divide it.
+            ValueError: a field outside :data:`config.RESUMABLE_FIELDS` differs from the checkpoint's, or the
+                reward functions (naming ``reward_funcs``; every rank raises, before anything is loaded); or naming
+                ``per_device_train_batch_size`` when the global batch differs or this world size does not divide it.
+            FileNotFoundError: ``path`` is not a folder.
+            CheckpointReadError: a file of the checkpoint cannot be read (damaged, cut short): naming it and the
+                newest other checkpoint to resume from.
         """
         path = Path(path)
-        saved_config = None
+        # Rank 0 reads; every rank raises what it found (none waits in a collective for rank 0), before anything
+        # is loaded.
+        saved_config, problem = None, None
         if self.is_main_process:
-            saved_config = json.loads((path / "config.grpo.json").read_text())
-        check_resume_config(dist_utils.broadcast_object(saved_config), self.config)
+            if not path.is_dir():
+                problem = FileNotFoundError(f"no checkpoint folder {path} to resume from (resume_from_checkpoint)")
+            else:
+                try:
+                    saved_config = _read_checkpoint_file(path, "config.grpo.json", "cpu")
+                except CheckpointReadError as err:
+                    problem = err
+        saved_config, described = dist_utils.broadcast_object((saved_config, _picklable(problem)))
+        _raise(described, problem)
+        check_resume_config(saved_config, self.config)
         distributed = self.world_size > 1
         location = "cpu" if distributed else self.device
         model_state, state, adapter_only, problem = None, None, False, None
         if self.is_main_process:
-            saved = torch.load(path / "model_state.pt", map_location=location, weights_only=False)
-            model_state, adapter_only = saved["model"], saved.get("adapter_only", False)
-            state = torch.load(path / "trainer_state.pt", map_location=location, weights_only=False)
-            if adapter_only:
-                problem = _adapter_state_problem(model_state, self.model, self.param_names, path)
-                problem = problem or _adapter_config_problem(path, self.model)
-        # Every rank raises (none waits in a collective for rank 0), before anything is loaded.
-        adapter_only, problem = dist_utils.broadcast_object((adapter_only, problem))
-        if problem is not None:
-            raise ValueError(problem)
+            try:
+                saved = _read_checkpoint_file(path, "model_state.pt", location)
+                model_state, adapter_only = saved["model"], saved.get("adapter_only", False)
+                state = _read_checkpoint_file(path, "trainer_state.pt", location)
+            except CheckpointReadError as err:
+                problem = err
+            if problem is None:
+                problem = _reward_funcs_problem(state.get("reward_funcs"), reward_names)
+            if problem is None and adapter_only:
+                message = _adapter_state_problem(model_state, self.model, self.param_names, path)
+                message = message or _adapter_config_problem(path, self.model)
+                problem = ValueError(message) if message is not None else None
+        adapter_only, described = dist_utils.broadcast_object((adapter_only, _picklable(problem)))
+        _raise(described, problem)
         if self.config.fsdp:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -277,37 +314,78 @@ class CheckpointManager:
         scheduler_step(self.lr_scheduler)  # last_epoch = step, every group's lr = base_lr * lambda(step)
 
 
+class CheckpointReadError(OSError):
+    """A file of a checkpoint cannot be read (the file and the newest other checkpoint are in the message)."""
+
+
+def _read_checkpoint_file(path: Path, name: str, location: Any) -> Any:
+    """``path/name``: JSON for a ``.json`` file, else ``torch.load``'s object on ``location``.
+
+    Raises:
+        CheckpointReadError: the file is missing, empty, cut short or not what it should be; naming it and the
+            newest other checkpoint of ``path``'s folder.
+    """
+    file = path / name
+    try:
+        if name.endswith(".json"):
+            return json.loads(file.read_text())
+        return torch.load(file, map_location=location, weights_only=False)
+    except Exception as err:  # a damaged file fails in many ways (EOFError, UnpicklingError, torch's RuntimeError)
+        first_line = str(err).splitlines()[0] if str(err) else "no details"
+        first_line = first_line.split(". ")[0]  # torch's message goes on with advice for its own API
+        others = [other for _, other in numbered_checkpoints(path.parent) if other.name != path.name]
+        if others:
+            way_out = f"resume from the newest other checkpoint: --resume {others[-1]}"
+        else:
+            way_out = f"{path.parent} holds no other checkpoint to resume from"
+        raise CheckpointReadError(
+            f"cannot read {file} ({type(err).__name__}: {first_line}): the checkpoint is damaged or incomplete (a "
+            f"disk fault, or a copy cut short); {way_out}"
+        ) from err
+
+
+def _reward_funcs_problem(saved: list[str] | None, mine: list[str] | None) -> ValueError | None:
+    """Why a run scored by the reward functions ``mine`` cannot resume a checkpoint scored by ``saved`` (by name, in
+    order: ``reward_weights`` pair with them), or None. A checkpoint without the names (saved before they were
+    recorded) cannot be checked: accepted."""
+    if saved is None or mine is None or list(saved) == list(mine):
+        return None
+    return ValueError(
+        f"reward_funcs: the checkpoint's run was scored by {list(saved)} and this run by {list(mine)}: what a run "
+        "scores may not change on resume. Resume with the same reward functions (in the same order), or start a "
+        "new run from the checkpoint's model folder"
+    )
+
+
+def _picklable(problem: BaseException | None) -> tuple[str, str] | None:
+    """A problem found by rank 0, as ``(kind, message)`` for :func:`dist_utils.broadcast_object`."""
+    return None if problem is None else (type(problem).__name__, str(problem))
+
+
+def _raise(described: tuple[str, str] | None, found: BaseException | None) -> None:
+    """Raise what :func:`_picklable` ``described`` on every rank: rank 0 its own ``found`` (with its cause)."""
+    if found is not None:
+        raise found
+    if described is not None:
+        kinds = {cls.__name__: cls for cls in (ValueError, FileNotFoundError, CheckpointReadError)}
+        raise kinds[described[0]](described[1])
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (the folder and, for a full disk, the space needed are in the message)."""
-
-
-def _tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensors in a nested state (dicts, lists, tuples)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
 
 
 def _write_failure(
     err: BaseException, final: Path, model_state: dict[str, Any], state: dict[str, Any], with_pretrained: bool
 ) -> str:
-    """One message for a failed checkpoint write; a full disk (torch says "file write failed") named as such."""
-    needed = _tensor_bytes(model_state) * (2 if with_pretrained else 1) + _tensor_bytes(state)
-    try:
-        free = shutil.disk_usage(final.parent).free
-    except OSError:
-        free = None
-    mib = 1 << 20
-    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < needed):
-        free_text = f"{free / mib:.1f} MiB are free" if free is not None else "the free space is unknown"
+    """One message for a failed checkpoint write; a full disk named as such, with the space needed and free."""
+    needed = tensor_bytes(model_state) * (2 if with_pretrained else 1) + tensor_bytes(state)
+    shortage = space_shortage(err, final, needed)
+    first_line = str(err).splitlines()[0] if str(err) else ""
+    if shortage is not None:
         return (
-            f"no space left to write {final}: a checkpoint needs about {needed / mib:.1f} MiB and {free_text}. "
-            "Free some space (or lower save_total_limit) and resume with --resume; the previous checkpoints are "
-            f"intact ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+            f"no space left to write {final}: a checkpoint {shortage}. Free some space (or lower save_total_limit) "
+            f"and resume with --resume; the previous checkpoints are intact ({type(err).__name__}: {first_line})"
         )
     return f"could not write {final}: {type(err).__name__}: {err}"
 

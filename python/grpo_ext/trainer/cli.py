@@ -156,7 +156,7 @@ def train_from_options(options: dict[str, Any], resume: str | bool | None = None
     reward_specs = reward_spec_list(options.pop("reward_funcs"))
     config = GRPOConfig.from_dict(options)
     # Everything that can be checked before a process group exists or a model loads.
-    check_fresh_run(Path(config.output_dir), bool(resume), config.overwrite_output_dir)
+    check_fresh_run(Path(config.output_dir), resume, config.overwrite_output_dir)
     if gguf_file is not None:
         gguf_path(model_path, gguf_file)
     else:
@@ -255,10 +255,17 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         result = run_demo(num_threads=args.num_threads, **overrides)
         return 0 if result.learned else 1
 
-    if args.overwrite and args.resume:
-        raise ValueError("--overwrite starts over, --resume continues: give one of them")
     options = load_run_file(args.config)
     options.update(overrides)
+    if args.overwrite and args.resume:
+        from .config import GRPOConfig
+        from .run_folder import foreign_checkpoint
+
+        # Only another folder's checkpoint resumes into a cleaned output_dir; output_dir's own would be deleted.
+        output_dir = _expand_user(options.get("output_dir", GRPOConfig.output_dir))
+        if isinstance(output_dir, str) and foreign_checkpoint(Path(output_dir), args.resume) is None:
+            raise ValueError("--overwrite starts over, --resume continues: give one of them (--overwrite goes with "
+                             "--resume only for another folder's checkpoint, --resume path/checkpoint-N)")  # fmt: skip
     if args.fsdp is not None:
         options["fsdp"] = args.fsdp
     if args.overwrite:

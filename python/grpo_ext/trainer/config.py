@@ -162,7 +162,9 @@ class GRPOConfig:
 
     # Logging and checkpoints
     logging_steps: int = 1
-    save_steps: int = 0  # 0: no periodic checkpoints (a signal or a max_time_s stop still saves one)
+    # A checkpoint every save_steps steps and at the last one (as HF Trainer); 0: none (a signal or a max_time_s stop
+    # still saves one)
+    save_steps: int = 0
     save_total_limit: int | None = None
     report_to: str = "tensorboard"  # "tensorboard" (when importable) or "none"; the JSONL file is always written
     log_completions: bool = True

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from . import distributed as dist_utils
 from .guards import StopSignals, TrainingInterrupted
-from .run_folder import claim_output_dir, set_aside_later_checkpoints
+from .run_folder import claim_output_dir, set_aside_later_outputs
 
 
 class TrainingLoopMixin:
@@ -31,33 +31,40 @@ class TrainingLoopMixin:
         ``save_pretrained`` when the run ends, a ``max_time_s`` stop included (a peft model: its adapter alone). A
         ``max_time_s`` stop before ``max_steps`` also saves a checkpoint of its last step, which ``--resume`` (with a
         larger ``max_time_s``) continues from; a run stopped by a signal or by non-finite steps leaves its last
-        checkpoint instead of the final model.
+        checkpoint instead of the final model. With ``save_steps``, a checkpoint is saved every ``save_steps`` steps
+        and at the last one (as HF Trainer does), so that a resume with a larger ``max_steps`` continues from the end.
+
+        A run resumed from an earlier step than what ``output_dir`` holds (later checkpoints, a final model of a
+        later step, metrics lines after it) moves those to ``output_dir/abandoned-after-step-K/`` first.
 
         Args:
             resume_from_checkpoint: a checkpoint folder, or True for the latest ``checkpoint-N`` in ``output_dir``.
+                A checkpoint of another folder resumes into an ``output_dir`` without previous outputs, or with
+                ``config.overwrite_output_dir`` (they are deleted first).
 
         Returns:
             The logged metrics, one dict per logged step (also in ``output_dir/metrics.jsonl``). Under
             torch.distributed every rank returns them; only rank 0 writes files, TensorBoard events and progress.
 
         Raises:
-            OutputFolderError: another run holds ``output_dir``, or a fresh run finds a previous run's outputs there
-                (without ``config.overwrite_output_dir``).
+            OutputFolderError: another run holds ``output_dir``, or a fresh run (or one resumed from another
+                folder's checkpoint) finds a previous run's outputs there (without ``config.overwrite_output_dir``).
+            CheckpointReadError: a file of the checkpoint cannot be read (naming it and the newest other one).
             TrainingInterrupted: SIGINT or SIGTERM, after a checkpoint of the last finished step was saved.
             NonFiniteStepsError: ``config.max_consecutive_nonfinite_steps`` skipped steps in a row.
             FinalModelWriteError: the final model could not be written (a full disk).
         """
         cfg = self.config
         resume = bool(resume_from_checkpoint)
-        with claim_output_dir(self.output_dir, resume, cfg.overwrite_output_dir, self.is_main_process):
+        # The checkpoint's folder, not only whether there is one: another run's checkpoint must not mix with (and
+        # replace) the outputs of the run in output_dir.
+        with claim_output_dir(self.output_dir, resume_from_checkpoint, cfg.overwrite_output_dir, self.is_main_process):
             if resume:
                 self.load_checkpoint(self.checkpoints.resume_path(resume_from_checkpoint))
             if self.is_main_process:
-                if resume:  # from an earlier checkpoint than the latest: the run that wrote the later ones is left
-                    aside = set_aside_later_checkpoints(self.output_dir, self.global_step)
-                    if aside is not None:
-                        tqdm.write(f"resumed at step {self.global_step}: the later checkpoints (and the metrics "
-                                   f"of the run that wrote them) were moved to {aside}")  # fmt: skip
+                if resume:
+                    self._set_aside_abandoned_outputs()
+                    self.checkpoints.prune_to_limit()  # a kill between a save's rename and its pruning left one more
                 self.metrics_logger.open(self.global_step)
             with StopSignals(verbose=self.is_main_process) as stop:
                 history = self._run_steps(stop)
@@ -69,6 +76,19 @@ class TrainingLoopMixin:
                 self.metrics_logger.plot()
             dist_utils.barrier()  # rank 0's files are complete when train() returns on any rank
         return history
+
+    def _set_aside_abandoned_outputs(self) -> None:
+        """A run resumed from an earlier step than the last one saved or logged abandons what came after it: the
+        later checkpoints, a final model of a later step and the metrics lines after it go to
+        ``abandoned-after-step-K/`` (rank 0), with a note; nothing of the abandoned run is deleted."""
+        step = self.global_step
+        aside = set_aside_later_outputs(self.output_dir, step, self.metrics_logger.logged_after(step))
+        if aside is None:
+            return
+        moved = sorted(p.name for p in aside.iterdir())
+        if "metrics.jsonl" in moved:
+            moved[moved.index("metrics.jsonl")] = f"metrics.jsonl as it stood (its lines after step {step} are dropped)"
+        tqdm.write(f"resumed at step {step}: what the run after it left was moved to {aside}: {', '.join(moved)}")
 
     def _run_steps(self, stop: StopSignals) -> list[dict[str, float]]:
         """The loop of :meth:`train`: steps, logging, checkpoints, and the stops (time, signals, non-finite steps)."""
@@ -118,7 +138,9 @@ class TrainingLoopMixin:
                 if cfg.log_completions and self.global_step % cfg.log_completions_steps == 0 and self.is_main_process:
                     self.metrics_logger.print_completions(self.global_step, self._sample_completions)
                 saved = None
-                if cfg.save_steps and self.global_step % cfg.save_steps == 0:
+                # The last step too (as HF Trainer's save_strategy="steps"): a resume with a larger max_steps then
+                # continues from the end, not from the last multiple of save_steps (redoing the steps after it).
+                if cfg.save_steps and (self.global_step % cfg.save_steps == 0 or self.global_step == cfg.max_steps):
                     saved = self.save_checkpoint()
                 self.nonfinite.raise_if_exceeded(self.global_step)
                 signal_number = stop.requested(self.device)  # the same on every rank

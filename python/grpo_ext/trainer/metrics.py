@@ -205,8 +205,20 @@ class MetricsLogger:
                 if name != "step":
                     self._tb_writer.add_scalar(name if name.startswith("eval/") else f"train/{name}", value, step)
 
+    def logged_after(self, step: int) -> bool:
+        """Whether ``metrics.jsonl`` holds lines of steps after ``step`` (a torn last line is none).
+
+        Raises:
+            ValueError: a line other than the last is not JSON (see :func:`read_metrics`).
+        """
+        if not self.metrics_path.exists():
+            return False
+        rows, _ = read_metrics(self.metrics_path)
+        return any(row["step"] > step for row in rows)
+
     def _truncate_metrics_file(self, step: int) -> None:
-        """Drop lines logged after ``step`` (by a run that died after its last checkpoint), and a torn last line."""
+        """Drop lines logged after ``step`` (by a run that died after its last checkpoint, or one abandoned by a
+        resume from an earlier step: :meth:`.TrainingLoopMixin.train` keeps a copy first), and a torn last line."""
         if not self.metrics_path.exists():
             return
         rows, torn = read_metrics(self.metrics_path)

@@ -6,13 +6,74 @@ Both gather the full (unsharded) model state to rank 0 the same way, and write i
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import distributed as dist_utils
+
+try:
+    from safetensors import SafetensorError
+except ImportError:  # safetensors comes with transformers; without it no save_pretrained raises its error
+
+    class SafetensorError(Exception):  # type: ignore[no-redef]
+        """Stands for safetensors' error class where safetensors is not installed."""
+
+
+#: What a failed write of a checkpoint or of the final model raises: OSError, torch.save's RuntimeError ("file write
+#: failed"), and safetensors' SafetensorError (a plain Exception: save_pretrained on a full disk raises it).
+WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError, SafetensorError)
+
+# How safetensors (Rust's io::Error, in the message) and other writers spell a full disk or an exhausted quota.
+_DISK_FULL_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded", "QuotaExceeded")
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` says the disk (or the user's quota) is full, by its errno or, for errors without one
+    (safetensors' SafetensorError), by its message."""
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(word in str(err) for word in _DISK_FULL_WORDS)
+
+
+def size_text(num_bytes: float) -> str:
+    """A size in the largest unit it reaches, one decimal (``4.0 KiB``, ``12.3 MiB``): a few KiB never read as
+    ``0.0 MiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{int(num_bytes)} bytes"
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested state (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def space_shortage(err: BaseException, folder: Path, needed: int) -> str | None:
+    """``"needs about X and Y are free"`` when ``err`` is a full disk, else None.
+
+    A full disk is named by the error (:func:`is_disk_full`) or by less free space than ``needed`` below ``folder``'s
+    parent (torch.save says only "file write failed" or "unexpected pos").
+    """
+    try:
+        free = shutil.disk_usage(folder.parent).free
+    except OSError:
+        free = None
+    if not is_disk_full(err) and (free is None or free >= needed):
+        return None
+    free_text = f"{size_text(free)} are free" if free is not None else "the free space is unknown"
+    return f"needs about {size_text(needed)} and {free_text}"
 
 
 def full_state_options() -> Any:

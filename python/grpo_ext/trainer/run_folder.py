@@ -1,17 +1,19 @@
 """The output folder of a run: one run at a time (a lock file), no silent overwrite, no leftovers of killed saves.
 
-A run's outputs are ``checkpoint-N/``, ``final_model/`` (and ``<name>.previous/`` of either while a new one
-replaces it, see :func:`replace_folder`), ``metrics.jsonl``, ``metrics.png`` and TensorBoard's ``runs/``; other files
-in the folder (a run file, notes) are the user's and are never touched. ``.tmp-checkpoint-*`` and
-``.tmp-final_model-*`` folders (and a ``.tmp-metrics.jsonl-*`` file) are writes that a kill interrupted: never read,
-removed when a run starts and after each save. Every folder and file is flushed to the disk before it is renamed
-into place.
+A run's outputs are ``checkpoint-N/`` and ``final_model/`` (its ``trainer_state.json`` holds its step), and
+``<name>.previous/`` of either while a new one replaces it (see :func:`replace_folder`), ``metrics.jsonl``,
+``metrics.png``, TensorBoard's ``runs/``, and the ``abandoned-after-step-K/`` folders of resumes that went back to an
+earlier step (:func:`set_aside_later_outputs`); other files in the folder (a run file, notes) are the user's and are
+never touched. ``.tmp-checkpoint-*`` and ``.tmp-final_model-*`` folders (and a ``.tmp-metrics.jsonl-*`` file) are
+writes that a kill interrupted: never read, removed when a run starts and after each save. Every folder and file is
+flushed to the disk before it is renamed into place.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import shutil
@@ -24,10 +26,12 @@ LOCK_NAME = ".grpo-ext.lock"
 FINAL_MODEL_NAME = "final_model"  # the model at the end of a run (grpo_ext.trainer.final_model)
 PREVIOUS_SUFFIX = ".previous"  # a folder being replaced (final_model, a checkpoint-N saved again), deleted last
 PREVIOUS_FINAL_MODEL_NAME = FINAL_MODEL_NAME + PREVIOUS_SUFFIX  # the one it replaces, until the new one is in place
+# In final_model/: the step it was saved at (HF Trainer's key), so that a resume from an earlier step sets it aside.
+FINAL_MODEL_STATE_NAME = "trainer_state.json"
 _REWRITTEN_FILES = ("metrics.jsonl",)  # rewritten with write_text_atomic (a resume drops lines after its step)
 _OUTPUT_FILES = ("metrics.jsonl", "metrics.png", "runs", FINAL_MODEL_NAME, PREVIOUS_FINAL_MODEL_NAME)
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-ABANDONED_RE = re.compile(r"^abandoned-after-step-(\d+)(-\d+)?$")  # set_aside_later_checkpoints' folders
+ABANDONED_RE = re.compile(r"^abandoned-after-step-(\d+)(-\d+)?$")  # set_aside_later_outputs' folders
 TEMP_CHECKPOINT_PREFIX = ".tmp-checkpoint-"
 TEMP_FINAL_MODEL_PREFIX = f".tmp-{FINAL_MODEL_NAME}-"
 TEMP_FILE_PREFIX = ".tmp-"  # of a file rewritten in one rename (metrics.jsonl): .tmp-metrics.jsonl-<pid>
@@ -143,16 +147,32 @@ def write_text_atomic(path: Path, text: str) -> None:
     _fsync_folder(path.parent)
 
 
-def set_aside_later_checkpoints(folder: Path, step: int) -> Path | None:
-    """Move the ``checkpoint-N`` folders with ``N > step`` to ``folder/abandoned-after-step-<step>/`` (``-2``, ...
-    when that exists), with a copy of ``metrics.jsonl`` as it stands; returns that folder, or None when there are none.
+def final_model_step(folder: Path) -> int | None:
+    """The step of ``folder/final_model`` (its ``trainer_state.json``), or None when unknown (none is there, or it
+    was saved before the step was recorded)."""
+    try:
+        return int(json.loads((folder / FINAL_MODEL_NAME / FINAL_MODEL_STATE_NAME).read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
-    A run resumed from an earlier checkpoint than the latest abandons the run that wrote the later ones: its
-    ``--resume`` must not pick them up, nor ``save_total_limit`` keep them over the new run's. They stay whole, with
-    their metrics' lines, which the resumed run drops from its own ``metrics.jsonl``.
+
+def set_aside_later_outputs(folder: Path, step: int, metrics_after_step: bool) -> Path | None:
+    """Move what a run resumed at ``step`` abandons to ``folder/abandoned-after-step-<step>/`` (``-2``, ... when
+    that exists); returns that folder, or None when it abandons nothing.
+
+    That is: the ``checkpoint-N`` folders with ``N > step``, a ``final_model`` of a later step (or of an unknown one:
+    the resumed run would replace it), and, when ``metrics_after_step`` (``metrics.jsonl`` has lines after
+    ``step``, which the resumed run drops from its own), a copy of ``metrics.jsonl`` as it stands. The later
+    checkpoints must leave the folder: the resumed run's ``--resume`` must not pick them up, nor ``save_total_limit``
+    keep them over the new run's. Nothing is deleted. The copy of the metrics is flushed to the disk before anything
+    is moved and before the resumed run rewrites ``metrics.jsonl``; a failed copy (a full disk) leaves the folder as
+    it was.
     """
     later = [path for n, path in numbered_checkpoints(folder) if n > step]
-    if not later:
+    final, final_step = folder / FINAL_MODEL_NAME, final_model_step(folder)
+    if final.is_dir() and (final_step is None or final_step > step):  # unknown: the resumed run would replace it
+        later.append(final)
+    if not later and not metrics_after_step:
         return None
     target = folder / f"abandoned-after-step-{step}"
     for k in itertools.count(2):
@@ -161,10 +181,16 @@ def set_aside_later_checkpoints(folder: Path, step: int) -> Path | None:
         target = folder / f"abandoned-after-step-{step}-{k}"
     target.mkdir()
     metrics = folder / "metrics.jsonl"
-    if metrics.is_file():
-        shutil.copy2(metrics, target / metrics.name)
+    try:
+        if metrics.is_file():
+            shutil.copy2(metrics, target / metrics.name)
+        fsync_tree(target)  # the copy is on the disk before the resumed run's rewrite drops those lines
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)  # nothing was moved into it yet
+        raise
     for path in later:
         os.replace(path, target / path.name)
+    _fsync_folder(target)
     _fsync_folder(folder)
     return target
 
@@ -238,12 +264,45 @@ class RunFolderLock:
             self._fd = None
 
 
-def check_fresh_run(folder: Path, resume: bool, overwrite: bool) -> None:
-    """Raises OutputFolderError when a fresh run (neither ``resume`` nor ``overwrite``) finds a previous run's outputs
-    in ``folder``."""
+def foreign_checkpoint(folder: Path, resume: str | os.PathLike | bool | None) -> Path | None:
+    """The checkpoint folder ``resume`` names when it is not one of ``folder``'s own ``checkpoint-N`` (another run's,
+    or one set aside in ``abandoned-after-step-K/``), else None (also for True: the latest of ``folder``)."""
+    if not resume or resume is True:
+        return None
+    path = Path(resume).expanduser().resolve()
+    return None if path.parent == folder.expanduser().resolve() else path
+
+
+def check_fresh_run(folder: Path, resume: str | os.PathLike | bool | None, overwrite: bool) -> None:
+    """Raises OutputFolderError when a run would mix its outputs with a previous run's in ``folder``: a fresh run
+    (neither ``resume`` nor ``overwrite``) that finds them, or a run resumed from another folder's checkpoint
+    (:func:`foreign_checkpoint`) that finds them without ``overwrite``, or one resumed from a checkpoint inside
+    ``folder`` that is not its own ``checkpoint-N`` (``overwrite`` would delete it).
+
+    Args:
+        folder: the run's ``output_dir``.
+        resume: the checkpoint folder resumed from, True for ``folder``'s latest, or None/False for a fresh run.
+        overwrite: a fresh run (or one resumed from another folder's checkpoint) may delete the previous outputs.
+    """
     old = previous_outputs(folder)
-    if old and not resume and not overwrite:
-        names = ", ".join(p.name for p in old[:4]) + (", ..." if len(old) > 4 else "")
+    if not old:
+        return
+    names = ", ".join(p.name for p in old[:4]) + (", ..." if len(old) > 4 else "")
+    foreign = foreign_checkpoint(folder, resume)
+    if foreign is not None and foreign.is_relative_to(folder.expanduser().resolve()):
+        raise OutputFolderError(
+            f"cannot resume from {foreign} into {folder}: it is not one of the folder's own checkpoint-N (one set "
+            f"aside in abandoned-after-step-K/?), and the folder holds another run's outputs ({names}). Resume it "
+            "into another output_dir (--overwrite would delete it)"
+        )
+    if foreign is not None and not overwrite:
+        raise OutputFolderError(
+            f"cannot resume from {foreign} (another run's checkpoint) into {folder}: {folder} holds the outputs of "
+            f"a previous run ({names}), which the resumed run would mix with its own and replace. Use another "
+            f"output_dir, or delete those outputs first (--overwrite, GRPOConfig.overwrite_output_dir) to continue "
+            f"from that checkpoint in {folder}"
+        )
+    if not resume and not overwrite:
         raise OutputFolderError(
             f"{folder} holds the outputs of a previous run ({names}); a new run would overwrite them. Resume it "
             "(--resume), start over deleting them (--overwrite, GRPOConfig.overwrite_output_dir), or use another "
@@ -251,20 +310,22 @@ def check_fresh_run(folder: Path, resume: bool, overwrite: bool) -> None:
         )
 
 
-def prepare_output_dir(folder: Path, resume: bool, overwrite: bool) -> RunFolderLock:
-    """Create and lock ``folder`` for a run, refusing to mix a fresh run with a previous one; clean killed saves.
+def prepare_output_dir(folder: Path, resume: str | os.PathLike | bool | None, overwrite: bool) -> RunFolderLock:
+    """Create and lock ``folder`` for a run, refusing to mix a run with a previous one; clean killed saves.
 
     Args:
         folder: the run's ``output_dir``.
-        resume: the run continues from a checkpoint (the previous outputs are its own).
-        overwrite: a fresh run may replace a previous run's outputs (deleted here); ignored when resuming.
+        resume: the checkpoint folder resumed from (True: ``folder``'s latest), or None/False for a fresh run.
+            Resumed from one of ``folder``'s own checkpoints, the previous outputs are the run's own.
+        overwrite: a fresh run, or one resumed from another folder's checkpoint, may replace a previous run's
+            outputs (deleted here); ignored when resuming from ``folder``'s own checkpoints.
 
     Returns:
         The held lock (release it when the run ends).
 
     Raises:
-        OutputFolderError: another run holds the folder, or a fresh run finds a previous run's outputs without
-            ``overwrite``.
+        OutputFolderError: another run holds the folder, or the run would mix its outputs with a previous run's
+            (see :func:`check_fresh_run`).
     """
     folder.mkdir(parents=True, exist_ok=True)
     lock = RunFolderLock(folder)
@@ -272,7 +333,7 @@ def prepare_output_dir(folder: Path, resume: bool, overwrite: bool) -> RunFolder
     try:
         recover_replaced_folders(folder)  # first: a checkpoint a kill left as checkpoint-N.previous is one again
         check_fresh_run(folder, resume, overwrite)
-        if not resume:
+        if not resume or foreign_checkpoint(folder, resume) is not None:
             for path in previous_outputs(folder):  # only with overwrite, after check_fresh_run
                 if path.is_dir():
                     shutil.rmtree(path)
@@ -286,7 +347,9 @@ def prepare_output_dir(folder: Path, resume: bool, overwrite: bool) -> RunFolder
 
 
 @contextlib.contextmanager
-def claim_output_dir(folder: Path, resume: bool, overwrite: bool, is_main_process: bool) -> Iterator[None]:
+def claim_output_dir(
+    folder: Path, resume: str | os.PathLike | bool | None, overwrite: bool, is_main_process: bool
+) -> Iterator[None]:
     """:func:`prepare_output_dir` on rank 0 for the duration of the block; every rank raises its error alike.
 
     Raises:

@@ -1,10 +1,11 @@
 """What a :class:`~grpo_ext.trainer.trainer.GRPOTrainer` run leaves on disk and restores from it.
 
 :class:`RunStateMixin` holds the trainer's public checkpoint and final-model methods: ``save_checkpoint`` (the
-trainer's own state, its queued micro-batches, the rollout sampler's position, ``beta`` and the count of non-finite
-steps, handed to :class:`~.checkpoint.CheckpointManager`, which writes ``checkpoint-<step>``), ``load_checkpoint``
-(the same state read back, also from another number of processes with the same global batch), ``latest_checkpoint``,
-and ``final_model_path``/``save_final_model`` (``output_dir/final_model``, written by :mod:`.final_model`).
+trainer's own state, its queued micro-batches, the rollout sampler's position, ``beta``, the counts of non-finite
+steps (in the run, and in a row) and the reward functions' names, handed to :class:`~.checkpoint.CheckpointManager`,
+which writes ``checkpoint-<step>``), ``load_checkpoint`` (the same state read back, also from another number of
+processes with the same global batch), ``latest_checkpoint``, and ``final_model_path``/``save_final_model``
+(``output_dir/final_model``, written by :mod:`.final_model`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ class RunStateMixin:
         Under torch.distributed every rank must call it: the full (unsharded) state and every rank's queued
         micro-batches are gathered, rank 0 alone writes, and no rank returns before the folder is in place.
         """
+        # reward_funcs: their names, which a resume must match (what the run scores may not change)
         state = {"rollout_metrics": self._rollout_metrics, **self.rollouts.state_dict(), "beta": self.beta,
-                 "nonfinite_steps": self.nonfinite.total}  # fmt: skip
+                 "nonfinite_steps": self.nonfinite.total, "nonfinite_in_a_row": self.nonfinite.in_a_row,
+                 "reward_funcs": list(self.reward_names)}  # fmt: skip
         return self.checkpoints.save(self.global_step, self._micro_batches, state)
 
     @property
@@ -44,7 +47,7 @@ class RunStateMixin:
         gathered and rank 0 alone writes (into a temporary folder renamed into place, see :mod:`.final_model`).
         """
         return save_final_model(self.output_dir, self.model, self.tokenizer, self.config,
-                                self.checkpoints.model_class_name)  # fmt: skip
+                                self.checkpoints.model_class_name, step=self.global_step)  # fmt: skip
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore model, optimizer, scheduler, RNG states, queued rollouts and step from a checkpoint folder.
@@ -57,11 +60,15 @@ class RunStateMixin:
 
         Raises:
             ValueError: naming ``per_device_train_batch_size`` when the global batch differs or this world size
-                does not divide it.
+                does not divide it; naming ``reward_funcs`` when the reward functions (by name) differ from the
+                checkpoint's.
+            CheckpointReadError: a file of the checkpoint cannot be read (naming it, and the previous checkpoint).
         """
-        state, self._micro_batches = self.checkpoints.load(path)
+        state, self._micro_batches = self.checkpoints.load(path, reward_names=self.reward_names)
         self.global_step = state["step"]
         self._rollout_metrics = state["rollout_metrics"]
         self.rollouts.load_state_dict(state)
         self.beta = state["beta"]
         self.nonfinite.total = state.get("nonfinite_steps", 0)
+        # the streak goes on: a run stopped between two non-finite steps stops where the uninterrupted one does
+        self.nonfinite.in_a_row = state.get("nonfinite_in_a_row", 0)
