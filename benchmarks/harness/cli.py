@@ -171,23 +171,22 @@ def device_arg(text: str) -> str:
     return text
 
 
-def positive_int(text: str) -> int:
-    """The ``type`` of an option that takes an integer of at least 1."""
+def _positive(text: str, kind: type, what: str) -> float:
+    """``kind(text)`` where it is finite and above 0, else argparse's error naming ``what``."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {what}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """The ``type`` of an option that takes an integer of at least 1."""
+    return _positive(text, int, "positive integer")
 
 
 def positive_float(text: str) -> float:
     """The ``type`` of an option that takes a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
+    return _positive(text, float, "positive number")
