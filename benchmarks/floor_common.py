@@ -8,7 +8,6 @@ The cases themselves: ``bench_floor.py`` (the fused logits pass and its layouts)
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -50,11 +49,7 @@ def cases_arg(arity: int) -> Callable[[str], str]:
     command line is parsed (argparse's error names the option); the text is kept as given."""
 
     def check(text: str) -> str:
-        try:
-            parse_cases(text, arity)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        return text
+        return cli.checked(lambda value: parse_cases(value, arity), text)
 
     check.__name__ = "cases"
     return check

@@ -105,7 +105,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 # --- argparse ``type`` callables: each checks a value and returns it (an ArgumentTypeError names the option) ---
 
 
-def _checked(parse: Callable[[str], object], text: str) -> str:
+def checked(parse: Callable[[str], object], text: str) -> str:
+    """``text`` once ``parse(text)`` accepted it; its ValueError as argparse's error (which names the option)."""
     try:
         parse(text)
     except ValueError as exc:
@@ -122,7 +123,7 @@ def sizes_arg(arity: int, most: int | None = None) -> Callable[[str], str]:
             raise ValueError(f"{text!r} holds more than {most} size{'s' if most > 1 else ''}")
 
     def check(text: str) -> str:
-        return _checked(parse, text)
+        return checked(parse, text)
 
     check.__name__ = "sizes"  # argparse names the type in some of its messages
     return check
@@ -138,7 +139,7 @@ def dtypes_arg(text: str) -> str:
         for name in names:
             parse_dtype(name)
 
-    return _checked(parse, text)
+    return checked(parse, text)
 
 
 def choices_arg(choices: Sequence[str]) -> Callable[[str], str]:
@@ -152,7 +153,7 @@ def choices_arg(choices: Sequence[str]) -> Callable[[str], str]:
             raise ValueError(f"unknown {', '.join(map(repr, unknown))}: one or more of {', '.join(choices)}")
 
     def check(text: str) -> str:
-        return _checked(parse, text)
+        return checked(parse, text)
 
     check.__name__ = "list"
     return check
